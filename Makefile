@@ -1,0 +1,47 @@
+# Two entry points for a fresh machine: `make demo` and `make test`.
+# Each builds .venv from nothing on first use (CPU torch first and pinned, then the
+# package and its test tools) and reuses it while pyproject.toml is unchanged.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: venv demo test lint typecheck docs pytest clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	# torch first and pinned: an unpinned torch pulls a multi-GB CUDA build.
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e ".[test,docs]"
+	touch $(STAMP)
+
+demo: venv
+	$(BIN)/speedkit demo $(ARGS)
+
+lint: venv
+	$(BIN)/ruff check lightning_speedkit examples tests
+	$(BIN)/ruff format --check lightning_speedkit examples tests
+
+# mypy cannot follow setuptools' editable-install finder, so it sees the example
+# package (examples/ installed as speedkit_examples) through a link in the venv.
+typecheck: venv
+	mkdir -p $(VENV)/typing && ln -sfn "$(CURDIR)/examples" $(VENV)/typing/speedkit_examples
+	MYPYPATH=$(VENV)/typing $(BIN)/mypy
+
+docs: venv
+	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
+
+# pytest exits 5 when it collected no test: that is a broken suite, not a pass.
+pytest: venv
+	$(BIN)/python -m pytest $(PYTEST_ARGS); status=$$?; \
+	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$status
+
+test: lint typecheck docs pytest
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache speedkit_runs

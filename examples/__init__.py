@@ -1,0 +1,1 @@
+"""Examples for lightning_speedkit (installed as ``speedkit_examples``)."""

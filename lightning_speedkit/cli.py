@@ -1,0 +1,139 @@
+"""The ``speedkit`` command.
+
+Each subcommand is a thin argument parser over a function of the package; only
+subcommands that exist are listed by ``speedkit --help``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from lightning_speedkit.__about__ import __version__
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {value}")
+    return value
+
+
+def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from lightning_speedkit._demo import DemoConfig
+
+    defaults = DemoConfig()
+    demo = subparsers.add_parser(
+        "demo",
+        help="train the example VLM on its embedded data and print a speed table",
+        description=(
+            "Train the example VLM (ViT encoder, MLP projector, causal decoder) on the "
+            "embedded synthetic caption corpus, written to the cache on first use, and "
+            "print samples/s, step time and the loss at start and end."
+        ),
+    )
+    demo.add_argument(
+        "--steps",
+        type=_positive_int,
+        default=defaults.steps,
+        help="optimizer steps to train (default: %(default)s, about 3 minutes on 2 CPU cores)",
+    )
+    demo.add_argument(
+        "--size",
+        choices=("tiny", "small", "base"),
+        default=defaults.size,
+        help="model preset (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--accelerator",
+        default=defaults.accelerator,
+        help="Lightning accelerator: cpu, gpu, auto (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--devices",
+        type=_positive_int,
+        default=defaults.devices,
+        help="devices (processes); more than 1 trains with DDP (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--precision",
+        default=defaults.precision,
+        help="Lightning precision, e.g. 32-true, bf16-mixed (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--batch-size",
+        type=_positive_int,
+        default=defaults.batch_size,
+        help="samples per batch per device (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--num-workers",
+        type=_non_negative_int,
+        default=defaults.num_workers,
+        help="DataLoader workers (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--data-dir",
+        default=None,
+        help="where the example corpus is cached (default: ~/.cache/lightning_speedkit/vlm)",
+    )
+    demo.add_argument(
+        "--output-dir",
+        default=defaults.output_dir,
+        help="logs and results of the run (default: %(default)s)",
+    )
+    demo.add_argument(
+        "--seed", type=int, default=defaults.seed, help="random seed (default: %(default)s)"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="speedkit",
+        description="lightning_speedkit: measure and speed up PyTorch Lightning training.",
+    )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_demo(subparsers)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "demo":
+        from lightning_speedkit._demo import DemoConfig, run_demo
+
+        config = DemoConfig(
+            steps=args.steps,
+            size=args.size,
+            accelerator=args.accelerator,
+            devices=args.devices,
+            precision=args.precision,
+            batch_size=args.batch_size,
+            num_workers=args.num_workers,
+            data_dir=args.data_dir,
+            output_dir=args.output_dir,
+            seed=args.seed,
+        )
+        from speedkit_examples.vlm import DataDirectoryError
+
+        try:
+            result = run_demo(config)
+        except DataDirectoryError as exc:
+            print(f"speedkit demo: error: {exc}", file=sys.stderr)
+            return 2
+        if result is not None:  # None on ranks other than 0
+            print(result.table())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""Shared fixtures and the skip rules for optional hardware and packages."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from speedkit_examples.vlm import CorpusConfig, ensure_corpus
+
+#: A corpus small enough to build in a fraction of a second, for data-path tests.
+SMALL_CORPUS = CorpusConfig(train_samples=96, val_samples=32, samples_per_shard=32)
+
+_SKIPS = {
+    "gpu": (lambda: torch.cuda.is_available(), "needs a CUDA device"),
+    "deepspeed": (
+        lambda: importlib.util.find_spec("deepspeed") is not None,
+        "needs deepspeed: pip install 'lightning_speedkit[deepspeed]'",
+    ),
+    "xformers": (
+        lambda: importlib.util.find_spec("xformers") is not None,
+        "needs xformers: pip install 'lightning_speedkit[xformers]'",
+    ),
+    "flash_attn": (
+        lambda: torch.cuda.is_available() and importlib.util.find_spec("flash_attn") is not None,
+        "needs flash-attn and a CUDA device (pip install 'lightning_speedkit[flash]' there)",
+    ),
+}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    available = {name: check() for name, (check, _) in _SKIPS.items()}
+    for item in items:
+        for name, (_, reason) in _SKIPS.items():
+            if item.get_closest_marker(name) and not available[name]:
+                item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session")
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Directory holding :data:`SMALL_CORPUS` (pass it as ``data_dir``)."""
+    data_dir = tmp_path_factory.mktemp("small-corpus")
+    ensure_corpus(data_dir, SMALL_CORPUS, progress=False)
+    return data_dir
+
+
+@pytest.fixture(scope="session")
+def demo_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Directory holding the default (demo) corpus, built once per session."""
+    data_dir = tmp_path_factory.mktemp("demo-corpus")
+    ensure_corpus(data_dir, progress=False)
+    return data_dir

@@ -1,0 +1,92 @@
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from lightning_speedkit import __version__
+from lightning_speedkit.cli import build_parser, main
+
+
+def _subcommands() -> list[str]:
+    parser = build_parser()
+    (action,) = [a for a in parser._actions if a.dest == "command"]
+    return sorted(action.choices)  # type: ignore[arg-type]
+
+
+def test_help_lists_only_subcommands_that_exist(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _subcommands() == ["demo"]
+    with pytest.raises(SystemExit) as info:
+        main(["--help"])
+    assert info.value.code == 0
+    out = capsys.readouterr().out
+    assert "demo" in out
+    for later in ("plan", "bench-attention", "bench-allreduce", "report"):
+        assert later not in out
+
+
+def test_console_script_is_installed() -> None:
+    exe = shutil.which("speedkit", path=str(Path(sys.executable).parent))
+    assert exe is not None
+    proc = subprocess.run([exe, "--version"], capture_output=True, text=True, check=True)
+    assert proc.stdout.strip() == f"speedkit {__version__}"
+
+
+@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--devices"])
+def test_demo_refuses_non_positive_counts(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["demo", flag, "0"])
+    assert info.value.code == 2
+    assert f"argument {flag}: must be a positive integer, got 0" in capsys.readouterr().err
+
+
+def test_demo_trains_and_prints_the_table(
+    demo_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(
+        [
+            "demo",
+            "--steps",
+            "40",
+            "--data-dir",
+            str(demo_corpus),
+            "--output-dir",
+            str(tmp_path),
+            "--accelerator",
+            "cpu",
+        ]
+    )
+    assert code == 0
+    out = capsys.readouterr().out
+    for row in (
+        "samples/s",
+        "step time p50 (ms)",
+        "train loss, first steps",
+        "train loss, last steps",
+        "held-out token accuracy",
+    ):
+        assert row in out
+    result = json.loads((tmp_path / "demo.json").read_text())
+    assert result["steps"] == 40
+    assert result["devices"] == 1
+    assert result["samples_per_sec"] > 0
+    assert 0 < result["step_ms_p50"] <= result["step_ms_p90"]
+    assert result["loss_end"] < 0.7 * result["loss_start"]
+    assert f"{result['samples_per_sec']:,.1f}" in out
+
+
+def test_demo_unwritable_data_dir_is_a_clean_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    code = main(["demo", "--steps", "1", "--data-dir", str(blocker / "data")])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("speedkit demo: error: Cannot write the example corpus")
+    assert str(blocker / "data") in err
+    assert "--data-dir" in err
