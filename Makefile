@@ -24,8 +24,8 @@ demo: venv
 	$(BIN)/speedkit demo $(ARGS)
 
 lint: venv
-	$(BIN)/ruff check lightning_speedkit examples tests
-	$(BIN)/ruff format --check lightning_speedkit examples tests
+	$(BIN)/ruff check lightning_speedkit examples tests benchmarks
+	$(BIN)/ruff format --check lightning_speedkit examples tests benchmarks
 
 # mypy cannot follow setuptools' editable-install finder, so it sees the example
 # package (examples/ installed as speedkit_examples) through a link in the venv.

@@ -1,9 +1,17 @@
 """lightning_speedkit: make Lightning training faster without touching model code.
 
-The public API grows with each component (see ``docs/architecture.md``); today the
-package ships the ``speedkit`` command and its ``demo``.
+The public API grows with each component (see ``docs/architecture.md``).
 """
 
 from lightning_speedkit.__about__ import __version__
+from lightning_speedkit.errors import SpeedkitConfigError
+from lightning_speedkit.measure import FlopCount, SpeedMonitor, count_flops, peak_flops
 
-__all__ = ["__version__"]
+__all__ = [
+    "FlopCount",
+    "SpeedMonitor",
+    "SpeedkitConfigError",
+    "__version__",
+    "count_flops",
+    "peak_flops",
+]

@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import json
-import math
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
+
+from lightning_speedkit.measure import SpeedMonitor
 from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VLMTask
 
 
@@ -32,34 +33,46 @@ class DemoConfig:
     seed: int = 0
     warmup_steps: int = 10
     """Steps left out of the speed figures (start-up, allocator warm-up)."""
+    log_every_n_steps: int = 50
 
 
 @dataclass
 class DemoResult:
-    """One training run's figures. Speeds cover the steps after ``warmup_steps``."""
+    """One training run's figures; the speed figures are SpeedMonitor's summary.
+
+    A figure that could not be measured (MFU without a known peak, speeds of a run
+    shorter than its warm-up) is None, and the table shows "n/a".
+    """
 
     size: str
     params: int
     devices: int
     steps: int
-    samples_per_sec: float
-    step_ms_p50: float
-    step_ms_p90: float
+    samples_per_sec: float | None
+    mfu: float | None
+    data_wait_frac: float | None
+    step_ms_p50: float | None
+    step_ms_p90: float | None
+    step_ms_p99: float | None
+    mem_peak_gib: float | None
     loss_start: float
     loss_end: float
     val_loss: float
     val_acc: float
     wall_sec: float
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def table(self) -> str:
         rows = [
             ("model", f"{self.size} ({self.params / 1e6:.2f} M parameters)"),
             ("devices", str(self.devices)),
             ("steps", str(self.steps)),
-            ("samples/s", f"{self.samples_per_sec:,.1f}"),
-            ("step time p50 (ms)", f"{self.step_ms_p50:.1f}"),
-            ("step time p90 (ms)", f"{self.step_ms_p90:.1f}"),
+            ("samples/s", _fmt(self.samples_per_sec, ",.1f")),
+            ("MFU", _fmt(self.mfu, ".1%")),
+            ("data wait (share of step)", _fmt(self.data_wait_frac, ".1%")),
+            ("step time p50 (ms)", _fmt(self.step_ms_p50, ".1f")),
+            ("step time p90 (ms)", _fmt(self.step_ms_p90, ".1f")),
+            ("step time p99 (ms)", _fmt(self.step_ms_p99, ".1f")),
+            ("peak memory (GiB)", _fmt(self.mem_peak_gib, ".2f")),
             ("train loss, first steps", f"{self.loss_start:.3f}"),
             ("train loss, last steps", f"{self.loss_end:.3f}"),
             ("held-out loss", f"{self.val_loss:.3f}"),
@@ -70,16 +83,14 @@ class DemoResult:
         return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
 
 
-class _StepClock(L.Callback):
-    """Host timestamps and losses of every training step, read once at the end.
+def _fmt(value: float | None, spec: str) -> str:
+    return "n/a" if value is None else format(value, spec)
 
-    Losses stay device tensors until the run ends, so no step waits on the device.
-    Timestamps are host clocks: on an accelerator they measure when the host got
-    through each step, which over many steps matches the device's pace.
-    """
+
+class _LossTrace(L.Callback):
+    """Every step's loss, kept on the device and read once when the run ends."""
 
     def __init__(self) -> None:
-        self.stamps: list[float] = []
         self.losses: list[torch.Tensor] = []
 
     def on_train_batch_end(
@@ -90,14 +101,8 @@ class _StepClock(L.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self.stamps.append(time.perf_counter())
         if isinstance(outputs, dict) and "loss" in outputs:
             self.losses.append(outputs["loss"].detach())
-
-
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def run_demo(config: DemoConfig) -> DemoResult | None:
@@ -113,7 +118,10 @@ def run_demo(config: DemoConfig) -> DemoResult | None:
         num_workers=config.num_workers,
     )
     task = VLMTask(model_cfg, pad_id=tokenizer.pad_id)
-    clock = _StepClock()
+    trace = _LossTrace()
+    monitor = SpeedMonitor(
+        warmup_steps=config.warmup_steps, log_every_n_steps=config.log_every_n_steps
+    )
     output_dir = Path(config.output_dir)
     trainer = L.Trainer(
         accelerator=config.accelerator,
@@ -122,9 +130,9 @@ def run_demo(config: DemoConfig) -> DemoResult | None:
         max_steps=config.steps,
         limit_val_batches=0,  # one held-out pass after training, below
         logger=CSVLogger(output_dir, name="logs"),
-        callbacks=[clock],
+        callbacks=[monitor, trace],
         enable_checkpointing=False,
-        log_every_n_steps=50,
+        log_every_n_steps=config.log_every_n_steps,
         enable_model_summary=False,
     )
     start = time.perf_counter()
@@ -135,23 +143,22 @@ def run_demo(config: DemoConfig) -> DemoResult | None:
     if trainer.global_rank != 0:
         return None
 
-    gaps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:], strict=False)][
-        config.warmup_steps :
-    ]
-    if not gaps:
-        gaps = [b - a for a, b in zip(clock.stamps, clock.stamps[1:], strict=False)] or [wall]
-    losses = torch.stack(clock.losses).float().cpu().tolist()  # one read at the end of the run
+    speed = monitor.summary
+    losses = torch.stack(trace.losses).float().cpu().tolist()  # one read at the end of the run
     head = max(1, min(10, len(losses) // 10))
     tail = max(1, len(losses) // 10)
-    global_batch = config.batch_size * trainer.world_size
     result = DemoResult(
         size=config.size,
         params=sum(p.numel() for p in task.model.parameters()),
         devices=trainer.world_size,
         steps=trainer.global_step,
-        samples_per_sec=global_batch / statistics.fmean(gaps),
-        step_ms_p50=1e3 * _percentile(gaps, 50),
-        step_ms_p90=1e3 * _percentile(gaps, 90),
+        samples_per_sec=speed["samples_per_sec"],
+        mfu=speed["mfu"],
+        data_wait_frac=speed["data_wait_frac"],
+        step_ms_p50=speed["step_ms_p50"],
+        step_ms_p90=speed["step_ms_p90"],
+        step_ms_p99=speed["step_ms_p99"],
+        mem_peak_gib=speed["mem_peak_gib"],
         loss_start=statistics.fmean(losses[:head]),
         loss_end=statistics.fmean(losses[-tail:]),
         val_loss=float(metrics["val/loss"]),

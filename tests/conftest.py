@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from speedkit_examples.vlm import CorpusConfig, ensure_corpus
 
 #: A corpus small enough to build in a fraction of a second, for data-path tests.

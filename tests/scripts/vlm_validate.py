@@ -11,6 +11,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+
 from speedkit_examples.vlm import CaptionTokenizer, CorpusConfig, VLMConfig, VLMDataModule, VLMTask
 
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+
 from speedkit_examples.vlm import CorpusConfig, DataDirectoryError, ensure_corpus
 from speedkit_examples.vlm import corpus as corpus_mod
 from speedkit_examples.vlm.corpus import DrawnShape, caption_for, draw_sample

@@ -9,6 +9,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+
 from speedkit_examples.vlm import (
     CaptionCollate,
     CaptionShardDataset,

@@ -6,6 +6,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
+
 from speedkit_examples.vlm import VLM, CaptionTokenizer, VLMConfig, VLMTask
 from speedkit_examples.vlm import model as model_mod
 from speedkit_examples.vlm.model import CausalSelfAttention, VisionSelfAttention

@@ -5,6 +5,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
+
 from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VLMTask
 
 from ...helpers.multiprocess import run_script

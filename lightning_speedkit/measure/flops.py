@@ -1,0 +1,297 @@
+"""Counting the FLOPs of a function: total, per module, model versus hardware.
+
+``count_flops(fn, *args)`` runs ``fn`` once under a dispatch mode that prices
+every ATen operator with torch's own formulas (``torch.utils.flop_counter``),
+plus formulas torch lacks: its CPU flash-attention kernel (which torch counts as
+0) and flash-attn's kernels. Only matrix products and attention are priced, as
+in torch and in the MFU literature; element-wise work is free.
+
+Two totals come back:
+
+- **hardware FLOPs** (``total``): everything that ran, activation recomputation
+  included. Divided by time and peak, this is HFU.
+- **model FLOPs** (``model``): the same minus recomputation, that is what the
+  model needs whatever the memory strategy. Divided by time and peak, this is
+  MFU (PaLM, appendix B). A recomputation is a forward operator that runs while
+  autograd is executing the backward pass with gradients enabled: exactly what
+  ``torch.utils.checkpoint`` (reentrant or not) does, and what ordinary backward
+  never does.
+
+Fused attention backward kernels recompute the attention scores; torch's formula
+counts that matmul, so it goes to hardware FLOPs only, and model FLOPs keep the
+backward at twice the forward, as PaLM's 12·L·H·Q·T does.
+
+Frozen parameters cost no weight-gradient FLOPs because autograd never computes
+those gradients: the counter prices what runs, not a formula.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.utils import flop_counter as _torch_flops
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.module_tracker import ModuleTracker
+
+__all__ = ["FlopCount", "count_flops"]
+
+_Formula = Callable[..., int]
+_aten = torch.ops.aten
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+# --- formulas torch lacks ---------------------------------------------------------------
+
+
+def _cpu_flash_forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    # (B, H, S, D) layout, as the CUDA flash kernel torch already prices.
+    return int(_torch_flops.sdpa_flop_count(_shape(query), _shape(key), _shape(value)))
+
+
+def _cpu_flash_backward(
+    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kw: Any
+) -> int:
+    return int(
+        _torch_flops.sdpa_backward_flop_count(
+            _shape(grad_out), _shape(query), _shape(key), _shape(value)
+        )
+    )
+
+
+def _bshd_to_bhsd(shape: tuple[int, ...]) -> tuple[int, ...]:
+    b, s, h, d = shape
+    return (b, h, s, d)
+
+
+def _flash_attn_forward(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+    # flash-attn keeps (batch, seq, heads, head_dim).
+    return int(
+        _torch_flops.sdpa_flop_count(
+            _bshd_to_bhsd(_shape(q)), _bshd_to_bhsd(_shape(k)), _bshd_to_bhsd(_shape(v))
+        )
+    )
+
+
+def _flash_attn_backward(dout: Any, q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+    return int(
+        _torch_flops.sdpa_backward_flop_count(
+            _bshd_to_bhsd(_shape(dout)),
+            _bshd_to_bhsd(_shape(q)),
+            _bshd_to_bhsd(_shape(k)),
+            _bshd_to_bhsd(_shape(v)),
+        )
+    )
+
+
+def _varlen_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    # SYNC: reads sequence offsets back to the host; only ever runs inside a counted step.
+    offsets = cu_seqlens.tolist()
+    return [b - a for a, b in itertools.pairwise(offsets)]
+
+
+def _varlen_flops(q: Any, v: Any, cu_q: torch.Tensor, cu_k: torch.Tensor, passes: int) -> int:
+    # (total_tokens, heads, head_dim); each document attends within itself.
+    _, heads, d_qk = _shape(q)
+    d_v = _shape(v)[-1]
+    pairs = sum(a * b for a, b in zip(_varlen_lengths(cu_q), _varlen_lengths(cu_k), strict=True))
+    return passes * heads * pairs * (d_qk + d_v)
+
+
+def _flash_attn_varlen_forward(
+    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, *a: Any, **kw: Any
+) -> int:
+    return _varlen_flops(q, v, cu_q, cu_k, passes=2)  # QK^T and PV: 2 FLOPs per MAC each
+
+
+def _flash_attn_varlen_backward(
+    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any, dv: Any,
+    cu_q: Any, cu_k: Any, *a: Any, **kw: Any,
+) -> int:  # fmt: skip
+    return _varlen_flops(q, v, cu_q, cu_k, passes=4)  # dV, dP, dQ, dK: as torch prices SDPA
+
+
+#: Formulas by operator name, for operators torch does not price.
+EXTRA_FORMULAS: dict[str, _Formula] = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": _cpu_flash_forward,
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _cpu_flash_backward,
+    "flash_attn::_flash_attn_forward": _flash_attn_forward,
+    "flash_attn::_flash_attn_backward": _flash_attn_backward,
+    "flash_attn::_flash_attn_varlen_forward": _flash_attn_varlen_forward,
+    "flash_attn::_flash_attn_varlen_backward": _flash_attn_varlen_backward,
+}
+
+
+# Fused attention backward kernels recompute the scores QK^T (flash-style), and torch's
+# formula includes that matmul. It is recomputation, so it counts for HFU, not for MFU:
+# the model's backward is 2x its forward (PaLM's 12·L·H·Q·T), whatever the kernel.
+def _scores_bhsd(grad: Any, q: Any, k: Any, *args: Any, **kwargs: Any) -> int:
+    b, h, s_q, d = _shape(q)
+    return 2 * b * h * s_q * _shape(k)[2] * d
+
+
+def _scores_bshd(grad: Any, q: Any, k: Any, *args: Any, **kwargs: Any) -> int:
+    b, s_q, h, d = _shape(q)
+    return 2 * b * h * s_q * _shape(k)[1] * d
+
+
+def _scores_varlen(
+    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any, dv: Any,
+    cu_q: Any, cu_k: Any, *a: Any, **kw: Any,
+) -> int:  # fmt: skip
+    _, heads, d = _shape(q)
+    pairs = sum(a * b for a, b in zip(_varlen_lengths(cu_q), _varlen_lengths(cu_k), strict=True))
+    return 2 * heads * pairs * d
+
+
+#: Recomputed FLOPs inside a fused attention backward, by operator name.
+RECOMPUTED_IN_BACKWARD: dict[str, _Formula] = {
+    "aten::_scaled_dot_product_flash_attention_backward": _scores_bhsd,
+    "aten::_scaled_dot_product_efficient_attention_backward": _scores_bhsd,
+    "aten::_scaled_dot_product_cudnn_attention_backward": _scores_bhsd,
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _scores_bhsd,
+    "aten::_flash_attention_backward": _scores_bshd,
+    "aten::_efficient_attention_backward": _scores_bshd,
+    "flash_attn::_flash_attn_backward": _scores_bshd,
+    "flash_attn::_flash_attn_varlen_backward": _scores_varlen,
+}
+
+
+def _formula_for(func: torch._ops.OpOverload) -> _Formula | None:
+    packet = func.overloadpacket
+    formula = _torch_flops.flop_registry.get(packet)
+    if formula is not None:
+        return formula
+    return EXTRA_FORMULAS.get(packet._qualified_op_name)
+
+
+# --- the count ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """FLOPs of one call. All figures are floating-point operations (a MAC is 2).
+
+    Attributes:
+        total: hardware FLOPs: everything that ran, recomputation included (for HFU).
+        model: model FLOPs: ``total`` less activation recomputation (for MFU).
+        by_module: model FLOPs per top-level module. Single-child wrappers (a
+            LightningModule holding ``self.model``, DDP) are looked through, so a
+            VLM gives e.g. ``{"vision": ..., "projector": ..., "language_model": ...}``.
+        by_operator: hardware FLOPs per ATen operator.
+        by_path: model FLOPs per module path at every depth (``"VLM.vision.blocks.0"``).
+    """
+
+    total: int
+    model: int
+    by_module: dict[str, int] = field(default_factory=dict)
+    by_operator: dict[str, int] = field(default_factory=dict)
+    by_path: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def recomputed(self) -> int:
+        """FLOPs spent recomputing activations (``total - model``)."""
+        return self.total - self.model
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self, tracker: ModuleTracker) -> None:
+        super().__init__()
+        self.tracker = tracker
+        self.total = 0
+        self.recomputed = 0
+        self.by_operator: dict[str, int] = defaultdict(int)
+        self.by_path: dict[str, int] = defaultdict(int)
+
+    def __torch_dispatch__(
+        self,
+        func: torch._ops.OpOverload,
+        types: Sequence[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = _formula_for(func)
+        if formula is None:
+            return out
+        flops = int(formula(*args, **kwargs, out_val=out))
+        if not flops:
+            return out
+        self.total += flops
+        self.by_operator[str(func.overloadpacket)] += flops
+        # A forward operator inside backward with grad enabled is a recomputation
+        # (activation checkpointing); plain backward runs with grad disabled.
+        if self.tracker.is_bw and torch.is_grad_enabled():
+            self.recomputed += flops
+            return out
+        rescore = RECOMPUTED_IN_BACKWARD.get(func.overloadpacket._qualified_op_name)
+        if rescore is not None:
+            recomputed = min(flops, int(rescore(*args, **kwargs)))
+            self.recomputed += recomputed
+            flops -= recomputed
+        for path in self.tracker.parents:
+            self.by_path[path] += flops
+        return out
+
+
+def _top_level(by_path: dict[str, int]) -> dict[str, int]:
+    """Children of the first node that does not hand (nearly) all its FLOPs to one child."""
+    roots = {p: f for p, f in by_path.items() if p != "Global" and "." not in p}
+    if len(roots) != 1:
+        return dict(sorted(roots.items(), key=lambda kv: -kv[1]))
+    (node,) = roots
+    while True:
+        prefix = node + "."
+        children = {
+            p[len(prefix) :]: f
+            for p, f in by_path.items()
+            if p.startswith(prefix) and "." not in p[len(prefix) :]
+        }
+        if len(children) == 1 and math.isclose(
+            next(iter(children.values())), by_path[node], rel_tol=0.01
+        ):
+            node = prefix + next(iter(children))
+            continue
+        rest = by_path[node] - sum(children.values())
+        if rest > 0:
+            children["(own operators)"] = rest
+        return dict(sorted(children.items(), key=lambda kv: -kv[1]))
+
+
+def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> FlopCount:
+    """Run ``fn(*args, **kwargs)`` once and count its FLOPs.
+
+    Count a training step by passing a function that runs forward and backward.
+    The call really runs (on whatever device its tensors are on), slower than
+    usual because every operator passes through Python.
+
+    Example::
+
+        >>> import torch
+        >>> layer = torch.nn.Linear(64, 32, bias=False)
+        >>> x = torch.randn(8, 64, requires_grad=True)  # as inside a network
+        >>> count_flops(lambda: layer(x).sum().backward()).total == 6 * 64 * 32 * 8
+        True
+    """
+    tracker = ModuleTracker()
+    counter = _Counter(tracker)
+    with tracker, counter:
+        fn(*args, **kwargs)
+    by_path = dict(counter.by_path)
+    model = counter.total - counter.recomputed
+    return FlopCount(
+        total=counter.total,
+        model=model,
+        by_module=_top_level(by_path),
+        by_operator=dict(sorted(counter.by_operator.items(), key=lambda kv: -kv[1])),
+        by_path=by_path,
+    )

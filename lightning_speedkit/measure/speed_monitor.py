@@ -1,0 +1,595 @@
+"""SpeedMonitor: throughput, MFU/HFU, step-time percentiles, data wait, memory; no user input.
+
+How each figure is obtained, and what it costs:
+
+- **FLOPs** are counted on a real training step (forward, backward and optimizer
+  step, as the Trainer runs them) by :func:`count_flops`, once per distinct batch
+  shape up to ``max_flop_counts`` shapes; other shapes are estimated from the
+  counted ones by a linear fit in tokens per batch. A counted step is slower
+  (every operator passes through Python) and is left out of the timings.
+- **Time** on CPU is the host clock at the start and end of each batch. On CUDA it
+  is a pair of CUDA events per batch, recorded without waiting and read once per
+  log interval: the step time is the device time from the end of one batch to the
+  end of the next, and **data wait** is the device's idle gap between the end of
+  one batch and the start of the next (on CPU, the host's gap). Both include
+  whatever else Lightning does between batches (checkpointing, for instance);
+  validation and epoch boundaries are left out.
+- **Across ranks** one small ``all_gather`` per log interval sums samples/s over
+  ranks and gives the straggler ratio (slowest rank's mean step time over the
+  median). Nothing else crosses ranks, and per-step hooks never synchronise the
+  device.
+
+Logged every ``log_every_n_steps`` batches (the Trainer's value by default)
+through the Trainer's loggers, under ``speed/``: ``samples_per_sec``,
+``tokens_per_sec``, ``tflops_per_device``, ``mfu``, ``hfu``, ``step_ms_p50``,
+``step_ms_p90``, ``step_ms_p99``, ``data_wait_frac``, ``mem_peak_gib``,
+``gpu_util`` (NVIDIA, with nvidia-ml-py) and ``straggler_ratio`` (DDP). A figure
+that cannot be known (MFU on a device without a known peak) is left out, never
+logged as 0.
+"""
+
+from __future__ import annotations
+
+import math
+import resource
+import statistics
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.module_tracker import ModuleTracker
+
+from lightning_speedkit import _compat
+from lightning_speedkit._imports import NVML_AVAILABLE
+from lightning_speedkit.errors import SpeedkitConfigError
+from lightning_speedkit.measure import peak as _peak
+from lightning_speedkit.measure.flops import _Counter
+
+__all__ = ["SUMMARY_KEYS", "SpeedMonitor"]
+
+#: Keys of :attr:`SpeedMonitor.summary`; all but ``flops_per_sample`` are logged under ``speed/``.
+SUMMARY_KEYS = (
+    "samples_per_sec",
+    "tokens_per_sec",
+    "tflops_per_device",
+    "mfu",
+    "hfu",
+    "step_ms_p50",
+    "step_ms_p90",
+    "step_ms_p99",
+    "data_wait_frac",
+    "mem_peak_gib",
+    "gpu_util",
+    "straggler_ratio",
+    "flops_per_sample",
+)
+
+# Per-rank raw sums, gathered across ranks at log time. Order of the gathered vector.
+_FIELDS = ("samples", "tokens", "time", "steps", "model_flops", "hw_flops", "wait", "mem_gib")
+_GIB = 2**30
+
+
+# --- batch inspection (host metadata only: shapes and dtypes, never values) ----------------
+
+
+def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    if isinstance(batch, torch.Tensor):
+        yield batch
+    elif isinstance(batch, dict):
+        for value in batch.values():
+            yield from _tensors(value)
+    elif isinstance(batch, (list, tuple)):
+        for value in batch:
+            yield from _tensors(value)
+
+
+@dataclass(frozen=True)
+class _BatchInfo:
+    signature: tuple[tuple[tuple[int, ...], str], ...]
+    samples: int
+    tokens: int | None
+
+
+def _number(value: Any, argument: str) -> float:
+    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise SpeedkitConfigError(
+            f"`{argument}` must return a finite number for each batch, got {value!r} "
+            f"({type(value).__name__}). Return a Python int or float, e.g. "
+            f"`lambda batch: batch['input_ids'].numel()`."
+        )
+    if value < 0:
+        raise SpeedkitConfigError(f"`{argument}` returned {value}; it must be 0 or more.")
+    return float(value)
+
+
+# --- clocks ----------------------------------------------------------------------------------
+
+
+class _HostClock:
+    """Host timestamps; on CPU the host is the device."""
+
+    def __init__(self) -> None:
+        self.steps: list[float] = []
+        self.waits: list[float] = []
+        self._last_end: float | None = None
+        self._start = 0.0
+
+    def gap(self) -> None:
+        """Forget the previous batch end: the next gap (validation, new epoch) is not data wait."""
+        self._last_end = None
+
+    def batch_start(self) -> None:
+        self._start = time.perf_counter()
+
+    def batch_end(self, keep: bool) -> None:
+        now = time.perf_counter()
+        if keep and self._last_end is not None:
+            self.steps.append(now - self._last_end)
+            self.waits.append(self._start - self._last_end)
+        self._last_end = now
+
+    def drain(self) -> tuple[list[float], list[float]]:
+        steps, waits = self.steps, self.waits
+        self.steps, self.waits = [], []
+        return steps, waits
+
+
+class _CudaClock:
+    """CUDA events recorded on the current stream; read only at log time."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Any, Any, Any]] = []
+        self._last_end: Any = None
+        self._start: Any = None
+
+    def gap(self) -> None:
+        self._last_end = None
+
+    def _event(self) -> Any:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # enqueued on the stream; the host does not wait
+        return event
+
+    def batch_start(self) -> None:
+        self._start = self._event()
+
+    def batch_end(self, keep: bool) -> None:
+        end = self._event()
+        if keep and self._last_end is not None:
+            self._pending.append((self._last_end, self._start, end))
+        self._last_end = end
+
+    def drain(self) -> tuple[list[float], list[float]]:
+        pending, self._pending = self._pending, []
+        if not pending:
+            return [], []
+        pending[-1][2].synchronize()  # SYNC: once per log interval, to read the events
+        steps = [prev.elapsed_time(end) / 1e3 for prev, _, end in pending]
+        waits = [max(0.0, prev.elapsed_time(start) / 1e3) for prev, start, _ in pending]
+        return steps, waits
+
+
+# --- FLOPs per batch shape -----------------------------------------------------------------
+
+
+@dataclass
+class _Counted:
+    samples: int
+    tokens: int | None
+    model: float
+    hardware: float
+
+
+class _FlopBook:
+    """Counted FLOPs per batch signature, and estimates for signatures not counted."""
+
+    def __init__(self) -> None:
+        self.counted: dict[str, _Counted] = {}
+
+    def estimate(self, info: _BatchInfo) -> tuple[float, float] | None:
+        if not self.counted:
+            return None
+        same = [c for c in self.counted.values() if c.samples == info.samples and c.tokens]
+        if info.tokens is not None and len({c.tokens for c in same}) >= 2:
+            # Least squares of FLOPs on tokens among batches of this many samples.
+            xs = [float(c.tokens or 0) for c in same]
+            mean_x = statistics.fmean(xs)
+            var = sum((x - mean_x) ** 2 for x in xs)
+            out = []
+            for ys in ([c.model for c in same], [c.hardware for c in same]):
+                mean_y = statistics.fmean(ys)
+                slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var
+                out.append(max(0.0, mean_y + slope * (info.tokens - mean_x)))
+            return out[0], out[1]
+        # Otherwise scale the closest counted batch by samples (and tokens when known).
+        ref = min(
+            self.counted.values(),
+            key=lambda c: (
+                abs(c.samples - info.samples),
+                abs((c.tokens or 0) - (info.tokens or 0)),
+            ),
+        )
+        scale = info.samples / ref.samples
+        if info.tokens and ref.tokens:
+            scale = info.tokens / ref.tokens
+        return ref.model * scale, ref.hardware * scale
+
+
+class _FlopSession:
+    """A FLOP count spanning two hooks (batch start to batch end)."""
+
+    def __init__(self) -> None:
+        self.tracker = ModuleTracker()
+        self.counter = _Counter(self.tracker)
+        self.tracker.__enter__()
+        self.counter.__enter__()
+
+    def close(self) -> tuple[float, float]:
+        self.counter.__exit__(None, None, None)
+        self.tracker.__exit__()
+        total = float(self.counter.total)
+        return total - self.counter.recomputed, total
+
+
+# --- the callback ----------------------------------------------------------------------------
+
+PeakSetting = float | Literal["auto", "measure"] | None
+
+
+class SpeedMonitor(L.Callback):
+    """Logs throughput, MFU, step-time percentiles, data wait and memory; needs no user input.
+
+    Args:
+        log_every_n_steps: log every this many training batches; defaults to the
+            Trainer's ``log_every_n_steps``. Each log costs one small all-gather
+            under DDP and, on CUDA, one wait for the device.
+        window: step-time percentiles in the logs cover the last ``window`` steps
+            (the summary covers the whole run).
+        warmup_steps: batches left out of every figure at the start of each fit
+            (start-up, allocator and cuDNN warm-up). 2 is enough for most models.
+        flops_per_batch: ``batch -> FLOPs`` of one training step on one device,
+            replacing the automatic count (e.g. a formula you trust). Used for
+            both MFU and HFU.
+        tokens_per_batch: ``batch -> tokens``. By default the largest 2-D integer
+            tensor in the batch counts (e.g. ``input_ids``, padding included);
+            with none, ``tokens_per_sec`` is not logged.
+        samples_per_batch: ``batch -> samples``; by default the first dimension
+            of the first tensor in the batch.
+        peak_flops: dense peak FLOP/s of one device for MFU. ``"auto"`` (default)
+            looks the device up in :data:`~lightning_speedkit.measure.peak.PEAK_TABLE`
+            and, on CPU, times a matmul; ``"measure"`` always times a matmul; a
+            number is used as given; None turns MFU and HFU off.
+        max_flop_counts: how many distinct batch shapes get a real count; later
+            shapes are estimated from those. Each count slows one step.
+
+    Example::
+
+        >>> import lightning as L
+        >>> trainer = L.Trainer(callbacks=[SpeedMonitor()], max_steps=0, logger=False)
+    """
+
+    def __init__(
+        self,
+        log_every_n_steps: int | None = None,
+        window: int = 200,
+        warmup_steps: int = 2,
+        flops_per_batch: Callable[[Any], float] | None = None,
+        tokens_per_batch: Callable[[Any], int] | None = None,
+        samples_per_batch: Callable[[Any], int] | None = None,
+        peak_flops: PeakSetting = "auto",
+        max_flop_counts: int = 8,
+    ) -> None:
+        for name, value, low in (
+            ("log_every_n_steps", log_every_n_steps, 1),
+            ("window", window, 1),
+            ("warmup_steps", warmup_steps, 0),
+            ("max_flop_counts", max_flop_counts, 1),
+        ):
+            if value is not None and (not isinstance(value, int) or value < low):
+                raise SpeedkitConfigError(
+                    f"`{name}` must be an integer of at least {low}, got {value!r}."
+                )
+        for name, fn in (
+            ("flops_per_batch", flops_per_batch),
+            ("tokens_per_batch", tokens_per_batch),
+            ("samples_per_batch", samples_per_batch),
+        ):
+            if fn is not None and not callable(fn):
+                raise SpeedkitConfigError(
+                    f"`{name}` must be a function of the batch, got {fn!r}. "
+                    f"For a constant, pass `lambda batch: {fn!r}`."
+                )
+        if not (
+            peak_flops is None
+            or peak_flops in ("auto", "measure")
+            or (isinstance(peak_flops, (int, float)) and peak_flops > 0)
+        ):
+            raise SpeedkitConfigError(
+                f"`peak_flops` must be 'auto', 'measure', None or a positive FLOP/s figure, "
+                f"got {peak_flops!r}."
+            )
+        self.log_every_n_steps = log_every_n_steps
+        self.window = window
+        self.warmup_steps = warmup_steps
+        self.flops_per_batch = flops_per_batch
+        self.tokens_per_batch = tokens_per_batch
+        self.samples_per_batch = samples_per_batch
+        self.peak_flops = peak_flops
+        self.max_flop_counts = max_flop_counts
+
+        self.flops = _FlopBook()
+        self.last_metrics: dict[str, float] = {}
+        self._run: list[list[float]] = []  # per rank, _FIELDS sums over the whole run
+        self._run_steps: list[float] = []  # this rank's step times (s), whole run
+        self._recent: deque[float] = deque(maxlen=window)
+        self._peak: float | None = None
+        self._peak_warned = False
+        self._device = torch.device("cpu")
+        self._reset_fit_state()
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _reset_fit_state(self) -> None:
+        self._batches = 0
+        self._interval = dict.fromkeys(_FIELDS, 0.0)
+        self._info: _BatchInfo | None = None
+        self._session: _FlopSession | None = None
+        self._clock: _HostClock | _CudaClock = _HostClock()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "run": [list(r) for r in self._run],
+            "run_steps": list(self._run_steps),
+            "flops": {k: vars(v) for k, v in self.flops.counted.items()},
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._run = [list(r) for r in state_dict.get("run", [])]
+        self._run_steps = list(state_dict.get("run_steps", []))
+        self.flops.counted = {k: _Counted(**v) for k, v in state_dict.get("flops", {}).items()}
+
+    # -- set-up ------------------------------------------------------------------------------
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":  # before Lightning restores a checkpoint's callback state
+            self._run, self._run_steps = [], []
+            self._recent.clear()
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._reset_fit_state()
+        self._device = device = trainer.strategy.root_device
+        self._clock = _CudaClock() if device.type == "cuda" else _HostClock()
+        self._peak = self._resolve_peak(device, _compute_dtype(str(trainer.precision)))
+
+    def _resolve_peak(self, device: torch.device, dtype: torch.dtype) -> float | None:
+        setting = self.peak_flops
+        if setting is None:
+            return None
+        if isinstance(setting, (int, float)):
+            return float(setting)
+        if setting == "measure":
+            return _peak.measure_matmul_peak(device, dtype)
+        # "auto": the table; a CPU has no datasheet peak, so time a matmul there.
+        found = _peak.peak_flops(device, dtype, measure=device.type == "cpu")
+        if found is None and not self._peak_warned:
+            self._peak_warned = True
+            name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+            rank_zero_warn(
+                f"SpeedMonitor: no peak FLOP/s is known for {name!r} at {dtype}, so `speed/mfu` "
+                f"and `speed/hfu` are not logged. Pass `SpeedMonitor(peak_flops=<FLOP/s>)`, or "
+                f"`peak_flops='measure'` to time a matmul."
+            )
+        return found
+
+    # -- per batch: host metadata and events only ---------------------------------------------
+
+    def _describe(self, batch: Any) -> _BatchInfo:
+        tensors = list(_tensors(batch))
+        signature = tuple((tuple(t.shape), str(t.dtype)) for t in tensors)
+        if self.samples_per_batch is not None:
+            samples = int(_number(self.samples_per_batch(batch), "samples_per_batch"))
+        else:
+            samples = int(tensors[0].shape[0]) if tensors and tensors[0].ndim else 1
+        tokens: int | None
+        if self.tokens_per_batch is not None:
+            tokens = int(_number(self.tokens_per_batch(batch), "tokens_per_batch"))
+        else:
+            ids = [
+                t
+                for t in tensors
+                if t.ndim == 2 and not t.is_floating_point() and not t.is_complex()
+            ]
+            tokens = max((t.numel() for t in ids), default=None)
+        return _BatchInfo(signature, samples, tokens)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._clock.gap()
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._clock.gap()
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._batches += 1
+        self._info = info = self._describe(batch)
+        key = repr(info.signature)
+        if (
+            self.flops_per_batch is None
+            and key not in self.flops.counted
+            and len(self.flops.counted) < self.max_flop_counts
+        ):
+            self._session = _FlopSession()
+        self._clock.batch_start()
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        info = self._info
+        counted_now = self._session is not None
+        keep = not counted_now and self._batches > self.warmup_steps
+        self._clock.batch_end(keep)
+        if self._session is not None and info is not None:
+            model, hardware = self._session.close()
+            self._session = None
+            self.flops.counted[repr(info.signature)] = _Counted(
+                info.samples, info.tokens, model, hardware
+            )
+        if keep and info is not None:
+            self._accumulate(info, batch)
+        every = self.log_every_n_steps or _compat.log_every_n_steps(trainer)
+        if self._batches % every == 0:
+            self._flush(trainer)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        if self._session is not None:  # never leave a dispatch mode behind
+            self._session.close()
+            self._session = None
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._flush(trainer)
+
+    def _accumulate(self, info: _BatchInfo, batch: Any) -> None:
+        acc = self._interval
+        acc["samples"] += info.samples
+        acc["tokens"] += info.tokens or 0
+        acc["steps"] += 1
+        if self.flops_per_batch is not None:
+            flops = _number(self.flops_per_batch(batch), "flops_per_batch")
+            acc["model_flops"] += flops
+            acc["hw_flops"] += flops
+            return
+        counted = self.flops.counted.get(repr(info.signature))
+        estimate = (counted.model, counted.hardware) if counted else self.flops.estimate(info)
+        if estimate is not None:
+            acc["model_flops"] += estimate[0]
+            acc["hw_flops"] += estimate[1]
+
+    # -- log time: the only place that waits for the device or talks to other ranks ------------
+
+    def _flush(self, trainer: L.Trainer) -> None:
+        steps, waits = self._clock.drain()
+        acc, self._interval = self._interval, dict.fromkeys(_FIELDS, 0.0)
+        acc["time"] = sum(steps)
+        acc["wait"] = sum(waits)
+        acc["mem_gib"] = _memory_peak_gib(trainer.strategy.root_device)
+        self._recent.extend(steps)
+        self._run_steps.extend(steps)
+
+        rows = self._gather(trainer, [acc[f] for f in _FIELDS])
+        if len(self._run) != len(rows):
+            self._run = [[0.0] * len(_FIELDS) for _ in rows]
+        for run, row in zip(self._run, rows, strict=True):
+            for i, field in enumerate(_FIELDS):
+                run[i] = max(run[i], row[i]) if field == "mem_gib" else run[i] + row[i]
+        metrics = self._figures(rows, list(self._recent))
+        if metrics:
+            self.last_metrics = metrics
+            logged = {f"speed/{k}": v for k, v in metrics.items() if k != "flops_per_sample"}
+            for logger in trainer.loggers:
+                logger.log_metrics(logged, step=trainer.global_step)
+
+    def _gather(self, trainer: L.Trainer, row: list[float]) -> list[list[float]]:
+        if trainer.world_size == 1:
+            return [row]
+        local = torch.tensor(row, dtype=torch.float64, device=trainer.strategy.root_device)
+        gathered = trainer.strategy.all_gather(local)  # collective: once per log interval
+        return [list(map(float, r)) for r in gathered.reshape(trainer.world_size, -1).tolist()]
+
+    def _figures(self, rows: list[list[float]], step_times: list[float]) -> dict[str, float]:
+        col = {f: [r[i] for r in rows] for i, f in enumerate(_FIELDS)}
+        if not all(t > 0 for t in col["time"]):
+            return {}
+        figures: dict[str, float] = {
+            "samples_per_sec": sum(s / t for s, t in zip(col["samples"], col["time"], strict=True)),
+            "data_wait_frac": statistics.fmean(
+                w / t for w, t in zip(col["wait"], col["time"], strict=True)
+            ),
+        }
+        if any(col["tokens"]):
+            figures["tokens_per_sec"] = sum(
+                k / t for k, t in zip(col["tokens"], col["time"], strict=True)
+            )
+        if any(col["model_flops"]):
+            model_rate = statistics.fmean(
+                f / t for f, t in zip(col["model_flops"], col["time"], strict=True)
+            )
+            hw_rate = statistics.fmean(
+                f / t for f, t in zip(col["hw_flops"], col["time"], strict=True)
+            )
+            figures["tflops_per_device"] = model_rate / 1e12
+            if self._peak:
+                figures["mfu"] = model_rate / self._peak
+                figures["hfu"] = hw_rate / self._peak
+            if sum(col["samples"]):
+                figures["flops_per_sample"] = sum(col["model_flops"]) / sum(col["samples"])
+        if step_times:
+            for q in (50, 90, 99):
+                figures[f"step_ms_p{q}"] = 1e3 * _percentile(step_times, q)
+        if any(col["mem_gib"]):
+            figures["mem_peak_gib"] = max(col["mem_gib"])
+        util = _gpu_util(self._device)
+        if util is not None:
+            figures["gpu_util"] = util
+        if len(rows) > 1 and all(col["steps"]):
+            means = [t / n for t, n in zip(col["time"], col["steps"], strict=True)]
+            figures["straggler_ratio"] = max(means) / statistics.median(means)
+        return figures
+
+    @property
+    def summary(self) -> dict[str, float | None]:
+        """Figures for the whole run (the whole of the last fit, resumed parts included)."""
+        figures = self._figures(self._run, self._run_steps) if self._run else {}
+        return {key: figures.get(key) for key in SUMMARY_KEYS}
+
+
+def _percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def _compute_dtype(precision: str) -> torch.dtype:
+    if precision.startswith("bf16"):
+        return torch.bfloat16
+    if precision.startswith("16"):
+        return torch.float16
+    if precision.startswith("64"):
+        return torch.float64
+    return torch.float32
+
+
+def _memory_peak_gib(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / _GIB  # allocator counter: no sync
+    # CPU: the process's peak resident set (Linux reports KiB).
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB
+
+
+def _gpu_util(device: torch.device) -> float | None:
+    if device.type != "cuda" or not NVML_AVAILABLE:
+        return None
+    import pynvml
+
+    try:
+        pynvml.nvmlInit()
+        # By UUID: CUDA_VISIBLE_DEVICES renumbers devices for torch but not for NVML.
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        uuid = torch.cuda.get_device_properties(index).uuid
+        handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
+        return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu) / 100
+    except (pynvml.NVMLError, AttributeError, RuntimeError):
+        return None

@@ -1,0 +1,47 @@
+"""The benchmark script must keep working; its numbers are recorded in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+from ..conftest import SMALL_CORPUS
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "monitor_overhead.py"
+
+
+@pytest.mark.slow
+def test_monitor_overhead_runs_and_writes_its_table(
+    small_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    spec = importlib.util.spec_from_file_location("monitor_overhead", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    # The benchmark builds the default corpus; point it at the small one.
+    monkeypatch.setattr(module.VLMDataModule, "__init__", _small(module.VLMDataModule.__init__))
+    out = tmp_path / "overhead.json"
+    report = module.main([
+        "--data-dir", str(small_corpus), "--repeats", "1", "--steps", "4", "--warmup", "3",
+        "--batch-size", "8", "--distinct-batches", "2", "--out", str(out),
+    ])  # fmt: skip
+    assert json.loads(out.read_text()) == report
+    rows = {row["config"]: row for row in report["rows"]}
+    assert set(rows) == {"none", "speed_monitor", "throughput_monitor"}
+    assert rows["none"]["ratio_to_none"] == 1.0
+    assert all(row["step_ms_median"] > 0 for row in rows.values())
+    assert report["speed_monitor_flop_counts"] >= 1
+    cost = report["flop_count_cost"]
+    assert cost["counted_step_ms"] > cost["plain_step_ms"] > 0
+
+
+def _small(init):  # type: ignore[no-untyped-def]
+    def patched(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        kwargs["corpus"] = SMALL_CORPUS
+        init(self, *args, **kwargs)
+
+    return patched

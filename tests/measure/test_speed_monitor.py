@@ -1,0 +1,227 @@
+from __future__ import annotations
+
+import statistics
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import Logger
+
+from lightning_speedkit import SpeedkitConfigError, SpeedMonitor
+from lightning_speedkit.measure import speed_monitor as sm
+from lightning_speedkit.measure.speed_monitor import SUMMARY_KEYS, _BatchInfo, _Counted, _FlopBook
+
+from ..helpers.models import MLP, loader
+from ..helpers.multiprocess import run_script
+
+
+class Recorder(Logger):
+    """Keeps every log_metrics call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recorder"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.rows.append((step or 0, dict(metrics)))
+
+
+def _fit(model: L.LightningModule, monitor: SpeedMonitor, steps: int, **loader_kw: Any) -> Recorder:
+    recorder = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=steps, logger=recorder, callbacks=[monitor],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        log_every_n_steps=5,
+    )  # fmt: skip
+    trainer.fit(model, loader(**loader_kw))
+    return recorder
+
+
+def test_logs_every_figure_with_the_speed_prefix() -> None:
+    recorder = _fit(MLP(), SpeedMonitor(peak_flops=1e12), steps=20, n=160)
+    steps = [step for step, _ in recorder.rows]
+    assert steps[:3] == [5, 10, 15]
+    _, last = recorder.rows[-1]
+    expected = {
+        "samples_per_sec",
+        "tflops_per_device",
+        "mfu",
+        "hfu",
+        "step_ms_p50",
+        "step_ms_p90",
+        "step_ms_p99",
+        "data_wait_frac",
+        "mem_peak_gib",
+    }
+    assert {k.removeprefix("speed/") for k in last} == expected  # no tokens: float batches
+    assert all(k.startswith("speed/") for k in last)
+    assert last["speed/step_ms_p50"] <= last["speed/step_ms_p90"] <= last["speed/step_ms_p99"]
+
+
+def test_flops_are_counted_on_a_real_step_and_match_the_formula() -> None:
+    model, monitor = MLP(dim=32, hidden=64), SpeedMonitor(peak_flops=1e12)
+    _fit(model, monitor, steps=12)
+    summary = monitor.summary
+    assert summary["flops_per_sample"] == model.flops_per_sample()
+    assert len(monitor.flops.counted) == 1  # one batch shape, counted once
+    assert summary["mfu"] == pytest.approx(summary["tflops_per_device"] * 1e12 / 1e12)
+
+
+def test_step_time_and_throughput_are_measured() -> None:
+    monitor = SpeedMonitor(peak_flops=None)
+    _fit(MLP(step_delay=0.02), monitor, steps=25, batch_size=8, n=400)
+    s = monitor.summary
+    assert s["step_ms_p50"] is not None
+    assert 20 <= s["step_ms_p50"] < 40
+    assert s["samples_per_sec"] == pytest.approx(8 / (s["step_ms_p50"] / 1e3), rel=0.3)
+    assert s["mfu"] is None
+    assert s["hfu"] is None
+    assert set(s) == set(SUMMARY_KEYS)
+
+
+def test_data_wait_is_large_for_a_slow_loader_and_small_for_a_fast_one() -> None:
+    slow, fast = SpeedMonitor(peak_flops=None), SpeedMonitor(peak_flops=None)
+    _fit(MLP(step_delay=0.005), slow, steps=12, batch_size=4, delay=0.006)  # ~24 ms per batch
+    _fit(MLP(step_delay=0.02), fast, steps=12, batch_size=4)
+    assert slow.summary["data_wait_frac"] > 0.6
+    assert fast.summary["data_wait_frac"] < 0.2
+
+
+def test_unknown_peak_warns_once_and_leaves_mfu_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(sm._peak, "peak_flops", lambda *a, **k: None)
+    monitor = SpeedMonitor()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        recorder = _fit(MLP(), monitor, steps=15)
+        _fit(MLP(), monitor, steps=15)  # a second fit: still one warning
+    messages = [str(w.message) for w in caught if "no peak FLOP/s" in str(w.message)]
+    assert len(messages) == 1
+    assert "peak_flops=" in messages[0]
+    assert all("speed/mfu" not in row for _, row in recorder.rows)
+    assert monitor.summary["mfu"] is None
+    assert monitor.summary["tflops_per_device"]  # FLOPs are still known
+
+
+def test_user_flops_override_is_used_and_checked() -> None:
+    monitor = SpeedMonitor(flops_per_batch=lambda batch: 1000 * len(batch), peak_flops=1e9)
+    _fit(MLP(), monitor, steps=10)
+    assert monitor.summary["flops_per_sample"] == 1000
+    assert not monitor.flops.counted  # nothing counted when the user says
+
+    bad = SpeedMonitor(flops_per_batch=lambda batch: "lots")
+    with pytest.raises(
+        SpeedkitConfigError, match=r"`flops_per_batch` must return a finite number.*'lots'"
+    ):
+        _fit(MLP(), bad, steps=5)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [
+        ({"log_every_n_steps": 0}, "log_every_n_steps"),
+        ({"warmup_steps": -1}, "warmup_steps"),
+        ({"peak_flops": "fast"}, "peak_flops"),
+        ({"peak_flops": -3.0}, "peak_flops"),
+        ({"tokens_per_batch": 128}, "tokens_per_batch"),
+    ],
+)
+def test_bad_arguments_are_refused_at_construction(kwargs: dict[str, Any], argument: str) -> None:
+    with pytest.raises(SpeedkitConfigError, match=f"`{argument}`"):
+        SpeedMonitor(**kwargs)
+
+
+def test_tokens_come_from_integer_batches_or_the_override() -> None:
+    monitor = SpeedMonitor()
+    batch = {"images": torch.zeros(4, 3, 8, 8), "input_ids": torch.zeros(4, 17, dtype=torch.long)}
+    assert monitor._describe(batch) == _BatchInfo(monitor._describe(batch).signature, 4, 68)
+    counted = SpeedMonitor(tokens_per_batch=lambda b: int((b["input_ids"] > 0).sum()))
+    batch["input_ids"][:, :5] = 1
+    assert counted._describe(batch).tokens == 20
+
+
+def test_unseen_shapes_are_estimated_by_a_linear_fit_in_tokens() -> None:
+    book = _FlopBook()
+    for tokens in (40, 80):  # FLOPs = 1000 + 10 * tokens, both totals
+        book.counted[str(tokens)] = _Counted(4, tokens, 1000 + 10 * tokens, 1000 + 10 * tokens)
+    assert book.estimate(_BatchInfo((), 4, 60)) == (1600.0, 1600.0)
+    assert book.estimate(_BatchInfo((), 8, None)) == (2800.0, 2800.0)  # nearest, by samples
+
+
+def test_variable_shapes_are_counted_up_to_the_cap() -> None:
+    class Ragged(MLP):
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return super().training_step(batch[: 2 + batch_idx % 5], batch_idx)
+
+    monitor = SpeedMonitor(max_flop_counts=3, peak_flops=None)
+    _fit(Ragged(), monitor, steps=10)
+    assert len(monitor.flops.counted) == 1  # the batch itself never changed shape
+    ragged_loader_monitor = SpeedMonitor(max_flop_counts=3, peak_flops=None)
+    _fit(MLP(), ragged_loader_monitor, steps=9, n=8 * 4 + 3)  # last batch of 3
+    assert len(ragged_loader_monitor.flops.counted) == 2
+
+
+def test_resume_continues_the_run_and_reuses_counts(tmp_path: Path) -> None:
+    def trainer(steps: int, monitor: SpeedMonitor) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, log_every_n_steps=4, default_root_dir=tmp_path,
+            callbacks=[monitor, ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+        )  # fmt: skip
+
+    first = SpeedMonitor(peak_flops=None)
+    trainer(16, first).fit(MLP(), loader(n=64))
+    steps_first = sum(r[3] for r in first._run)
+    state = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"]
+    assert any("SpeedMonitor" in key for key in state)
+
+    resumed = SpeedMonitor(peak_flops=None)
+    trainer(32, resumed).fit(MLP(), loader(n=64), ckpt_path=tmp_path / "last.ckpt")
+    assert sum(r[3] for r in resumed._run) > steps_first  # the summary spans both parts
+    assert resumed.flops.counted.keys() == first.flops.counted.keys()
+    assert statistics.fmean(resumed._run_steps) > 0
+
+
+@pytest.mark.multiprocess
+def test_ddp_sums_throughput_over_ranks_and_reports_stragglers(tmp_path: Path) -> None:
+    ranks = run_script("speed_monitor_ddp.py", tmp_path)
+    a, b = (r["summary"] for r in ranks)
+    assert a["samples_per_sec"] == pytest.approx(b["samples_per_sec"])  # both see the global figure
+    per_rank = 8 / (a["step_ms_p50"] / 1e3)
+    assert a["samples_per_sec"] == pytest.approx(2 * per_rank, rel=0.3)
+    assert 1.0 <= a["straggler_ratio"] < 1.5
+    assert ranks[0]["logged_keys"]
+    assert "speed/straggler_ratio" in ranks[0]["logged_keys"]
+
+
+@pytest.mark.gpu
+def test_hooks_never_synchronise_the_device() -> None:
+    model, monitor = MLP().cuda(), SpeedMonitor()
+
+    class SyncGuard(L.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            torch.cuda.set_sync_debug_mode("error")
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            torch.cuda.set_sync_debug_mode("default")
+
+    trainer = L.Trainer(
+        accelerator="gpu", devices=1, max_steps=12, logger=False, log_every_n_steps=100,
+        callbacks=[SyncGuard(), monitor], enable_progress_bar=False, enable_checkpointing=False,
+    )  # fmt: skip
+    trainer.fit(model, loader(n=128))
+    assert monitor.summary["step_ms_p50"] is not None

@@ -1,0 +1,47 @@
+"""Two CPU ranks train a small MLP under SpeedMonitor; each rank writes its summary."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import ClassVar
+
+import lightning as L
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from lightning_speedkit import SpeedMonitor
+from tests.helpers.models import MLP, loader
+
+
+class SeenLogger(L.pytorch.loggers.CSVLogger):
+    seen: ClassVar[set[str]] = set()
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        SeenLogger.seen |= set(metrics)
+        super().log_metrics(metrics, step)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    monitor = SpeedMonitor(peak_flops=None, log_every_n_steps=5)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=20,
+        logger=SeenLogger(args.out / "logs"), callbacks=[monitor],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(MLP(step_delay=0.02), loader(n=400, batch_size=8))
+    result = {"summary": monitor.summary, "logged_keys": sorted(SeenLogger.seen)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
