@@ -119,6 +119,46 @@ def _flash_attn_varlen_backward(
     return _varlen_flops(q, v, cu_q, cu_k, passes=4)  # dV, dP, dQ, dK: as torch prices SDPA
 
 
+def _offsets(rest: tuple[Any, ...]) -> tuple[Any, Any] | None:
+    """The first two 1-D integer tensors: sequence offsets of a variable-length call.
+
+    xformers' schemas moved these arguments between releases; their type does not move.
+    """
+    found = [
+        a for a in rest
+        if isinstance(a, torch.Tensor) and a.ndim == 1 and not a.is_floating_point()
+    ]  # fmt: skip
+    return (found[0], found[1]) if len(found) >= 2 else None
+
+
+def _xformers_forward(q: Any, k: Any, v: Any, *rest: Any, **kwargs: Any) -> int:
+    # (batch, seq, heads, head_dim), like flash-attn; variable length when offsets are given.
+    offsets = _offsets(rest)
+    if offsets is None:
+        return _flash_attn_forward(q, k, v)
+    _, _, heads, d = _shape(q)
+    pairs = sum(a * b for a, b in zip(*map(_varlen_lengths, offsets), strict=True))
+    return 2 * heads * pairs * (d + _shape(v)[-1])
+
+
+def _xformers_backward(grad: Any, q: Any, k: Any, v: Any, *rest: Any, **kwargs: Any) -> int:
+    offsets = _offsets(rest)
+    if offsets is None:
+        return _flash_attn_backward(grad, q, k, v)
+    _, _, heads, d = _shape(q)
+    pairs = sum(a * b for a, b in zip(*map(_varlen_lengths, offsets), strict=True))
+    return 2 * heads * pairs * (3 * d + 2 * _shape(v)[-1])  # QK^T again, dP, dV, dQ, dK
+
+
+def _xformers_rescore(grad: Any, q: Any, k: Any, *rest: Any, **kwargs: Any) -> int:
+    offsets = _offsets(rest[1:])  # after v
+    if offsets is None:
+        return _scores_bshd(grad, q, k)
+    _, _, heads, d = _shape(q)
+    pairs = sum(a * b for a, b in zip(*map(_varlen_lengths, offsets), strict=True))
+    return 2 * heads * pairs * d
+
+
 #: Formulas by operator name, for operators torch does not price.
 EXTRA_FORMULAS: dict[str, _Formula] = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": _cpu_flash_forward,
@@ -127,6 +167,8 @@ EXTRA_FORMULAS: dict[str, _Formula] = {
     "flash_attn::_flash_attn_backward": _flash_attn_backward,
     "flash_attn::_flash_attn_varlen_forward": _flash_attn_varlen_forward,
     "flash_attn::_flash_attn_varlen_backward": _flash_attn_varlen_backward,
+    "xformers::efficient_attention_forward_cutlass": _xformers_forward,
+    "xformers::efficient_attention_backward_cutlass": _xformers_backward,
 }
 
 
@@ -162,6 +204,7 @@ RECOMPUTED_IN_BACKWARD: dict[str, _Formula] = {
     "aten::_efficient_attention_backward": _scores_bshd,
     "flash_attn::_flash_attn_backward": _scores_bshd,
     "flash_attn::_flash_attn_varlen_backward": _scores_varlen,
+    "xformers::efficient_attention_backward_cutlass": _xformers_rescore,
 }
 
 

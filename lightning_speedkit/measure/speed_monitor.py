@@ -591,5 +591,5 @@ def _gpu_util(device: torch.device) -> float | None:
         uuid = torch.cuda.get_device_properties(index).uuid
         handle = pynvml.nvmlDeviceGetHandleByUUID(f"GPU-{uuid}")
         return float(pynvml.nvmlDeviceGetUtilizationRates(handle).gpu) / 100
-    except (pynvml.NVMLError, AttributeError, RuntimeError):
+    except (pynvml.NVMLError, AttributeError, RuntimeError, AssertionError):
         return None

@@ -138,3 +138,17 @@ def test_varlen_flash_counts_each_document_alone() -> None:
     cu = torch.tensor([0, 10, 40, 64], dtype=torch.int32)
     forward = EXTRA_FORMULAS["flash_attn::_flash_attn_varlen_forward"]
     assert forward(q, q, q, cu, cu) == 4 * H * D * sum(n * n for n in lengths)
+
+
+def test_xformers_kernels_are_priced_dense_and_variable_length() -> None:
+    """xformers has no CPU kernel: the formulas are checked on tensors of its layout."""
+    B, S, H, D = 2, 40, 3, 8
+    q = torch.randn(B, S, H, D)
+    forward = EXTRA_FORMULAS["xformers::efficient_attention_forward_cutlass"]
+    backward = EXTRA_FORMULAS["xformers::efficient_attention_backward_cutlass"]
+    assert forward(q, q, q, None, None, None) == 4 * B * H * S * S * D
+    assert backward(q, q, q, q) == 10 * B * H * S * S * D
+    packed = torch.randn(1, 50, H, D)  # two documents of 20 and 30 tokens in one row
+    cu = torch.tensor([0, 20, 50], dtype=torch.int32)
+    assert forward(packed, packed, packed, None, cu, cu, 30) == 4 * H * D * (20**2 + 30**2)
+    assert backward(packed, packed, packed, packed, None, cu, cu) == 10 * H * D * (20**2 + 30**2)

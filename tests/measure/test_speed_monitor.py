@@ -225,3 +225,24 @@ def test_hooks_never_synchronise_the_device() -> None:
     )  # fmt: skip
     trainer.fit(model, loader(n=128))
     assert monitor.summary["step_ms_p50"] is not None
+
+
+def test_gpu_util_is_read_from_nvml_by_device_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No GPU here: a stand-in NVML checks the lookup (by UUID, as CUDA_VISIBLE_DEVICES
+    renumbers devices for torch only) and the scale (percent -> fraction)."""
+    import sys
+    import types
+
+    calls: list[str] = []
+    fake = types.ModuleType("pynvml")
+    fake.NVMLError = RuntimeError  # type: ignore[attr-defined]
+    fake.nvmlInit = lambda: None  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetHandleByUUID = lambda uuid: calls.append(uuid) or "handle"  # type: ignore[attr-defined]
+    fake.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=87)  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    monkeypatch.setattr(sm, "NVML_AVAILABLE", True)
+    props = types.SimpleNamespace(uuid="1234-abcd")
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda index: props)
+    assert sm._gpu_util(torch.device("cuda", 1)) == pytest.approx(0.87)
+    assert calls == ["GPU-1234-abcd"]
+    assert sm._gpu_util(torch.device("cpu")) is None
