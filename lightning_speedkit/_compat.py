@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import lightning as L
 
 
@@ -9,3 +11,24 @@ def log_every_n_steps(trainer: L.Trainer) -> int:
     """The Trainer's ``log_every_n_steps`` (set at runtime by its logger connector)."""
     value = getattr(trainer, "log_every_n_steps", 50)
     return int(value)
+
+
+def train_loader_source(trainer: L.Trainer) -> Any:
+    """Where the fit loop will request its train loader (Lightning's ``_DataLoaderSource``).
+
+    It has ``dataloader()`` (calls the DataModule's or LightningModule's hook, or returns
+    the loader passed to ``fit``), and ``instance``/``name``, which decide what is called.
+    """
+    return trainer.fit_loop._data_source
+
+
+def replace_train_loader(trainer: L.Trainer, loader: Any) -> None:
+    """Make the fit loop use ``loader`` as if it had been passed to ``fit``."""
+    source = trainer.fit_loop._data_source
+    source.instance = loader
+    source.name = "train_dataloader"
+
+
+def datamodule(trainer: L.Trainer) -> Any:
+    """The Trainer's DataModule or None (a property Lightning's stubs do not declare)."""
+    return getattr(trainer, "datamodule", None)

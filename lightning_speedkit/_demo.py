@@ -13,7 +13,10 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
+from lightning_speedkit.data import NumWorkersTuner
 from lightning_speedkit.measure import SpeedMonitor
+from lightning_speedkit.measure.peak import measure_matmul_peak
+from lightning_speedkit.measure.speed_monitor import PeakSetting
 from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VLMTask
 
 
@@ -21,19 +24,23 @@ from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VL
 class DemoConfig:
     """What ``speedkit demo`` trains; each field is a command-line flag."""
 
-    steps: int = 4000
+    steps: int = 1500
+    """Optimizer steps of each run (plain, then kit)."""
     size: str = "tiny"
     accelerator: str = "auto"
     devices: int = 1
     precision: str = "32-true"
     batch_size: int = 32
     num_workers: int = 0
+    """DataLoader workers of the plain run (the kit run tunes its own)."""
     data_dir: str | None = None
     output_dir: str = "speedkit_runs/demo"
     seed: int = 0
     warmup_steps: int = 10
     """Steps left out of the speed figures (start-up, allocator warm-up)."""
     log_every_n_steps: int = 50
+    runs: tuple[str, ...] = ("plain", "kit")
+    """Which runs to do: the plain Lightning baseline and/or the kit."""
 
 
 @dataclass
@@ -44,6 +51,8 @@ class DemoResult:
     shorter than its warm-up) is None, and the table shows "n/a".
     """
 
+    run: str
+    notes: list[str]
     size: str
     params: int
     devices: int
@@ -61,8 +70,8 @@ class DemoResult:
     val_acc: float
     wall_sec: float
 
-    def table(self) -> str:
-        rows = [
+    def rows(self) -> list[tuple[str, str]]:
+        return [
             ("model", f"{self.size} ({self.params / 1e6:.2f} M parameters)"),
             ("devices", str(self.devices)),
             ("steps", str(self.steps)),
@@ -79,8 +88,27 @@ class DemoResult:
             ("held-out token accuracy", f"{self.val_acc:.1%}"),
             ("wall time (s)", f"{self.wall_sec:.1f}"),
         ]
-        width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def comparison_table(results: list[DemoResult]) -> str:
+    """The runs side by side, with the kit's speed-up when both ran."""
+    names = [r.run for r in results]
+    columns = [dict(r.rows()) for r in results]
+    keys = [k for k, _ in results[0].rows()]
+    width = max(len(k) for k in keys)
+    col = max(12, *(len(v) for c in columns for v in c.values()))
+    lines = [f"{'':<{width}}  " + "  ".join(f"{n:>{col}}" for n in names)]
+    lines += [f"{k:<{width}}  " + "  ".join(f"{c[k]:>{col}}" for c in columns) for k in keys]
+    by_name = {r.run: r for r in results}
+    plain, kit = by_name.get("plain"), by_name.get("kit")
+    if plain and kit and plain.samples_per_sec and kit.samples_per_sec:
+        lines.append(f"\nkit / plain samples/s: {kit.samples_per_sec / plain.samples_per_sec:.2f}x")
+        lines.append(
+            "(the runs follow each other; on a shared machine identical runs differ by up to 10%)"
+        )
+    for r in results:
+        lines += r.notes
+    return "\n".join(lines)
 
 
 def _fmt(value: float | None, spec: str) -> str:
@@ -105,8 +133,8 @@ class _LossTrace(L.Callback):
             self.losses.append(outputs["loss"].detach())
 
 
-def run_demo(config: DemoConfig) -> DemoResult | None:
-    """Train the example VLM as ``config`` says; return the figures on rank 0, else None."""
+def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None:
+    """One run of the example VLM; ``run`` is "plain" (Lightning as it is) or "kit"."""
     L.seed_everything(config.seed, workers=True, verbose=False)
     tokenizer = CaptionTokenizer()
     model_cfg = VLMConfig.preset(config.size, tokenizer.vocab_size)  # type: ignore[arg-type]
@@ -120,8 +148,14 @@ def run_demo(config: DemoConfig) -> DemoResult | None:
     task = VLMTask(model_cfg, pad_id=tokenizer.pad_id)
     trace = _LossTrace()
     monitor = SpeedMonitor(
-        warmup_steps=config.warmup_steps, log_every_n_steps=config.log_every_n_steps
+        warmup_steps=config.warmup_steps,
+        log_every_n_steps=config.log_every_n_steps,
+        peak_flops=peak,
     )
+    callbacks: list[L.Callback] = [monitor, trace]
+    tuner = NumWorkersTuner(progress=False)
+    if run == "kit":
+        callbacks.append(tuner)
     output_dir = Path(config.output_dir)
     trainer = L.Trainer(
         accelerator=config.accelerator,
@@ -129,8 +163,8 @@ def run_demo(config: DemoConfig) -> DemoResult | None:
         precision=config.precision,  # type: ignore[arg-type]
         max_steps=config.steps,
         limit_val_batches=0,  # one held-out pass after training, below
-        logger=CSVLogger(output_dir, name="logs"),
-        callbacks=[monitor, trace],
+        logger=CSVLogger(output_dir, name=run),
+        callbacks=callbacks,
         enable_checkpointing=False,
         log_every_n_steps=config.log_every_n_steps,
         enable_model_summary=False,
@@ -147,7 +181,17 @@ def run_demo(config: DemoConfig) -> DemoResult | None:
     losses = torch.stack(trace.losses).float().cpu().tolist()  # one read at the end of the run
     head = max(1, min(10, len(losses) // 10))
     tail = max(1, len(losses) // 10)
+    notes = []
+    if run == "kit" and tuner.result is not None:
+        best = tuner.result.best
+        notes.append(
+            f"kit: NumWorkersTuner chose num_workers={best['num_workers']}"
+            + (f", prefetch_factor={best['prefetch_factor']}" if best["num_workers"] else "")
+            + (" (the loader as given)" if best["num_workers"] == config.num_workers else "")
+        )
     result = DemoResult(
+        run=run,
+        notes=notes,
         size=config.size,
         params=sum(p.numel() for p in task.model.parameters()),
         devices=trainer.world_size,
@@ -165,6 +209,25 @@ def run_demo(config: DemoConfig) -> DemoResult | None:
         val_acc=float(metrics["val/acc"]),
         wall_sec=wall,
     )
-    output_dir.mkdir(parents=True, exist_ok=True)
-    (output_dir / "demo.json").write_text(json.dumps(asdict(result), indent=2))
     return result
+
+
+def run_demo(config: DemoConfig) -> list[DemoResult] | None:
+    """Train the example VLM once per run in ``config.runs``; the results on rank 0, else None.
+
+    Writes ``demo.json`` (every run's figures) to ``config.output_dir``.
+    """
+    on_cpu = config.accelerator == "cpu" or (
+        config.accelerator == "auto" and not torch.cuda.is_available()
+    )
+    # One CPU peak for both runs, timed once and longer than SpeedMonitor's default, so
+    # that the runs' MFU share a denominator.
+    peak: PeakSetting = measure_matmul_peak("cpu", torch.float32, seconds=1.0) if on_cpu else "auto"
+    results = [_train(config, run, peak) for run in config.runs]
+    if any(r is None for r in results):
+        return None
+    done = [r for r in results if r is not None]
+    output_dir = Path(config.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    (output_dir / "demo.json").write_text(json.dumps([asdict(r) for r in done], indent=2))
+    return done

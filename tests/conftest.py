@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,12 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for name, (_, reason) in _SKIPS.items():
             if item.get_closest_marker(name) and not available[name]:
                 item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Caches (corpus, tuner results) go to a temporary directory, not the user's ~/.cache."""
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
 
 
 @pytest.fixture(scope="session")

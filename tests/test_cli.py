@@ -44,41 +44,40 @@ def test_demo_refuses_non_positive_counts(flag: str, capsys: pytest.CaptureFixtu
     assert f"argument {flag}: must be a positive integer, got 0" in capsys.readouterr().err
 
 
-def test_demo_trains_and_prints_the_table(
+def test_demo_trains_plain_and_kit_and_prints_them_side_by_side(
     demo_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code = main(
-        [
-            "demo",
-            "--steps",
-            "40",
-            "--data-dir",
-            str(demo_corpus),
-            "--output-dir",
-            str(tmp_path),
-            "--accelerator",
-            "cpu",
-        ]
-    )
+    code = main(["demo", "--steps", "40", "--data-dir", str(demo_corpus),
+                 "--output-dir", str(tmp_path), "--accelerator", "cpu"])  # fmt: skip
     assert code == 0
     out = capsys.readouterr().out
-    for row in (
-        "samples/s",
-        "step time p50 (ms)",
-        "train loss, first steps",
-        "train loss, last steps",
-        "held-out token accuracy",
-    ):
+    header = next(line for line in out.splitlines() if "plain" in line)
+    assert header.split() == ["plain", "kit"]
+    for row in ("samples/s", "MFU", "data wait (share of step)", "step time p99 (ms)",
+                "peak memory (GiB)", "train loss, first steps", "train loss, last steps",
+                "held-out token accuracy"):  # fmt: skip
         assert row in out
-    result = json.loads((tmp_path / "demo.json").read_text())
-    assert result["steps"] == 40
-    assert result["devices"] == 1
-    assert result["samples_per_sec"] > 0
-    assert 0 < result["step_ms_p50"] <= result["step_ms_p90"]
-    assert result["loss_end"] < 0.7 * result["loss_start"]
-    assert 0 < result["mfu"] < 1  # against a matmul measured on this CPU
-    assert 0 <= result["data_wait_frac"] < 1
-    assert f"{result['samples_per_sec']:,.1f}" in out
+    assert "kit / plain samples/s:" in out
+    plain, kit = json.loads((tmp_path / "demo.json").read_text())
+    assert (plain["run"], kit["run"]) == ("plain", "kit")
+    for result in (plain, kit):
+        assert result["steps"] == 40
+        assert result["devices"] == 1
+        assert result["samples_per_sec"] > 0
+        assert 0 < result["step_ms_p50"] <= result["step_ms_p90"]
+        assert result["loss_end"] < 0.7 * result["loss_start"]
+        assert 0 < result["mfu"] < 1  # against a matmul measured on this CPU
+        assert 0 <= result["data_wait_frac"] < 1
+    assert f"{plain['samples_per_sec']:,.1f}" in out
+    ratio = kit["samples_per_sec"] / plain["samples_per_sec"]
+    assert f"kit / plain samples/s: {ratio:.2f}x" in out
+
+
+def test_demo_can_do_one_run(demo_corpus: Path, tmp_path: Path) -> None:
+    assert main(["demo", "--steps", "15", "--only", "plain", "--data-dir", str(demo_corpus),
+                 "--output-dir", str(tmp_path), "--accelerator", "cpu"]) == 0  # fmt: skip
+    (only,) = json.loads((tmp_path / "demo.json").read_text())
+    assert only["run"] == "plain"
 
 
 def test_demo_unwritable_data_dir_is_a_clean_error(

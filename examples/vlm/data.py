@@ -138,6 +138,20 @@ class CaptionShardDataset(Dataset[Batch | None]):
             raise OSError(f"short read in {self.shards[shard].name}")
         return data
 
+    def caption_lengths(self) -> list[int]:
+        """Tokens in each sample's caption (as ``__getitem__`` would cut it), read from the shards.
+
+        Reads only the small caption members, not the images: for length bucketing.
+        """
+        lengths = []
+        for sample in self.samples:
+            try:
+                text = self._read(sample.shard, sample.txt).decode("utf-8")
+            except (OSError, ValueError):
+                text = ""
+            lengths.append(min(len(self.tokenizer.encode(text)), self.max_text_len))
+        return lengths
+
     def __getitem__(self, index: int) -> Batch | None:
         sample = self.samples[index]
         try:

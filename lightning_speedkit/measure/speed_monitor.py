@@ -575,8 +575,14 @@ def _compute_dtype(precision: str) -> torch.dtype:
 def _memory_peak_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / _GIB  # allocator counter: no sync
-    # CPU: the process's peak resident set (Linux reports KiB).
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB
+    # CPU: the resident set now (sampled at each log; the run keeps the largest). The
+    # process-wide peak (ru_maxrss) would carry over from earlier fits in this process.
+    try:
+        with open("/proc/self/statm") as statm:
+            resident_pages = int(statm.read().split()[1])
+        return resident_pages * resource.getpagesize() / _GIB
+    except (OSError, ValueError, IndexError):  # not Linux
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB
 
 
 def _gpu_util(device: torch.device) -> float | None:

@@ -1,0 +1,18 @@
+"""Data pipeline: worker tuning, length bucketing and sequence packing."""
+
+from lightning_speedkit.data.bucketing import LengthBucketBatchSampler
+from lightning_speedkit.data.mixin import SpeedDataModuleMixin
+from lightning_speedkit.data.num_workers_tuner import NumWorkersTuner
+from lightning_speedkit.data.packing import PackingCollate, document_mask
+from lightning_speedkit.data.tuner import TuneResult, rebuild_dataloader, tune_num_workers
+
+__all__ = [
+    "LengthBucketBatchSampler",
+    "NumWorkersTuner",
+    "PackingCollate",
+    "SpeedDataModuleMixin",
+    "TuneResult",
+    "document_mask",
+    "rebuild_dataloader",
+    "tune_num_workers",
+]

@@ -1,0 +1,142 @@
+"""LengthBucketBatchSampler: batches of similar lengths; each sample once per epoch across ranks."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import BatchSampler, DistributedSampler, Sampler
+
+from lightning_speedkit.errors import SpeedkitConfigError
+
+__all__ = ["LengthBucketBatchSampler"]
+
+
+class LengthBucketBatchSampler(BatchSampler):
+    """Batches of samples of similar length, so that padding to the longest wastes little.
+
+    Each epoch: shuffle all indices (seeded by ``seed + epoch``), cut them into
+    pools of ``batch_size * pool_batches``, sort each pool by length and cut it into
+    batches, then shuffle the batches. So batches hold similar lengths but the
+    order stays random, and what a batch holds changes from epoch to epoch.
+
+    Under DDP every rank builds the same batch list and takes every
+    ``num_replicas``-th batch. Every sample is used exactly once per epoch across
+    ranks and every rank gets the same number of batches (DDP needs that): when
+    the batch count does not divide by the ranks, the largest batches are split
+    in two until it does, so a few batches are smaller than ``batch_size``
+    (``drop_last=True`` drops the remainder instead).
+
+    Args:
+        lengths: the length of each sample (tokens, patches, ...).
+        batch_size: most samples per batch.
+        num_replicas: ranks; default the process group's size (1 without one).
+        rank: this rank; default the process group's rank.
+        shuffle: shuffle indices and batches (else sorted pools in index order).
+        seed: base seed, the same on every rank.
+        drop_last: drop samples that would make batches smaller than ``batch_size``.
+        pool_batches: batches per sorting pool; larger pools pad less but make
+            batch contents less random. 50 is a good start.
+        sampler: set by Lightning when it injects a ``DistributedSampler`` (it does so
+            for batch samplers built inside ``train_dataloader()``); only its
+            ``num_replicas`` and ``rank`` are used, the order stays ours.
+
+    Example::
+
+        >>> s = LengthBucketBatchSampler([5, 1, 9, 3, 7, 2], batch_size=2, shuffle=False)
+        >>> [sorted(b) for b in s]
+        [[1, 5], [0, 3], [2, 4]]
+    """
+
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        batch_size: int,
+        num_replicas: int | None = None,
+        rank: int | None = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        pool_batches: int = 50,
+        sampler: Sampler[int] | None = None,
+    ) -> None:
+        if isinstance(sampler, DistributedSampler):
+            num_replicas, rank = sampler.num_replicas, sampler.rank
+        if num_replicas is None:
+            num_replicas = (
+                dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+            )
+        if rank is None:
+            rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise SpeedkitConfigError(
+                f"`batch_size` must be a positive integer, got {batch_size!r}."
+            )
+        if num_replicas < 1 or not 0 <= rank < num_replicas:
+            raise SpeedkitConfigError(
+                f"`rank` must be in [0, num_replicas); got rank={rank}, "
+                f"num_replicas={num_replicas}."
+            )
+        if pool_batches < 1:
+            raise SpeedkitConfigError(f"`pool_batches` must be at least 1, got {pool_batches}.")
+        if len(lengths) < num_replicas and not drop_last:
+            raise SpeedkitConfigError(
+                f"{len(lengths)} samples cannot give each of {num_replicas} ranks a batch; "
+                f"use fewer ranks or more data."
+            )
+        # BatchSampler's __init__ wants a sampler to draw from; this class orders by itself.
+        self.sampler = sampler  # type: ignore[assignment]
+        self.lengths = torch.as_tensor(lengths, dtype=torch.long)
+        self.batch_size = batch_size
+        self.num_replicas = num_replicas
+        self.rank = rank
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.pool_batches = pool_batches
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        """Lightning calls this at each epoch; the batches change with it."""
+        self.epoch = epoch
+
+    def _all_batches(self) -> list[list[int]]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        n = len(self.lengths)
+        order = torch.randperm(n, generator=generator) if self.shuffle else torch.arange(n)
+        pool = self.batch_size * self.pool_batches
+        batches: list[list[int]] = []
+        for start in range(0, n, pool):
+            chunk = order[start : start + pool]
+            # Stable sort: equal lengths keep their (shuffled) order.
+            chunk = chunk[torch.argsort(self.lengths[chunk], stable=True)]
+            batches.extend(
+                chunk[i : i + self.batch_size].tolist()
+                for i in range(0, len(chunk), self.batch_size)
+            )
+        if self.drop_last:
+            batches = [b for b in batches if len(b) == self.batch_size]
+            batches = batches[: len(batches) - len(batches) % self.num_replicas]
+        else:
+            while len(batches) % self.num_replicas:
+                largest = max(range(len(batches)), key=lambda i: len(batches[i]))
+                if len(batches[largest]) < 2:
+                    raise SpeedkitConfigError(
+                        f"{len(self.lengths)} samples in batches of {self.batch_size} cannot give "
+                        f"{self.num_replicas} ranks the same number of batches without repeating "
+                        f"or dropping samples; pass `drop_last=True` or a larger `batch_size`."
+                    )
+                big = batches.pop(largest)
+                half = (len(big) + 1) // 2
+                batches[largest:largest] = [big[:half], big[half:]]
+        if self.shuffle:
+            perm = torch.randperm(len(batches), generator=generator).tolist()
+            batches = [batches[i] for i in perm]
+        return batches
+
+    def __iter__(self) -> Iterator[list[int]]:
+        yield from self._all_batches()[self.rank :: self.num_replicas]
+
+    def __len__(self) -> int:
+        return len(self._all_batches()) // self.num_replicas

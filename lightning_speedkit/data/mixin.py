@@ -1,0 +1,86 @@
+"""SpeedDataModuleMixin: tuned loader settings, length bucketing and packing for a DataModule."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_speedkit.data.bucketing import LengthBucketBatchSampler
+from lightning_speedkit.errors import SpeedkitConfigError
+
+__all__ = ["SpeedDataModuleMixin"]
+
+
+class SpeedDataModuleMixin:
+    """Mix into a LightningDataModule; build its loaders with :meth:`speed_dataloader`.
+
+    - :class:`~lightning_speedkit.data.NumWorkersTuner` writes its choice to
+      ``speed_loader_kwargs``, and every loader built afterwards uses it, so
+      reloading loaders (``reload_dataloaders_every_n_epochs``) keeps the tuning.
+    - ``lengths=`` turns on length bucketing with a distributed-aware
+      :class:`~lightning_speedkit.data.LengthBucketBatchSampler` (every sample
+      once per epoch across ranks).
+    - Pass a :class:`~lightning_speedkit.data.PackingCollate` as ``collate_fn`` to
+      pack sequences instead of padding them.
+
+    Example::
+
+        >>> import lightning as L
+        >>> import torch
+        >>> from torch.utils.data import TensorDataset
+        >>> class Data(SpeedDataModuleMixin, L.LightningDataModule):
+        ...     def train_dataloader(self):
+        ...         ds = TensorDataset(torch.arange(10))
+        ...         return self.speed_dataloader(ds, batch_size=4, lengths=list(range(10)))
+        >>> [len(b[0]) for b in Data().train_dataloader()]
+        [4, 4, 2]
+    """
+
+    speed_loader_kwargs: dict[str, Any]
+
+    def speed_dataloader(
+        self,
+        dataset: Dataset[Any],
+        *,
+        batch_size: int,
+        shuffle: bool = False,
+        drop_last: bool = False,
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+        lengths: Sequence[int] | None = None,
+        seed: int = 0,
+        **kwargs: Any,
+    ) -> DataLoader[Any]:
+        """A DataLoader with the tuned worker settings (taking precedence over ``kwargs``).
+
+        Args:
+            dataset: the dataset.
+            batch_size: samples per batch (the most per batch with bucketing).
+            shuffle: shuffle samples (and, with bucketing, batches) each epoch.
+            drop_last: drop the last incomplete batch(es).
+            collate_fn: e.g. a padding collate, or a ``PackingCollate``.
+            lengths: per-sample lengths; turns on length bucketing.
+            seed: bucketing's base seed (the same on every rank).
+            **kwargs: other DataLoader arguments (``num_workers`` etc.), used until
+                the tuner has chosen.
+        """
+        tuned = dict(getattr(self, "speed_loader_kwargs", None) or {})
+        options = {**kwargs, **tuned}
+        if options.get("num_workers", 0) == 0:
+            options.pop("prefetch_factor", None)
+            options["persistent_workers"] = False
+        if lengths is not None:
+            if len(lengths) != len(dataset):  # type: ignore[arg-type]
+                raise SpeedkitConfigError(
+                    f"`lengths` has {len(lengths)} entries but the dataset has "
+                    f"{len(dataset)} samples; give one length per sample."  # type: ignore[arg-type]
+                )
+            sampler = LengthBucketBatchSampler(
+                lengths, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last
+            )
+            return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **options)
+        return DataLoader(
+            dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+            collate_fn=collate_fn, **options,
+        )  # fmt: skip

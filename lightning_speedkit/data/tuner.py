@@ -1,0 +1,451 @@
+"""tune_num_workers: pick DataLoader worker settings by measuring them.
+
+Candidates run from the loader as given up the worker counts (0, 1, 2, 4, ... up
+to the per-rank CPU budget: the cores this process may run on divided by the
+local ranks), with ``persistent_workers`` for any worker count and
+``pin_memory`` only when CUDA is there to pin for. Each candidate's batches/s is
+measured after its workers have started and a few warm-up batches have come
+through (start-up is a one-off cost that persistent workers pay once). The
+search stops when more workers stop helping, when the time budget is spent, or
+at the budget's last count; the best count then tries a deeper prefetch.
+
+Measured alone, one worker is no faster than loading in the training process
+(the same single process decodes); its gain is that it loads while the model
+trains, so a step costs the longer of the two rather than their sum. So any
+worker count beats ``num_workers=0`` unless its hand-off (pickling batches
+between processes) makes it deliver less than half the in-process rate; among
+worker counts, more must be ``min_gain`` faster to win.
+
+A candidate whose workers crash, hang (past ``timeout``) or cannot receive the
+dataset (pickling, under spawn) is skipped with a warning saying why. The
+rebuilt loader keeps everything else of the user's: dataset, sampler or batch
+sampler (so shuffling, generator, batch size and drop_last), collate_fn,
+worker_init_fn, multiprocessing context. The random state that measuring
+consumed is restored, so training sees the batches it would have seen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import platform
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from tqdm.auto import tqdm
+
+from lightning_speedkit.errors import SpeedkitConfigError
+
+__all__ = ["TuneResult", "cpu_budget", "rebuild_dataloader", "tune_num_workers"]
+
+log = logging.getLogger(__name__)
+
+#: Settings the tuner owns; everything else of a loader is kept as it is.
+TUNED_KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
+_CACHE_VERSION = 2
+
+
+@dataclass
+class TuneResult:
+    """What tuning found.
+
+    Attributes:
+        best: DataLoader keyword arguments to use (``num_workers``, ``pin_memory``,
+            ``persistent_workers``, ``prefetch_factor``).
+        table: every candidate tried, with ``batches_per_sec`` (None if skipped)
+            and ``skipped`` (the reason, or None).
+        best_batches_per_sec: the measured rate of ``best``.
+        given_batches_per_sec: the measured rate of the loader as it was given.
+        seconds: time spent tuning (0 when the result came from the cache).
+        cached: the result was read from the cache rather than measured.
+        dataloader: the loader rebuilt with ``best`` (from :func:`tune_num_workers`).
+    """
+
+    best: dict[str, Any]
+    table: list[dict[str, Any]]
+    best_batches_per_sec: float
+    given_batches_per_sec: float | None = None
+    seconds: float = 0.0
+    cached: bool = False
+    dataloader: DataLoader[Any] | None = field(default=None, repr=False)
+
+    def to_json(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("dataloader")
+        return data
+
+
+def cpu_budget(local_world_size: int = 1) -> int:
+    """Cores this process may use, shared among the ranks on this machine (at least 1)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, cores // max(1, local_world_size))
+
+
+def _settings(loader: DataLoader[Any]) -> dict[str, Any]:
+    return {
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "persistent_workers": loader.persistent_workers,
+        "prefetch_factor": loader.prefetch_factor if loader.num_workers > 0 else None,
+    }
+
+
+def rebuild_dataloader(loader: DataLoader[Any], **settings: Any) -> DataLoader[Any]:
+    """A new DataLoader like ``loader`` with the given worker settings changed.
+
+    The sampler (or custom batch sampler) object itself is reused, so the order,
+    shuffling, generator, batch size and drop_last are exactly the user's.
+    """
+    unknown = set(settings) - set(TUNED_KEYS)
+    if unknown:
+        raise SpeedkitConfigError(
+            f"Cannot rebuild a DataLoader with {sorted(unknown)}; only {TUNED_KEYS}."
+        )
+    kwargs: dict[str, Any] = {
+        "dataset": loader.dataset,
+        "collate_fn": loader.collate_fn,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "timeout": loader.timeout,
+        "pin_memory_device": loader.pin_memory_device,
+        **_settings(loader),
+        **settings,
+    }
+    if isinstance(loader.dataset, IterableDataset):
+        kwargs.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
+    elif loader.batch_size is None and loader.batch_sampler is None:
+        kwargs.update(batch_size=None, sampler=loader.sampler)  # automatic batching off
+    elif type(loader.batch_sampler) is BatchSampler:
+        # Spelled out rather than passed as a batch_sampler, so that Lightning, which reads
+        # batch_size and sampler back to inject a DistributedSampler, sees them.
+        kwargs.update(
+            sampler=loader.sampler, batch_size=loader.batch_size, drop_last=loader.drop_last
+        )
+    else:
+        kwargs["batch_sampler"] = loader.batch_sampler
+    if kwargs["num_workers"] == 0:  # options DataLoader refuses without workers
+        kwargs.update(persistent_workers=False, prefetch_factor=None, multiprocessing_context=None)
+    if kwargs["pin_memory"] and not torch.cuda.is_available():
+        kwargs["pin_memory"] = False
+    return DataLoader(**kwargs)
+
+
+# --- measuring one candidate -------------------------------------------------------------
+
+
+class _TimeoutError(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def _main_process_deadline(seconds: float) -> Iterator[None]:
+    """A deadline for loading in this process (num_workers=0), where DataLoader has none."""
+    if not hasattr(signal, "SIGALRM") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def alarm(signum: int, frame: Any) -> None:
+        raise _TimeoutError(f"no batch within {seconds:.0f} s")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _measure(
+    loader: DataLoader[Any],
+    warmup: int,
+    batches: int,
+    max_seconds: float,
+    timeout: float,
+    min_seconds: float = 0.0,
+) -> float:
+    """Batches/s after start-up and ``warmup`` batches; raises on crash, hang or pickling.
+
+    Times at least ``batches`` batches and at least ``min_seconds`` (a longer window
+    evens out a shared machine's hiccups), at most ``max_seconds``.
+    """
+    if loader.num_workers > 0:
+        loader = rebuild_dataloader(loader)  # same settings; and a timeout below
+        loader.timeout = timeout  # DataLoader raises if a worker takes longer for a batch
+    with _main_process_deadline(timeout + max_seconds + warmup * timeout):
+        iterator = iter(loader)
+        try:
+            for _ in range(warmup):
+                next(iterator)  # includes worker start-up: not timed
+            start = time.perf_counter()
+            seen = 0
+            while True:
+                try:
+                    next(iterator)
+                except StopIteration:
+                    break
+                seen += 1
+                elapsed = time.perf_counter() - start
+                if (seen >= batches and elapsed >= min_seconds) or elapsed > max_seconds:
+                    break
+            elapsed = time.perf_counter() - start
+        finally:
+            # A hung worker would make the orderly shutdown wait for it: end workers first.
+            for worker in getattr(iterator, "_workers", []):
+                if worker.is_alive():
+                    worker.terminate()
+            shutdown = getattr(iterator, "_shutdown_workers", None)
+            if shutdown is not None:
+                shutdown()
+            del iterator
+    if seen == 0:
+        raise RuntimeError("the loader ran out of batches during warm-up; lower `warmup_batches`")
+    return seen / elapsed
+
+
+def _describe_failure(exc: BaseException) -> str:
+    text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    if "pickle" in text.lower() or (
+        isinstance(exc, (TypeError, AttributeError)) and "pickl" in str(exc)
+    ):
+        return f"the dataset cannot be sent to worker processes ({text})"
+    if isinstance(exc, _TimeoutError) or "timed out" in text.lower():
+        return f"workers hung ({text})"
+    if "exited unexpectedly" in text or "killed" in text.lower():
+        return f"a worker crashed ({text})"
+    return f"loading failed ({text})"
+
+
+# --- the cache ---------------------------------------------------------------------------
+
+
+def _fingerprint(loader: DataLoader[Any], local_world_size: int, budget: int) -> str:
+    dataset = loader.dataset
+    custom = getattr(dataset, "fingerprint", None)
+    parts = {
+        "version": _CACHE_VERSION,
+        "dataset": f"{type(dataset).__module__}.{type(dataset).__qualname__}",
+        "dataset_fingerprint": custom() if callable(custom) else custom,
+        "len": len(dataset) if hasattr(dataset, "__len__") else None,
+        "batch_size": loader.batch_size,
+        "collate": getattr(loader.collate_fn, "__qualname__", type(loader.collate_fn).__qualname__),
+        "machine": platform.node(),
+        "cores": cpu_budget(1),
+        "local_world_size": local_world_size,
+        "worker_budget": budget,
+        "cuda": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+    }
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/lightning_speedkit/num_workers`` (``~/.cache/...`` when unset)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "lightning_speedkit" / "num_workers"
+
+
+def _read_cache(path: Path) -> TuneResult | None:
+    try:
+        data = json.loads(path.read_text())
+        data.update(cached=True, seconds=0.0)
+        return TuneResult(**data)
+    except (OSError, ValueError, TypeError):  # missing or unreadable: measure again
+        return None
+
+
+def _write_cache(path: Path, result: TuneResult) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result.to_json(), indent=2))
+        tmp.replace(path)
+    except OSError as exc:  # a cache that cannot be written costs a retune, nothing more
+        rank_zero_warn(
+            f"NumWorkersTuner: could not write its cache at {path} ({exc}); tuning will run again."
+        )
+
+
+# --- the search --------------------------------------------------------------------------
+
+
+def _worker_counts(budget: int) -> list[int]:
+    counts, n = [0], 1
+    while n <= budget:
+        counts.append(n)
+        n *= 2
+    if counts[-1] != budget:
+        counts.append(budget)
+    return counts
+
+
+def tune_num_workers(
+    dataloader: DataLoader[Any],
+    *,
+    max_workers: int | None = None,
+    local_world_size: int = 1,
+    batches: int = 30,
+    warmup_batches: int = 3,
+    min_seconds: float = 0.5,
+    min_gain: float = 0.05,
+    time_budget: float = 120.0,
+    timeout: float = 30.0,
+    cache: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    progress: bool = True,
+) -> TuneResult:
+    """Measure worker settings for ``dataloader`` and return the best, with the rebuilt loader.
+
+    Args:
+        dataloader: the loader to tune; it is not modified.
+        max_workers: most workers to try; default the per-rank CPU budget.
+        local_world_size: ranks sharing this machine's cores.
+        batches: batches timed per candidate (after warm-up). 30 is enough for
+            a stable rate when a batch takes milliseconds; raise it for noisy data.
+        warmup_batches: batches per candidate left untimed after workers start.
+        min_seconds: time each candidate for at least this long, however many
+            batches that takes: a longer window evens out a busy machine.
+        min_gain: more workers must be this much faster (0.05 = 5%) to count as
+            better; the search stops at the first count that is not.
+        time_budget: seconds for the whole search; it stops early when spent.
+        timeout: seconds a batch may take before a candidate counts as hung.
+        cache: read and write results kept per dataset, machine and torch version.
+        cache_dir: where (default ``~/.cache/lightning_speedkit/num_workers``).
+        force: measure even when a cached result exists (and overwrite it).
+        progress: show a progress bar.
+
+    Example::
+
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> loader = DataLoader(TensorDataset(torch.randn(64, 4)), batch_size=8)
+        >>> result = tune_num_workers(loader, max_workers=0, batches=2, progress=False, cache=False)
+        >>> result.best["num_workers"], len(result.table)
+        (0, 1)
+    """
+    for name, value, low in (("batches", batches, 1), ("warmup_batches", warmup_batches, 0),
+                             ("local_world_size", local_world_size, 1)):  # fmt: skip
+        if not isinstance(value, int) or value < low:
+            raise SpeedkitConfigError(
+                f"`{name}` must be an integer of at least {low}, got {value!r}."
+            )
+    if max_workers is not None and (not isinstance(max_workers, int) or max_workers < 0):
+        raise SpeedkitConfigError(f"`max_workers` must be 0 or more, got {max_workers!r}.")
+    if time_budget <= 0 or timeout <= 0:
+        raise SpeedkitConfigError(
+            f"`time_budget` and `timeout` must be positive seconds, got {time_budget} "
+            f"and {timeout}."
+        )
+
+    budget = cpu_budget(local_world_size) if max_workers is None else max_workers
+    cache_path = (
+        Path(cache_dir or default_cache_dir())
+        / f"{_fingerprint(dataloader, local_world_size, budget)}.json"
+    )
+    if cache and not force:
+        cached = _read_cache(cache_path)
+        if cached is not None and cached.best.get("num_workers", 0) <= budget:
+            cached.dataloader = rebuild_dataloader(dataloader, **cached.best)
+            log.info("num_workers: using the cached result %s", cached.best)
+            return cached
+
+    torch_state = torch.get_rng_state()
+    generator_state = dataloader.generator.get_state() if dataloader.generator is not None else None
+    pin = torch.cuda.is_available()
+    start = time.perf_counter()
+    table: list[dict[str, Any]] = []
+
+    def attempt(settings: dict[str, Any]) -> float | None:
+        row: dict[str, Any] = {**settings, "batches_per_sec": None, "skipped": None, "given": False}
+        table.append(row)
+        remaining = time_budget - (time.perf_counter() - start)
+        try:
+            rate = _measure(rebuild_dataloader(dataloader, **settings), warmup_batches, batches,
+                            max(1.0, remaining), timeout, min_seconds)  # fmt: skip
+        except Exception as exc:
+            row["skipped"] = _describe_failure(exc)
+            rank_zero_warn(f"NumWorkersTuner: skipped {settings}: {row['skipped']}.")
+            return None
+        row["batches_per_sec"] = rate
+        return rate
+
+    counts = _worker_counts(budget)
+    best: dict[str, Any] = {}  # best with workers
+    best_rate = 0.0
+    in_process: dict[str, Any] = {}  # num_workers=0
+    in_process_rate = 0.0
+    given = _settings(dataloader)
+    bar = tqdm(total=len(counts) + 1, desc="Tuning DataLoader workers", unit="setting",
+               disable=not progress)  # fmt: skip
+    try:
+        given_rate = attempt(given)
+        table[-1]["given"] = True
+        bar.update(1)
+        for n in counts:
+            bar.update(1)
+            settings = {
+                "num_workers": n,
+                "pin_memory": pin,
+                "persistent_workers": n > 0,
+                "prefetch_factor": 2 if n > 0 else None,
+            }
+            same_as_given = settings == given or (n == 0 and given["num_workers"] == 0)
+            rate = given_rate if same_as_given else attempt(settings)
+            bar.set_postfix(num_workers=n, batches_per_sec=f"{rate or 0:.1f}")
+            if rate is None:
+                pass
+            elif n == 0:
+                in_process, in_process_rate = settings, rate
+            elif rate > best_rate * (1 + min_gain):
+                best, best_rate = settings, rate
+            elif n >= 2:
+                break  # more workers stopped helping
+            if time.perf_counter() - start > time_budget:
+                rank_zero_warn(f"NumWorkersTuner: time budget of {time_budget:.0f} s spent; "
+                               f"stopping at num_workers={n}.")  # fmt: skip
+                break
+        if best and time.perf_counter() - start < time_budget:
+            deeper = {**best, "prefetch_factor": 4}
+            rate = attempt(deeper)
+            if rate is not None and rate > best_rate * (1 + min_gain):
+                best, best_rate = deeper, rate
+        # Workers load while the model trains (a step costs the longer of the two), while
+        # loading in the training process adds to every step. So workers win unless their
+        # hand-off costs so much that they deliver less than half the in-process rate.
+        if in_process and (not best or best_rate < 0.5 * in_process_rate):
+            best, best_rate = in_process, in_process_rate
+    finally:
+        bar.close()
+        torch.set_rng_state(torch_state)
+        if generator_state is not None and dataloader.generator is not None:
+            dataloader.generator.set_state(generator_state)
+
+    if not best:
+        best = {
+            "num_workers": 0,
+            "pin_memory": False,
+            "persistent_workers": False,
+            "prefetch_factor": None,
+        }
+        rank_zero_warn("NumWorkersTuner: every candidate failed; keeping num_workers=0.")
+    result = TuneResult(best, table, best_rate, given_rate, seconds=time.perf_counter() - start)
+    if cache:
+        _write_cache(cache_path, result)
+    result.dataloader = rebuild_dataloader(dataloader, **best)
+    return result

@@ -1,0 +1,103 @@
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lightning_speedkit import SpeedkitConfigError
+from lightning_speedkit.data import LengthBucketBatchSampler
+
+
+def _all_ranks(
+    lengths: list[int], batch_size: int, replicas: int, **kw: object
+) -> list[list[list[int]]]:
+    return [
+        list(LengthBucketBatchSampler(lengths, batch_size, num_replicas=replicas, rank=r, **kw))  # type: ignore[arg-type]
+        for r in range(replicas)
+    ]
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 200), min_size=1, max_size=300),
+    batch_size=st.integers(1, 16),
+    replicas=st.integers(1, 4),
+    shuffle=st.booleans(),
+    epoch=st.integers(0, 5),
+)
+def test_every_sample_exactly_once_per_epoch_across_ranks(
+    lengths: list[int], batch_size: int, replicas: int, shuffle: bool, epoch: int
+) -> None:
+    n, pool = len(lengths), batch_size * 50
+    batches = sum(-(-min(pool, n - start) // batch_size) for start in range(0, n, pool))
+    if n < replicas or -(-batches // replicas) * replicas > n:
+        # Impossible without repeating samples: equal batch counts need more batches than samples.
+        with pytest.raises(SpeedkitConfigError, match="cannot give"):
+            _all_ranks(lengths, batch_size, replicas, shuffle=shuffle)
+        return
+    samplers = [LengthBucketBatchSampler(lengths, batch_size, num_replicas=replicas, rank=r,
+                                         shuffle=shuffle) for r in range(replicas)]  # fmt: skip
+    for s in samplers:
+        s.set_epoch(epoch)
+    per_rank = [list(s) for s in samplers]
+    flat = [i for rank in per_rank for batch in rank for i in batch]
+    assert sorted(flat) == list(range(len(lengths)))  # exactly once
+    assert len({len(rank) for rank in per_rank}) == 1  # same number of batches on every rank
+    assert all(1 <= len(b) <= batch_size for rank in per_rank for b in rank)
+    assert all(len(s) == len(per_rank[0]) for s in samplers)
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    lengths=st.lists(st.integers(1, 50), min_size=8, max_size=200),
+    batch_size=st.integers(1, 8),
+    replicas=st.integers(1, 3),
+)
+def test_drop_last_gives_full_batches_and_no_repeats(
+    lengths: list[int], batch_size: int, replicas: int
+) -> None:
+    per_rank = _all_ranks(lengths, batch_size, replicas, drop_last=True)
+    flat = [i for rank in per_rank for batch in rank for i in batch]
+    assert len(flat) == len(set(flat))
+    assert all(len(b) == batch_size for rank in per_rank for b in rank)
+    assert len({len(rank) for rank in per_rank}) == 1
+
+
+def test_deterministic_per_epoch_and_different_across_epochs() -> None:
+    lengths = [random.Random(0).randint(1, 100) for _ in range(500)]
+    a = LengthBucketBatchSampler(lengths, 8, num_replicas=2, rank=0, seed=3)
+    b = LengthBucketBatchSampler(lengths, 8, num_replicas=2, rank=0, seed=3)
+    assert list(a) == list(b)
+    b.set_epoch(1)
+    assert list(a) != list(b)
+    a.set_epoch(1)
+    assert list(a) == list(b)
+
+
+def _padding_waste(batches: list[list[int]], lengths: list[int]) -> float:
+    padded = sum(max(lengths[i] for i in b) * len(b) for b in batches)
+    return 1 - sum(lengths) / padded
+
+
+def test_bucketing_cuts_padding_waste() -> None:
+    rng = random.Random(0)
+    lengths = [rng.randint(10, 45) for _ in range(2000)]  # like the example's captions
+    bucketed = list(LengthBucketBatchSampler(lengths, 32, num_replicas=1, rank=0))
+    order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(0)).tolist()
+    random_batches = [order[i : i + 32] for i in range(0, len(order), 32)]
+    assert _padding_waste(random_batches, lengths) > 0.25
+    assert _padding_waste(bucketed, lengths) < 0.02
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [({"batch_size": 0}, "batch_size"), ({"rank": 3, "num_replicas": 2}, "rank"),
+     ({"pool_batches": 0}, "pool_batches")],
+)  # fmt: skip
+def test_bad_arguments_are_refused(kwargs: dict[str, int], argument: str) -> None:
+    args = {"batch_size": 4, **kwargs}
+    with pytest.raises(SpeedkitConfigError, match=f"`{argument}`"):
+        LengthBucketBatchSampler(list(range(20)), **args)  # type: ignore[arg-type]

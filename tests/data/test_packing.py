@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from lightning_speedkit import SpeedkitConfigError
+from lightning_speedkit.data import PackingCollate, document_mask
+
+
+def _docs(lengths: list[int], seed: int = 0) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [{"input_ids": torch.randint(1, 100, (n,), generator=g), "label": torch.tensor(n)}
+            for n in lengths]  # fmt: skip
+
+
+def test_packing_fills_rows_and_records_the_boundaries() -> None:
+    samples = _docs([5, 3, 6, 2, 7])
+    batch = PackingCollate(max_tokens=8)(samples)
+    assert batch["input_ids"].shape == (3, 8)  # [5,3] [6,2] [7]: greedy, in order
+    assert batch["cu_seqlens"].tolist() == [0, 5, 8, 14, 16, 23]
+    assert batch["cu_seqlens"].dtype == torch.int32
+    assert batch["max_seqlen"] == 7
+    assert batch["position_ids"][0].tolist() == [0, 1, 2, 3, 4, 0, 1, 2]
+    assert batch["document_ids"][2].tolist() == [4, 4, 4, 4, 4, 4, 4, -1]
+    real = batch["input_ids"][batch["document_ids"] >= 0]
+    assert torch.equal(real, torch.cat([s["input_ids"] for s in samples]))  # no token lost
+    assert batch["label"].tolist() == [5, 3, 6, 2, 7]
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_attention_never_crosses_documents(causal: bool) -> None:
+    """Masked attention over a packed row equals attention over each document alone."""
+    torch.manual_seed(0)
+    lengths = [4, 7, 3, 5, 6]
+    samples = _docs(lengths)
+    batch = PackingCollate(max_tokens=12)(samples)
+    embed = torch.nn.Embedding(100, 16)
+    q = k = v = embed(batch["input_ids"]).unsqueeze(1)  # (rows, 1 head, S, D)
+    packed = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=document_mask(batch["document_ids"], causal)
+    )
+    for doc, sample in enumerate(samples):
+        where = batch["document_ids"] == doc
+        row = int(where.any(dim=1).nonzero())
+        x = embed(sample["input_ids"]).view(1, 1, -1, 16)
+        alone = F.scaled_dot_product_attention(x, x, x, is_causal=causal)[0, 0]
+        torch.testing.assert_close(packed[row, 0][where[row]], alone)
+
+
+def test_overlong_samples_are_cut_and_bad_input_is_named() -> None:
+    batch = PackingCollate(max_tokens=4)(_docs([9]))
+    assert batch["cu_seqlens"].tolist() == [0, 4]
+    with pytest.raises(SpeedkitConfigError, match="`max_tokens`"):
+        PackingCollate(max_tokens=0)
+    with pytest.raises(SpeedkitConfigError, match="found no 'tokens'"):
+        PackingCollate(max_tokens=4, key="tokens")(_docs([2]))

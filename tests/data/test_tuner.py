@@ -1,0 +1,303 @@
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from lightning_speedkit import NumWorkersTuner, SpeedkitConfigError, tune_num_workers
+from lightning_speedkit.data import tuner as tuner_mod
+from lightning_speedkit.data.tuner import rebuild_dataloader
+
+from ..helpers.models import MLP, SlowDataset, loader
+from ..helpers.multiprocess import run_script
+
+
+def _collate(items: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"x": torch.stack(items)}
+
+
+def _init(worker_id: int) -> None:
+    torch.manual_seed(1234 + worker_id)
+
+
+def _user_loader(delay: float = 0.0, **kwargs: Any) -> DataLoader[Any]:
+    return DataLoader(
+        SlowDataset(n=60, delay=delay), batch_size=4, shuffle=True, drop_last=True,
+        collate_fn=_collate, worker_init_fn=_init,
+        generator=torch.Generator().manual_seed(7), **kwargs,
+    )  # fmt: skip
+
+
+def _xs(dl: DataLoader[Any]) -> list[torch.Tensor]:
+    return [b["x"] for b in dl]
+
+
+def test_rebuilt_loader_keeps_everything_but_the_worker_settings() -> None:
+    original = _user_loader()
+    state = original.generator.get_state()  # type: ignore[union-attr]
+    expected = _xs(original)
+    original.generator.set_state(state)  # type: ignore[union-attr]
+    rebuilt = rebuild_dataloader(
+        original, num_workers=2, persistent_workers=True, prefetch_factor=4
+    )
+    assert (rebuilt.num_workers, rebuilt.prefetch_factor) == (2, 4)
+    assert rebuilt.sampler is original.sampler  # shuffle and generator
+    assert (rebuilt.batch_size, rebuilt.drop_last) == (4, True)
+    assert rebuilt.collate_fn is _collate
+    assert rebuilt.worker_init_fn is _init
+    got = _xs(rebuilt)
+    assert len(got) == 15
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_distributed_sampler_is_kept() -> None:
+    dataset = SlowDataset(n=40)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=False)
+    original = DataLoader(dataset, batch_size=5, sampler=sampler)
+    rebuilt = rebuild_dataloader(original, num_workers=1)
+    assert rebuilt.sampler is sampler
+    assert torch.equal(torch.cat(list(rebuilt)), dataset.data[1::2])
+
+
+def test_tuning_consumes_no_randomness_the_user_would_see(tmp_path: Path) -> None:
+    original = _user_loader()
+    state = original.generator.get_state()  # type: ignore[union-attr]
+    expected = _xs(original)
+    original.generator.set_state(state)  # type: ignore[union-attr]
+    global_state = torch.get_rng_state()
+    result = tune_num_workers(original, max_workers=1, batches=3, cache=False, progress=False)
+    assert torch.equal(torch.get_rng_state(), global_state)
+    assert result.dataloader is not None
+    got = _xs(result.dataloader)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_slow_dataset_gets_more_workers_and_a_real_speedup(tmp_path: Path) -> None:
+    slow = loader(n=400, batch_size=4, delay=0.004)  # 16 ms a batch in one process
+    result = tune_num_workers(slow, max_workers=2, batches=15, cache=False, progress=False)
+    assert result.best["num_workers"] == 2
+    assert result.given_batches_per_sec is not None
+    assert result.best_batches_per_sec > 1.5 * result.given_batches_per_sec
+    tried = [(row["num_workers"], row["given"]) for row in result.table]
+    assert tried[0] == (0, True)
+    assert (2, False) in tried
+    assert all(row["batches_per_sec"] for row in result.table)
+
+
+class _CrashInWorkers(SlowDataset):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if torch.utils.data.get_worker_info() is not None:
+            os._exit(3)
+        return super().__getitem__(i)
+
+
+class _HangInWorkers(SlowDataset):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if torch.utils.data.get_worker_info() is not None:
+            time.sleep(3600)
+        return super().__getitem__(i)
+
+
+class _Unpicklable(SlowDataset):
+    def __init__(self) -> None:
+        super().__init__(n=64)
+        self.transform = lambda x: x  # a lambda cannot be pickled for spawned workers
+
+
+@pytest.mark.parametrize(
+    ("dataset", "context", "reason"),
+    [
+        (_CrashInWorkers(n=64), None, "a worker crashed"),
+        (_HangInWorkers(n=64), None, "workers hung"),
+        (_Unpicklable(), "spawn", "cannot be sent to worker processes"),
+    ],
+    ids=["crash", "hang", "unpicklable"],
+)
+def test_failing_candidates_are_skipped_with_the_reason(
+    dataset: Dataset[Any], context: str | None, reason: str
+) -> None:
+    workers = 1 if context else 0  # a multiprocessing context needs workers
+    bad = DataLoader(dataset, batch_size=4, num_workers=workers, multiprocessing_context=context)
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = tune_num_workers(
+            bad, max_workers=2, batches=3, timeout=2, cache=False, progress=False
+        )
+    assert time.perf_counter() - start < 60  # never hangs
+    assert result.best["num_workers"] == 0
+    skipped = [row for row in result.table if row["skipped"]]
+    assert skipped
+    assert all(reason in row["skipped"] for row in skipped)
+    assert all(row["num_workers"] > 0 for row in skipped)
+    assert any(reason in str(w.message) for w in caught)
+    assert result.dataloader is not None
+    assert len(list(result.dataloader)) == 16  # and the data is all there
+
+
+def test_results_are_cached_and_force_retunes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    dl = loader(n=64)
+    first = tune_num_workers(dl, max_workers=1, batches=3, cache_dir=tmp_path, progress=False)
+    assert not first.cached
+    assert list(tmp_path.glob("*.json"))
+
+    def no_measuring(*args: Any, **kwargs: Any) -> float:
+        raise AssertionError("measured although cached")
+
+    monkeypatch.setattr(tuner_mod, "_measure", no_measuring)
+    second = tune_num_workers(dl, max_workers=1, batches=3, cache_dir=tmp_path, progress=False)
+    assert second.cached
+    assert second.best == first.best
+    assert second.seconds == 0.0
+    with pytest.warns(UserWarning, match="every candidate failed"):
+        forced = tune_num_workers(dl, max_workers=1, batches=3, cache_dir=tmp_path, force=True,
+                                  progress=False)  # fmt: skip
+    assert not forced.cached
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [({"batches": 0}, "batches"), ({"max_workers": -1}, "max_workers"),
+     ({"time_budget": 0}, "time_budget"), ({"local_world_size": 0}, "local_world_size")],
+)  # fmt: skip
+def test_bad_arguments_name_themselves(kwargs: dict[str, Any], argument: str) -> None:
+    with pytest.raises(SpeedkitConfigError, match=f"`{argument}`"):
+        tune_num_workers(loader(), progress=False, cache=False, **kwargs)
+
+
+class _Recorder(L.pytorch.loggers.CSVLogger):
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.seen: dict[str, float] = {}
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.seen.update(metrics)
+        super().log_metrics(metrics, step)
+
+
+def _fit_with_tuner(
+    model: L.LightningModule, train: Any, tmp_path: Path, **kw: Any
+) -> tuple[L.Trainer, NumWorkersTuner, _Recorder]:
+    tuner = NumWorkersTuner(max_workers=2, batches=12, cache=False, progress=False, verdict_steps=8)
+    recorder = _Recorder(tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=14, logger=recorder, callbacks=[tuner],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, train, **kw)
+    return trainer, tuner, recorder
+
+
+def test_callback_rebuilds_a_plain_loader_and_finds_the_data_bottleneck(tmp_path: Path) -> None:
+    trainer, tuner, recorder = _fit_with_tuner(
+        MLP(), loader(n=600, batch_size=4, delay=0.004), tmp_path
+    )
+    assert tuner.result is not None
+    assert tuner.result.best["num_workers"] == 2
+    assert trainer.train_dataloader.num_workers == 2  # type: ignore[union-attr]
+    assert recorder.seen["data/num_workers"] == 2.0
+    assert recorder.seen["data/loader_batches_per_sec"] == tuner.result.best_batches_per_sec
+    assert tuner.bottleneck is not None
+    assert tuner.bottleneck["data_bound"] is True
+
+
+def test_a_compute_bound_run_is_not_blamed_on_data(tmp_path: Path) -> None:
+    _, tuner, recorder = _fit_with_tuner(
+        MLP(step_delay=0.03), loader(n=600, batch_size=4), tmp_path
+    )
+    assert tuner.bottleneck is not None
+    assert tuner.bottleneck["data_bound"] is False
+    assert recorder.seen["data/model_batches_per_sec"] < 40  # 30 ms a step
+
+
+@pytest.mark.multiprocess
+def test_ddp_keeps_lightnings_distributed_sampler_and_every_sample(tmp_path: Path) -> None:
+    ranks = run_script("tuner_ddp.py", tmp_path / "plain", "--mode", "plain")
+    for rank in ranks:
+        assert rank["sampler"] == "DistributedSampler"
+        assert rank["num_workers"] == rank["tuned_num_workers"]
+    seen = [set(r["plain_indices"]) for r in ranks]
+    assert seen[0].isdisjoint(seen[1])
+    assert len(seen[0] | seen[1]) == 64
+    ranks = run_script("tuner_ddp.py", tmp_path / "bucketed", "--mode", "bucketed")
+    assert all(r["num_workers"] == r["tuned_num_workers"] for r in ranks)
+    bucketed = [r["bucketed_indices"] for r in ranks]
+    assert set(bucketed[0]).isdisjoint(bucketed[1])
+    assert sorted(bucketed[0] + bucketed[1]) == list(range(50))  # every sample exactly once
+
+
+def test_callback_tunes_a_datamodules_loader(small_corpus: Path, tmp_path: Path) -> None:
+    from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VLMTask
+
+    from ..conftest import SMALL_CORPUS
+
+    tok = CaptionTokenizer()
+    task = VLMTask(VLMConfig.preset("tiny", tok.vocab_size), pad_id=tok.pad_id)
+    dm = VLMDataModule(small_corpus, batch_size=8, corpus=SMALL_CORPUS, progress=False)
+    trainer, tuner, _ = _fit_with_tuner(task, None, tmp_path, datamodule=dm)
+    assert tuner.result is not None
+    assert trainer.train_dataloader.num_workers == tuner.result.best["num_workers"]  # type: ignore[union-attr]
+    assert trainer.train_dataloader.collate_fn is dm.collate  # type: ignore[union-attr]
+
+
+def test_mixin_datamodule_builds_with_the_tuned_settings(tmp_path: Path) -> None:
+    from lightning_speedkit import SpeedDataModuleMixin
+
+    class Data(SpeedDataModuleMixin, L.LightningDataModule):
+        calls = 0
+
+        def train_dataloader(self) -> DataLoader[Any]:
+            Data.calls += 1
+            return self.speed_dataloader(
+                SlowDataset(n=600, delay=0.004), batch_size=4, num_workers=0
+            )
+
+    dm = Data()
+    trainer, tuner, _ = _fit_with_tuner(MLP(), None, tmp_path, datamodule=dm)
+    assert tuner.result is not None
+    assert tuner.result.best["num_workers"] == 2
+    assert dm.speed_loader_kwargs == tuner.result.best
+    assert trainer.train_dataloader.num_workers == 2  # type: ignore[union-attr]
+    assert Data.calls == 2  # once to tune, once by Lightning with the tuned settings
+
+
+def test_one_worker_beats_loading_in_the_training_process() -> None:
+    """Alone, one worker decodes no faster than the main process; it wins by overlapping
+    with training, so the tuner prefers it unless its hand-off halves the rate."""
+    result = tune_num_workers(loader(n=200, delay=0.002), max_workers=1, batches=8, cache=False,
+                              progress=False)  # fmt: skip
+    assert result.best["num_workers"] == 1
+    assert result.best["persistent_workers"] is True
+
+
+def test_compute_threads_share_the_cores_and_are_restored(tmp_path: Path) -> None:
+    before = torch.get_num_threads()
+    seen: list[int] = []
+
+    class Threads(L.Callback):
+        def on_train_start(self, *args: Any) -> None:
+            seen.append(torch.get_num_threads())
+
+    tuner = NumWorkersTuner(
+        compute_threads=1, batches=4, cache=False, progress=False, verdict_steps=0
+    )
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, callbacks=[tuner, Threads()],
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(MLP(), loader(n=64))
+    assert seen == [1]
+    assert torch.get_num_threads() == before
+    cores = tuner_mod.cpu_budget(1)
+    assert tuner.result is not None
+    assert max(row["num_workers"] for row in tuner.result.table) == max(0, cores - 1)
+    with pytest.raises(SpeedkitConfigError, match="`compute_threads`"):
+        NumWorkersTuner(compute_threads=0)
