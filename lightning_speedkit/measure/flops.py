@@ -98,12 +98,16 @@ def _varlen_lengths(cu_seqlens: torch.Tensor) -> list[int]:
     return [b - a for a, b in itertools.pairwise(offsets)]
 
 
+def _pairs(cu_q: torch.Tensor, cu_k: torch.Tensor) -> int:
+    """Query-key pairs of a variable-length batch: the sum over documents of s_q * s_k."""
+    return sum(a * b for a, b in zip(_varlen_lengths(cu_q), _varlen_lengths(cu_k), strict=True))
+
+
 def _varlen_flops(q: Any, v: Any, cu_q: torch.Tensor, cu_k: torch.Tensor, passes: int) -> int:
     # (total_tokens, heads, head_dim); each document attends within itself.
     _, heads, d_qk = _shape(q)
     d_v = _shape(v)[-1]
-    pairs = sum(a * b for a, b in zip(_varlen_lengths(cu_q), _varlen_lengths(cu_k), strict=True))
-    return passes * heads * pairs * (d_qk + d_v)
+    return passes * heads * _pairs(cu_q, cu_k) * (d_qk + d_v)
 
 
 def _flash_attn_varlen_forward(
@@ -137,7 +141,7 @@ def _xformers_forward(q: Any, k: Any, v: Any, *rest: Any, **kwargs: Any) -> int:
     if offsets is None:
         return _flash_attn_forward(q, k, v)
     _, _, heads, d = _shape(q)
-    pairs = sum(a * b for a, b in zip(*map(_varlen_lengths, offsets), strict=True))
+    pairs = _pairs(*offsets)
     return 2 * heads * pairs * (d + _shape(v)[-1])
 
 
@@ -146,7 +150,7 @@ def _xformers_backward(grad: Any, q: Any, k: Any, v: Any, *rest: Any, **kwargs: 
     if offsets is None:
         return _flash_attn_backward(grad, q, k, v)
     _, _, heads, d = _shape(q)
-    pairs = sum(a * b for a, b in zip(*map(_varlen_lengths, offsets), strict=True))
+    pairs = _pairs(*offsets)
     return 2 * heads * pairs * (3 * d + 2 * _shape(v)[-1])  # QK^T again, dP, dV, dQ, dK
 
 
@@ -155,7 +159,7 @@ def _xformers_rescore(grad: Any, q: Any, k: Any, *rest: Any, **kwargs: Any) -> i
     if offsets is None:
         return _scores_bshd(grad, q, k)
     _, _, heads, d = _shape(q)
-    pairs = sum(a * b for a, b in zip(*map(_varlen_lengths, offsets), strict=True))
+    pairs = _pairs(*offsets)
     return 2 * heads * pairs * d
 
 
@@ -190,8 +194,7 @@ def _scores_varlen(
     cu_q: Any, cu_k: Any, *a: Any, **kw: Any,
 ) -> int:  # fmt: skip
     _, heads, d = _shape(q)
-    pairs = sum(a * b for a, b in zip(_varlen_lengths(cu_q), _varlen_lengths(cu_k), strict=True))
-    return 2 * heads * pairs * d
+    return 2 * heads * _pairs(cu_q, cu_k) * d
 
 
 #: Recomputed FLOPs inside a fused attention backward, by operator name.

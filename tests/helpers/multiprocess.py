@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
+REPO = SCRIPTS.parent.parent
 _EXIT_ABORT = "terminate called without an active exception"
 _DIST_VARS = (
     "MASTER_ADDR",
@@ -36,12 +37,17 @@ _DIST_VARS = (
 
 
 def clean_env() -> dict[str, str]:
-    """This process's environment without distributed or Lightning launcher variables."""
-    return {
+    """This process's environment without distributed or Lightning launcher variables.
+
+    The repository root goes first on PYTHONPATH, so scripts can import ``tests.helpers``.
+    """
+    env = {
         k: v
         for k, v in os.environ.items()
         if k not in _DIST_VARS and not k.startswith(("PL_", "TORCHELASTIC_"))
     }
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    return env
 
 
 def run_script(
@@ -70,3 +76,13 @@ def run_script(
             raise AssertionError(f"{script}: rank {rank} wrote no results\n{proc.stderr[-8000:]}")
         results.append(json.loads(path.read_text()))
     return results
+
+
+def finish_rank(out_dir: Path, rank: int, result: dict[str, Any]) -> None:
+    """In a script: write this rank's results, then leave the process group cleanly."""
+    import torch.distributed as dist
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(result))
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -3,17 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import json
-import sys
 from pathlib import Path
 from typing import ClassVar
 
 import lightning as L
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from lightning_speedkit import SpeedMonitor
 from tests.helpers.models import MLP, loader
+from tests.helpers.multiprocess import finish_rank
 
 
 class SeenLogger(L.pytorch.loggers.CSVLogger):
@@ -37,10 +35,7 @@ def main() -> None:
     )  # fmt: skip
     trainer.fit(MLP(step_delay=0.02), loader(n=400, batch_size=8))
     result = {"summary": monitor.summary, "logged_keys": sorted(SeenLogger.seen)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    finish_rank(args.out, trainer.global_rank, result)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_speedkit import NumWorkersTuner, SpeedDataModuleMixin
+from tests.helpers.multiprocess import finish_rank
 
 
 class Indexed(Dataset[dict[str, torch.Tensor]]):
@@ -78,10 +78,7 @@ def main() -> None:
         "tuned_num_workers": tuner.result.best["num_workers"] if tuner.result else None,
         f"{args.mode}_indices": model.seen,
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    finish_rank(args.out, trainer.global_rank, result)
 
 
 if __name__ == "__main__":

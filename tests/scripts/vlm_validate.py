@@ -6,13 +6,13 @@ Run by tests/examples/vlm/test_task.py through tests/helpers/multiprocess.py.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import lightning as L
 import torch
 
 from speedkit_examples.vlm import CaptionTokenizer, CorpusConfig, VLMConfig, VLMDataModule, VLMTask
+from tests.helpers.multiprocess import finish_rank
 
 
 def main() -> None:
@@ -42,10 +42,7 @@ def main() -> None:
         "samples_seen": len(trainer.val_dataloaders.sampler),  # type: ignore[union-attr, arg-type]
         **{k: float(v) for k, v in metrics.items()},
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    finish_rank(args.out, trainer.global_rank, result)
 
 
 if __name__ == "__main__":
