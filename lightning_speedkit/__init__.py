@@ -1,14 +1,19 @@
 """lightning_speedkit: make Lightning training faster without touching model code.
 
 The public API grows with each component (see ``docs/architecture.md``).
+Importing the package registers its strategy names with Lightning
+(``Trainer(strategy="ddp_powersgd")``).
 """
 
 from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.data import NumWorkersTuner, SpeedDataModuleMixin, tune_num_workers
+from lightning_speedkit.distributed import DDPHalfPrecisionStrategy, DDPPowerSGDStrategy
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure import FlopCount, SpeedMonitor, count_flops, peak_flops
 
 __all__ = [
+    "DDPHalfPrecisionStrategy",
+    "DDPPowerSGDStrategy",
     "FlopCount",
     "NumWorkersTuner",
     "SpeedDataModuleMixin",
@@ -19,3 +24,13 @@ __all__ = [
     "peak_flops",
     "tune_num_workers",
 ]
+
+
+def _register_strategies() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    for strategy in (DDPPowerSGDStrategy, DDPHalfPrecisionStrategy):
+        strategy.register_strategies(StrategyRegistry)
+
+
+_register_strategies()

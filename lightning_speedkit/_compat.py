@@ -32,3 +32,14 @@ def replace_train_loader(trainer: L.Trainer, loader: Any) -> None:
 def datamodule(trainer: L.Trainer) -> Any:
     """The Trainer's DataModule or None (a property Lightning's stubs do not declare)."""
     return getattr(trainer, "datamodule", None)
+
+
+def add_callback_once(trainer: L.Trainer, callback: L.Callback) -> None:
+    """Append ``callback`` to the Trainer's callbacks unless one of its type is there.
+
+    Strategies use it from ``setup_environment``, which Lightning runs before it
+    restores callback state from a checkpoint.
+    """
+    callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    if not any(type(c) is type(callback) for c in callbacks):
+        callbacks.append(callback)

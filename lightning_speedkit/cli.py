@@ -97,6 +97,31 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     )
 
 
+def _add_bench_allreduce(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = subparsers.add_parser(
+        "bench-allreduce",
+        help="all-reduce time and bus bandwidth over message sizes (gloo or NCCL)",
+        description=(
+            "Time float32 all-reduces on local processes and print time, algorithm "
+            "bandwidth and bus bandwidth (algbw x 2(n-1)/n, as nccl-tests report it)."
+        ),
+    )
+    bench.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="gloo (CPU) or nccl (a GPU per process) (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--nprocs", type=_positive_int, default=2, help="processes (default: %(default)s)"
+    )
+    bench.add_argument("--sizes", nargs="+", default=["4KB", "64KB", "1MB", "16MB", "64MB"],
+                       help="message sizes (default: %(default)s)")  # fmt: skip
+    bench.add_argument("--iters", type=_positive_int, default=20, help="timed calls per size")
+    bench.add_argument("--warmup", type=_non_negative_int, default=5, help="untimed calls per size")
+    bench.add_argument("--json", default=None, help="also write the rows to this JSON file")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="speedkit",
@@ -105,6 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo(subparsers)
+    _add_bench_allreduce(subparsers)
     return parser
 
 
@@ -135,6 +161,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         if result is not None:  # None on ranks other than 0
             print(comparison_table(result))
+    elif args.command == "bench-allreduce":
+        import json
+
+        from lightning_speedkit.distributed.allreduce_bench import (
+            bench_allreduce,
+            format_table,
+            parse_size,
+            to_json,
+        )
+        from lightning_speedkit.errors import SpeedkitConfigError
+
+        try:
+            sizes = [parse_size(s) for s in args.sizes]
+            rows = bench_allreduce(args.backend, args.nprocs, sizes, args.iters, args.warmup)
+        except SpeedkitConfigError as exc:
+            print(f"speedkit bench-allreduce: error: {exc}", file=sys.stderr)
+            return 2
+        print(format_table(rows))
+        if args.json:
+            with open(args.json, "w") as handle:
+                json.dump(to_json(rows), handle, indent=2)
     return 0
 
 
