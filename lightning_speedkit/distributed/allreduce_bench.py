@@ -43,7 +43,13 @@ class AllReduceResult:
 
 
 def parse_size(text: str) -> int:
-    """``"64KB"`` -> 65536; units B, KB, MB, GB (powers of 2); a bare number is bytes."""
+    """``"64KB"`` -> 65536; units B, KB, MB, GB (powers of 2); a bare number is bytes.
+
+    Example::
+
+        >>> parse_size("64KB"), parse_size("1.5MB"), parse_size("512")
+        (65536, 1572864, 512)
+    """
     cleaned = text.strip().upper()
     for unit in sorted(_UNITS, key=len, reverse=True):
         if cleaned.endswith(unit):
@@ -117,9 +123,7 @@ def bench_allreduce(
         iters: timed all-reduces per size.
         warmup: untimed all-reduces per size first.
 
-    Example::
-
-        >>> rows = bench_allreduce("gloo", 2, sizes=[4096], iters=2, warmup=1)  # doctest: +SKIP
+    ``speedkit bench-allreduce`` prints its rows with :func:`format_table`.
     """
     if backend not in ("gloo", "nccl"):
         raise SpeedkitConfigError(f"`backend` must be 'gloo' or 'nccl', got {backend!r}.")

@@ -243,20 +243,35 @@ class _ParameterBook:
 
 
 class _HookState:
-    """What the registered hook carries: torch's PowerSGDState and our parameter book."""
+    """What the registered hook carries: torch's PowerSGDState and our parameter book.
 
-    def __init__(self, powersgd: PowerSGDState, book: _ParameterBook) -> None:
+    ``serialize``: finish each bucket's compression before returning. PowerSGD issues
+    its second and third all-reduces from the first one's completion callback. NCCL
+    runs those in stream order; gloo runs callbacks on its own threads, so with several
+    buckets in flight two ranks can issue their collectives in different orders and
+    wait for each other for ever (seen with a 64 MiB model over a veth link). Waiting
+    per bucket on gloo keeps the order; it gives up overlapping communication with the
+    rest of the backward pass, which a CPU run has little of anyway.
+    """
+
+    def __init__(self, powersgd: PowerSGDState, book: _ParameterBook, serialize: bool) -> None:
         self.powersgd = powersgd
         self.book = book
+        self.serialize = serialize
 
     def __getstate__(self) -> dict[str, Any]:  # DDP may pickle hook states; the book stays here
-        return {"powersgd": self.powersgd}
+        return {"powersgd": self.powersgd, "serialize": self.serialize}
 
 
 @_comm_hook
 def _speedkit_powersgd_hook(state: _HookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     state.book.on_bucket(bucket)
-    return powerSGD_hook(state.powersgd, bucket)
+    future = powerSGD_hook(state.powersgd, bucket)
+    if not state.serialize:
+        return future
+    done: torch.futures.Future[Tensor] = torch.futures.Future()
+    done.set_result(future.wait())  # see _HookState: collective order on gloo
+    return done
 
 
 # --- checkpointing and logging -----------------------------------------------------------------
@@ -436,7 +451,8 @@ class DDPPowerSGDStrategy(DDPStrategy):
         hook: Callable[..., Any] = _speedkit_powersgd_hook
         if self.compress_dtype is not None:
             hook = half_precision_hook(self.compress_dtype, _speedkit_powersgd_hook)
-        model.register_comm_hook(_HookState(state, self._book), hook)
+        serialize = dist.get_backend() == "gloo"
+        model.register_comm_hook(_HookState(state, self._book, serialize), hook)
         log.debug("registered PowerSGD (rank %d) on %s", self.rank, self.root_device)
 
 

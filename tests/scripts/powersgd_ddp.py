@@ -83,6 +83,7 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=192)  # 6 steps an epoch on 2 ranks
     parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--start-iter", type=int, default=2)
+    parser.add_argument("--bucket-cap-mb", type=float, default=25.0)
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--resume", type=Path, default=None)
     args = parser.parse_args()
@@ -91,7 +92,8 @@ def main() -> None:
     start = {"subprocess": "popen", "spawn": "spawn", "fork": "fork"}[args.launcher]
     strategy: Any
     if args.strategy == "ddp_powersgd":
-        strategy = DDPPowerSGDStrategy(start_iter=args.start_iter, start_method=start)
+        strategy = DDPPowerSGDStrategy(start_iter=args.start_iter, start_method=start,
+                                       bucket_cap_mb=args.bucket_cap_mb)  # fmt: skip
     elif args.strategy in ("ddp_fp16_compress", "ddp_bf16_compress"):
         strategy = DDPHalfPrecisionStrategy(args.strategy[4:8], start_method=start)
     else:
