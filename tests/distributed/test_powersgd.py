@@ -175,3 +175,26 @@ def test_converges_close_to_plain_ddp_and_half_precision_runs_on_gloo(tmp_path: 
         loss, rank = last_loss(half)
         assert rank["hook_calls"] == 120  # the hook really ran, on gloo, bf16 included
         assert loss == pytest.approx(plain, rel=0.05)
+
+
+def test_compression_ratio_is_logged_from_the_live_state() -> None:
+    from lightning_speedkit.distributed.powersgd import _PowerSGDCheckpoint
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.rows: list[tuple[int, dict[str, float]]] = []
+
+        def log_metrics(self, metrics: dict[str, float], step: int) -> None:
+            self.rows.append((step, metrics))
+
+    strategy = DDPPowerSGDStrategy(start_iter=2)
+    state = PowerSGDState(None, start_powerSGD_iter=2)
+    state.total_numel_before_compression, state.total_numel_after_compression = 4096 * 10, 128 * 10
+    strategy._book = _ParameterBook(state, {})
+    recorder = Recorder()
+    trainer = type("T", (), {"loggers": [recorder], "global_step": 50, "log_every_n_steps": 50})()
+    _PowerSGDCheckpoint(strategy).on_train_batch_end(trainer)  # type: ignore[arg-type]
+    assert recorder.rows == [(50, {"powersgd/compression_ratio": 32.0})]
+    trainer.global_step = 51  # type: ignore[attr-defined]
+    _PowerSGDCheckpoint(strategy).on_train_batch_end(trainer)  # type: ignore[arg-type]
+    assert len(recorder.rows) == 1  # only every log_every_n_steps
