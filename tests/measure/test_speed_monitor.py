@@ -87,7 +87,7 @@ def test_step_time_and_throughput_are_measured() -> None:
     _fit(MLP(step_delay=0.02), monitor, steps=25, batch_size=8, n=400)
     s = monitor.summary
     assert s["step_ms_p50"] is not None
-    assert 20 <= s["step_ms_p50"] < 40
+    assert 20 <= s["step_ms_p50"] < 60  # a 20 ms sleep plus a tiny model, on a busy machine
     assert s["samples_per_sec"] == pytest.approx(8 / (s["step_ms_p50"] / 1e3), rel=0.3)
     assert s["mfu"] is None
     assert s["hfu"] is None
