@@ -153,8 +153,8 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
         peak_flops=peak,
     )
     callbacks: list[L.Callback] = [monitor, trace]
-    tuner = NumWorkersTuner(progress=False)
-    if run == "kit":
+    tuner = NumWorkersTuner(progress=False) if run == "kit" else None
+    if tuner is not None:
         callbacks.append(tuner)
     output_dir = Path(config.output_dir)
     trainer = L.Trainer(
@@ -182,7 +182,7 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
     head = max(1, min(10, len(losses) // 10))
     tail = max(1, len(losses) // 10)
     notes = []
-    if run == "kit" and tuner.result is not None:
+    if tuner is not None and tuner.result is not None:
         best = tuner.result.best
         notes.append(
             f"kit: NumWorkersTuner chose num_workers={best['num_workers']}"

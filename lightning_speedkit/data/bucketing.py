@@ -96,12 +96,19 @@ class LengthBucketBatchSampler(BatchSampler):
         self.drop_last = drop_last
         self.pool_batches = pool_batches
         self.epoch = 0
+        self._built: tuple[int, list[list[int]]] | None = None  # (epoch, its batches)
 
     def set_epoch(self, epoch: int) -> None:
         """Lightning calls this at each epoch; the batches change with it."""
         self.epoch = epoch
 
     def _all_batches(self) -> list[list[int]]:
+        """This epoch's batches, built once (Lightning asks for the length several times)."""
+        if self._built is None or self._built[0] != self.epoch:
+            self._built = (self.epoch, self._build())
+        return self._built[1]
+
+    def _build(self) -> list[list[int]]:
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         n = len(self.lengths)
         order = torch.randperm(n, generator=generator) if self.shuffle else torch.arange(n)

@@ -15,6 +15,7 @@ from lightning_speedkit import _compat
 from lightning_speedkit.data.mixin import SpeedDataModuleMixin
 from lightning_speedkit.data.tuner import (
     TuneResult,
+    check_tune_arguments,
     cpu_budget,
     rebuild_dataloader,
     tune_num_workers,
@@ -83,8 +84,10 @@ class NumWorkersTuner(L.Callback):
             min_gain=min_gain, time_budget=time_budget, timeout=timeout, cache=cache,
             cache_dir=cache_dir, force=force, progress=progress,
         )  # fmt: skip
-        if max_workers is not None and (not isinstance(max_workers, int) or max_workers < 0):
-            raise SpeedkitConfigError(f"`max_workers` must be 0 or more, got {max_workers!r}.")
+        check_tune_arguments(
+            max_workers=max_workers, batches=batches, warmup_batches=warmup_batches,
+            time_budget=time_budget, timeout=timeout,
+        )  # fmt: skip
         if compute_threads is not None and (
             not isinstance(compute_threads, int) or compute_threads < 1
         ):

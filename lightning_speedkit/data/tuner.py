@@ -104,11 +104,14 @@ def _settings(loader: DataLoader[Any]) -> dict[str, Any]:
     }
 
 
-def rebuild_dataloader(loader: DataLoader[Any], **settings: Any) -> DataLoader[Any]:
+def rebuild_dataloader(
+    loader: DataLoader[Any], *, timeout: float | None = None, **settings: Any
+) -> DataLoader[Any]:
     """A new DataLoader like ``loader`` with the given worker settings changed.
 
     The sampler (or custom batch sampler) object itself is reused, so the order,
     shuffling, generator, batch size and drop_last are exactly the user's.
+    ``timeout`` (seconds a worker may take per batch) is the loader's unless given.
     """
     unknown = set(settings) - set(TUNED_KEYS)
     if unknown:
@@ -121,7 +124,7 @@ def rebuild_dataloader(loader: DataLoader[Any], **settings: Any) -> DataLoader[A
         "worker_init_fn": loader.worker_init_fn,
         "multiprocessing_context": loader.multiprocessing_context,
         "generator": loader.generator,
-        "timeout": loader.timeout,
+        "timeout": loader.timeout if timeout is None else timeout,
         "pin_memory_device": loader.pin_memory_device,
         **_settings(loader),
         **settings,
@@ -185,8 +188,10 @@ def _measure(
     evens out a shared machine's hiccups), at most ``max_seconds``.
     """
     if loader.num_workers > 0:
-        loader = rebuild_dataloader(loader)  # same settings; and a timeout below
-        loader.timeout = timeout  # DataLoader raises if a worker takes longer for a batch
+        # Iterate a private copy: with workers, DataLoader raises if one takes longer than
+        # `timeout` for a batch. (Iterating the caller's loader itself once left a hung
+        # worker's queue locked when the loader was freed.)
+        loader = rebuild_dataloader(loader, timeout=timeout)
     with _main_process_deadline(timeout + max_seconds + warmup * timeout):
         iterator = iter(loader)
         try:
@@ -294,6 +299,31 @@ def _worker_counts(budget: int) -> list[int]:
     return counts
 
 
+def check_tune_arguments(
+    *,
+    max_workers: int | None = None,
+    batches: int = 1,
+    warmup_batches: int = 0,
+    local_world_size: int = 1,
+    time_budget: float = 1.0,
+    timeout: float = 1.0,
+) -> None:
+    """Refuse bad tuning arguments, naming the argument (shared by function and callback)."""
+    for name, value, low in (("batches", batches, 1), ("warmup_batches", warmup_batches, 0),
+                             ("local_world_size", local_world_size, 1)):  # fmt: skip
+        if not isinstance(value, int) or value < low:
+            raise SpeedkitConfigError(
+                f"`{name}` must be an integer of at least {low}, got {value!r}."
+            )
+    if max_workers is not None and (not isinstance(max_workers, int) or max_workers < 0):
+        raise SpeedkitConfigError(f"`max_workers` must be 0 or more, got {max_workers!r}.")
+    if time_budget <= 0 or timeout <= 0:
+        raise SpeedkitConfigError(
+            f"`time_budget` and `timeout` must be positive seconds, got {time_budget} "
+            f"and {timeout}."
+        )
+
+
 def tune_num_workers(
     dataloader: DataLoader[Any],
     *,
@@ -339,19 +369,10 @@ def tune_num_workers(
         >>> result.best["num_workers"], len(result.table)
         (0, 1)
     """
-    for name, value, low in (("batches", batches, 1), ("warmup_batches", warmup_batches, 0),
-                             ("local_world_size", local_world_size, 1)):  # fmt: skip
-        if not isinstance(value, int) or value < low:
-            raise SpeedkitConfigError(
-                f"`{name}` must be an integer of at least {low}, got {value!r}."
-            )
-    if max_workers is not None and (not isinstance(max_workers, int) or max_workers < 0):
-        raise SpeedkitConfigError(f"`max_workers` must be 0 or more, got {max_workers!r}.")
-    if time_budget <= 0 or timeout <= 0:
-        raise SpeedkitConfigError(
-            f"`time_budget` and `timeout` must be positive seconds, got {time_budget} "
-            f"and {timeout}."
-        )
+    check_tune_arguments(
+        max_workers=max_workers, batches=batches, warmup_batches=warmup_batches,
+        local_world_size=local_world_size, time_budget=time_budget, timeout=timeout,
+    )  # fmt: skip
 
     budget = cpu_budget(local_world_size) if max_workers is None else max_workers
     cache_path = (

@@ -124,6 +124,7 @@ class _ParameterBook:
         self.state = state
         self.names = names  # id(parameter) -> name
         self.layouts: dict[int, _Layout] = {}  # bucket index -> its parameters now
+        self._ids: dict[int, tuple[int, ...]] = {}  # the same, as ids: the per-step check
         self.pending: dict[str, dict[str, Tensor]] = {}  # name -> {"error", "p", "q"}
         self.calls = 0
 
@@ -186,16 +187,19 @@ class _ParameterBook:
         self.state.p_memory_dict.clear()
         self.state.q_memory_dict.clear()
         self.layouts.clear()
+        self._ids.clear()
 
     def on_bucket(self, bucket: GradBucket) -> None:
         """Called before PowerSGD sees ``bucket``: make the state match its layout."""
         self.calls += 1
         index = bucket.index()
-        layout = tuple((self.names[id(p)], tuple(p.shape)) for p in bucket.parameters())
-        known = self.layouts.get(index)
-        if known == layout:
+        params = bucket.parameters()
+        ids = tuple(id(p) for p in params)
+        if self._ids.get(index) == ids:  # the usual case: nothing moved since last step
             return
-        if known is not None:  # DDP re-laid its buckets: re-key everything by parameter
+        self._ids[index] = ids
+        layout = tuple((self.names[id(p)], tuple(p.shape)) for p in params)
+        if index in self.layouts:  # DDP re-laid its buckets: re-key everything by parameter
             self._unpack_all()
         self.layouts[index] = layout
         if self.pending:
@@ -239,6 +243,7 @@ class _ParameterBook:
         self.state.p_memory_dict.clear()
         self.state.q_memory_dict.clear()
         self.layouts.clear()
+        self._ids.clear()
         self.pending = {name: dict(piece) for name, piece in data["params"].items()}
 
 

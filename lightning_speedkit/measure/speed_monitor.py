@@ -37,6 +37,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, Literal
 
 import lightning as L
@@ -93,6 +94,11 @@ class _BatchInfo:
     signature: tuple[tuple[tuple[int, ...], str], ...]
     samples: int
     tokens: int | None
+
+    @cached_property
+    def key(self) -> str:
+        """The signature as a checkpoint-friendly string (computed once per batch)."""
+        return repr(self.signature)
 
 
 def _number(value: Any, argument: str) -> float:
@@ -192,6 +198,20 @@ class _FlopBook:
 
     def __init__(self) -> None:
         self.counted: dict[str, _Counted] = {}
+        self._estimates: dict[str, tuple[float, float] | None] = {}
+
+    def add(self, key: str, counted: _Counted) -> None:
+        self.counted[key] = counted
+        self._estimates.clear()  # a new point changes the fit
+
+    def for_batch(self, info: _BatchInfo) -> tuple[float, float] | None:
+        """(model, hardware) FLOPs of a batch: counted, or estimated once per shape."""
+        counted = self.counted.get(info.key)
+        if counted is not None:
+            return counted.model, counted.hardware
+        if info.key not in self._estimates:
+            self._estimates[info.key] = self.estimate(info)
+        return self._estimates[info.key]
 
     def estimate(self, info: _BatchInfo) -> tuple[float, float] | None:
         if not self.counted:
@@ -353,7 +373,9 @@ class SpeedMonitor(L.Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self._run = [list(r) for r in state_dict.get("run", [])]
         self._run_steps = list(state_dict.get("run_steps", []))
-        self.flops.counted = {k: _Counted(**v) for k, v in state_dict.get("flops", {}).items()}
+        self.flops = _FlopBook()
+        for key, counted in state_dict.get("flops", {}).items():
+            self.flops.add(key, _Counted(**counted))
 
     # -- set-up ------------------------------------------------------------------------------
 
@@ -420,7 +442,7 @@ class SpeedMonitor(L.Callback):
     ) -> None:
         self._batches += 1
         self._info = info = self._describe(batch)
-        key = repr(info.signature)
+        key = info.key
         if (
             self.flops_per_batch is None
             and key not in self.flops.counted
@@ -444,9 +466,7 @@ class SpeedMonitor(L.Callback):
         if self._session is not None and info is not None:
             model, hardware = self._session.close()
             self._session = None
-            self.flops.counted[repr(info.signature)] = _Counted(
-                info.samples, info.tokens, model, hardware
-            )
+            self.flops.add(info.key, _Counted(info.samples, info.tokens, model, hardware))
         if keep and info is not None:
             self._accumulate(info, batch)
         every = self.log_every_n_steps or _compat.log_every_n_steps(trainer)
@@ -473,8 +493,7 @@ class SpeedMonitor(L.Callback):
             acc["model_flops"] += flops
             acc["hw_flops"] += flops
             return
-        counted = self.flops.counted.get(repr(info.signature))
-        estimate = (counted.model, counted.hardware) if counted else self.flops.estimate(info)
+        estimate = self.flops.for_batch(info)
         if estimate is not None:
             acc["model_flops"] += estimate[0]
             acc["hw_flops"] += estimate[1]

@@ -301,3 +301,13 @@ def test_compute_threads_share_the_cores_and_are_restored(tmp_path: Path) -> Non
     assert max(row["num_workers"] for row in tuner.result.table) == max(0, cores - 1)
     with pytest.raises(SpeedkitConfigError, match="`compute_threads`"):
         NumWorkersTuner(compute_threads=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"), [({"batches": 0}, "batches"), ({"timeout": 0}, "timeout")]
+)
+def test_callback_refuses_bad_tuning_arguments_at_construction(
+    kwargs: dict[str, Any], argument: str
+) -> None:
+    with pytest.raises(SpeedkitConfigError, match=f"`{argument}`"):
+        NumWorkersTuner(**kwargs)

@@ -94,6 +94,22 @@ def test_state_follows_parameters_when_ddp_relays_its_buckets() -> None:
     assert set(exported["params"]["a"]) == {"error", "p", "q"}
 
 
+def test_a_bucket_that_did_not_move_keeps_its_state() -> None:
+    a, b, c = (torch.nn.Parameter(torch.zeros(8, 6)) for _ in range(3))
+    names = {id(a): "a", id(b): "b", id(c): "c"}
+    state = PowerSGDState(
+        None, matrix_approximation_rank=1, start_powerSGD_iter=2, min_compression_rate=2
+    )
+    book = _ParameterBook(state, names)
+    for index, params in enumerate(([a], [b], [c])):
+        book.on_bucket(_Bucket(index, params))
+        state.error_dict[index] = torch.full((48,), float(index))
+    book.on_bucket(_Bucket(0, [b]))  # buckets 0 and 1 swap; bucket 2 stays as it was
+    book.on_bucket(_Bucket(1, [a]))
+    book.on_bucket(_Bucket(2, [c]))
+    assert [state.error_dict[i][0].item() for i in range(3)] == [1.0, 0.0, 2.0]
+
+
 def _params(out: Path, rank: int) -> dict[str, torch.Tensor]:
     loaded: dict[str, torch.Tensor] = torch.load(out / f"params{rank}.pt", weights_only=True)
     return loaded
