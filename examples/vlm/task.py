@@ -13,6 +13,10 @@ from torchmetrics.text import Perplexity
 
 from .model import VLM, VLMConfig
 
+# The config is saved with the hyperparameters: let torch.load(weights_only=True),
+# which Lightning uses to resume, rebuild it.
+torch.serialization.add_safe_globals([VLMConfig])
+
 
 class VLMTask(L.LightningModule):
     """Caption loss on the text tokens; image tokens carry no loss.
