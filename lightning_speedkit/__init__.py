@@ -6,12 +6,14 @@ Importing the package registers its strategy names with Lightning
 """
 
 from lightning_speedkit.__about__ import __version__
+from lightning_speedkit.attention import AttentionSwap, register_adapter, swap_attention
 from lightning_speedkit.data import NumWorkersTuner, SpeedDataModuleMixin, tune_num_workers
 from lightning_speedkit.distributed import DDPHalfPrecisionStrategy, DDPPowerSGDStrategy
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure import FlopCount, SpeedMonitor, count_flops, peak_flops
 
 __all__ = [
+    "AttentionSwap",
     "DDPHalfPrecisionStrategy",
     "DDPPowerSGDStrategy",
     "FlopCount",
@@ -22,6 +24,8 @@ __all__ = [
     "__version__",
     "count_flops",
     "peak_flops",
+    "register_adapter",
+    "swap_attention",
     "tune_num_workers",
 ]
 

@@ -14,3 +14,15 @@ def _available(module: str) -> bool:
 
 #: nvidia-ml-py (module ``pynvml``): GPU utilisation for SpeedMonitor. ``pip install nvidia-ml-py``.
 NVML_AVAILABLE = _available("pynvml")
+
+#: flash-attn: the ``flash`` attention backend on CUDA.
+#: ``pip install lightning_speedkit[flash]``.
+FLASH_ATTN_AVAILABLE = _available("flash_attn")
+
+#: xformers: the ``efficient`` attention backend on CUDA.
+#: ``pip install lightning_speedkit[xformers]``.
+XFORMERS_AVAILABLE = _available("xformers")
+
+#: matplotlib: the PNG plots of benchmarks and reports.
+#: ``pip install lightning_speedkit[plot]``.
+MATPLOTLIB_AVAILABLE = _available("matplotlib")

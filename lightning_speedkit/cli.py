@@ -122,6 +122,73 @@ def _add_bench_allreduce(subparsers: argparse._SubParsersAction[argparse.Argumen
     bench.add_argument("--json", default=None, help="also write the rows to this JSON file")
 
 
+def _add_bench_attention(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from lightning_speedkit.attention.backends import BACKENDS
+
+    bench = subparsers.add_parser(
+        "bench-attention",
+        help="forward+backward time and memory of each attention backend vs eager",
+        description=(
+            "Time forward+backward of eager attention (explicit matmul, mask, softmax) and of "
+            "each backend over sequence lengths, head dims and key/value heads (GQA); print "
+            "time, memory and both relative to eager. Memory is the peak allocated on CUDA "
+            "and the bytes saved for backward on CPU."
+        ),
+    )
+    bench.add_argument(
+        "--seq",
+        type=_positive_int,
+        nargs="+",
+        default=None,
+        help="sequence lengths (default: 256-8192 on CUDA, 256-2048 on CPU)",
+    )
+    bench.add_argument(
+        "--head-dim",
+        type=_positive_int,
+        nargs="+",
+        default=[64],
+        help="head dimensions (default: %(default)s)",
+    )
+    bench.add_argument("--heads", type=_positive_int, default=8, help="query heads (default: 8)")
+    bench.add_argument(
+        "--kv-heads",
+        type=_positive_int,
+        nargs="+",
+        default=[8, 2],
+        help="key/value heads; fewer than --heads is GQA (default: %(default)s)",
+    )
+    bench.add_argument("--batch", type=_positive_int, default=1, help="batch size (default: 1)")
+    bench.add_argument(
+        "--backends",
+        nargs="+",
+        choices=BACKENDS,
+        default=["sdpa", "flash", "efficient", "cudnn", "math"],
+        help="backends to compare with eager (default: %(default)s)",
+    )
+    bench.add_argument("--no-causal", action="store_true", help="bidirectional attention")
+    bench.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        default=None,
+        help="default: bfloat16 on CUDA, float32 on CPU",
+    )
+    bench.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    bench.add_argument(
+        "--repeats",
+        type=_positive_int,
+        default=5,
+        help="timed repeats per shape, median kept (default: %(default)s)",
+    )
+    bench.add_argument(
+        "--memory-limit",
+        type=float,
+        default=8.0,
+        help="skip shapes whose eager scores need more GiB (default: %(default)s)",
+    )
+    bench.add_argument("--out", default="bench_attention",
+                       help="directory for results.json and the plot")  # fmt: skip
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="speedkit",
@@ -131,6 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_demo(subparsers)
     _add_bench_allreduce(subparsers)
+    _add_bench_attention(subparsers)
     return parser
 
 
@@ -182,6 +250,56 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.json:
             with open(args.json, "w") as handle:
                 json.dump(to_json(rows), handle, indent=2)
+    elif args.command == "bench-attention":
+        return _bench_attention(args)
+    return 0
+
+
+def _bench_attention(args: argparse.Namespace) -> int:
+    import platform
+    from datetime import datetime, timezone
+    from pathlib import Path
+
+    import torch
+
+    from lightning_speedkit import _imports
+    from lightning_speedkit.attention.bench import bench_attention, format_table, plot, write_json
+    from lightning_speedkit.errors import SpeedkitConfigError
+
+    try:
+        rows = bench_attention(
+            args.seq,
+            args.head_dim,
+            args.heads,
+            args.kv_heads,
+            args.batch,
+            args.backends,
+            causal=not args.no_causal,
+            dtype=getattr(torch, args.dtype) if args.dtype else None,
+            device=args.device,
+            repeats=args.repeats,
+            memory_limit_gib=args.memory_limit,
+        )
+    except SpeedkitConfigError as exc:
+        print(f"speedkit bench-attention: error: {exc}", file=sys.stderr)
+        return 2
+    print(format_table(rows))
+    out = Path(args.out)
+    device = rows[0].device
+    name = torch.cuda.get_device_name() if device == "cuda" else platform.processor() or "cpu"
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": name,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "causal": not args.no_causal,
+    }
+    write_json(rows, out / "results.json", meta)
+    print(f"\nwrote {out / 'results.json'}")
+    if _imports.MATPLOTLIB_AVAILABLE:
+        print(f"wrote {plot(rows, out / 'attention.png')}")
+    else:
+        print("no plot: pip install 'lightning_speedkit[plot]' for one")
     return 0
 
 

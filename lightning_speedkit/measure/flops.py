@@ -27,10 +27,11 @@ those gradients: the counter prices what runs, not a formula.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -248,6 +249,24 @@ class FlopCount:
         return self.total - self.model
 
 
+_PAUSED = 0
+
+
+@contextlib.contextmanager
+def not_counted() -> Iterator[None]:
+    """Leave the work inside out of any running :func:`count_flops`.
+
+    For the kit's own one-off work inside a training step (AttentionSwap's
+    parity check), which is not the model's.
+    """
+    global _PAUSED
+    _PAUSED += 1
+    try:
+        yield
+    finally:
+        _PAUSED -= 1
+
+
 class _Counter(TorchDispatchMode):
     def __init__(self, tracker: ModuleTracker) -> None:
         super().__init__()
@@ -267,7 +286,7 @@ class _Counter(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         formula = _formula_for(func)
-        if formula is None:
+        if formula is None or _PAUSED:
             return out
         flops = int(formula(*args, **kwargs, out_val=out))
         if not flops:

@@ -1,0 +1,116 @@
+"""AttentionSwap: swap the model's attention to a fused backend as fit starts."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+from lightning.pytorch.utilities import rank_zero_info
+
+from lightning_speedkit.attention.backends import BackendChoice, check_backend
+from lightning_speedkit.attention.swap_attention import SwapReport, swap_attention, swapped_modules
+from lightning_speedkit.errors import SpeedkitConfigError
+
+__all__ = ["AttentionSwap"]
+
+
+class AttentionSwap(L.Callback):
+    """Runs :func:`~lightning_speedkit.swap_attention` on the LightningModule in ``setup``.
+
+    The swap happens before the strategy wraps the model (DDP, FSDP, DeepSpeed
+    see the swapped modules; parameters are untouched). Each swapped module is
+    checked against its own forward on its first real inputs, forward and
+    backward, inside the first training step (the step's numbers are the
+    module's own); one that fails is reverted with a warning. After the first
+    training batch the report is printed (rank 0) and ``attention/swapped`` and
+    ``attention/reverted`` are logged.
+
+    Args:
+        backend: ``"auto"`` (default: time the candidates on the first real
+            inputs and keep the fastest that passes), or one of ``"sdpa"``,
+            ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"flex"``, ``"math"``.
+        tolerance: largest relative parity error that passes (default by
+            dtype: 1e-4 fp32, 3e-2 bf16).
+        measure: time own vs fused at the check for the report's speedups.
+        verbose: print the report after the first training batch.
+
+    Its state (each module's backend, or why it was reverted) is saved in
+    checkpoints: a resumed run keeps ``auto``'s picks instead of timing again.
+
+    Example::
+
+        >>> import lightning as L
+        >>> trainer = L.Trainer(callbacks=[AttentionSwap(backend="sdpa")], logger=False)
+    """
+
+    def __init__(
+        self,
+        backend: BackendChoice = "auto",
+        *,
+        tolerance: float | None = None,
+        measure: bool = True,
+        verbose: bool = True,
+    ) -> None:
+        check_backend(backend)
+        if tolerance is not None and not tolerance > 0:
+            raise SpeedkitConfigError(f"`tolerance` must be positive, got {tolerance!r}.")
+        self.backend = backend
+        self.tolerance = tolerance
+        self.measure = measure
+        self.verbose = verbose
+        self.report: SwapReport | None = None
+        self._reported = False
+        self._loaded: dict[str, Any] = {}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if self.report is not None and swapped_modules(pl_module):
+            return  # a later fit() on the same module: already swapped
+        self.report = swap_attention(
+            pl_module, self.backend, tolerance=self.tolerance, measure=self.measure
+        )
+        self._reported = False
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if self._reported or self.report is None:
+            return
+        self._reported = True
+        report = self.report
+        if self.verbose:
+            rank_zero_info(f"AttentionSwap (backend={self.backend!r}):\n{report.to_markdown()}")
+        pl_module.log("attention/swapped", float(len(report.swapped)), rank_zero_only=True)
+        pl_module.log("attention/reverted", float(len(report.reverted)), rank_zero_only=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.report is None:
+            return {}
+        modules: dict[str, dict[str, Any]] = {}
+        for m in self.report.modules:
+            if m.status == "reverted":
+                modules[m.name] = {"status": "reverted", "reason": m.reason}
+            elif m.status == "active":
+                modules[m.name] = {"status": "active", "backend": m.backend}
+        return {"backend": self.backend, "modules": modules}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        # Lightning restores callback state after ``setup`` (the swaps exist) and
+        # before ``on_fit_start``, where the saved decisions are applied.
+        self._loaded = state_dict
+
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        state, self._loaded = self._loaded, {}
+        swaps = swapped_modules(pl_module)
+        for name, saved in state.get("modules", {}).items():
+            swap = swaps.get(name)
+            if swap is None:
+                continue
+            if saved["status"] == "reverted":
+                swap.revert(f"reverted in the run this one resumes: {saved['reason']}")
+            elif self.backend == "auto":
+                swap.pin(str(saved["backend"]).split(" ", 1)[0])  # "sdpa (...)" ran sdpa

@@ -1,0 +1,580 @@
+"""``swap_attention``: make a model's attention run a fused backend, checked.
+
+How a swap works:
+
+1. Every module is offered to the adapters (:mod:`.adapters`); the first that
+   claims it replaces the module's ``forward`` on the instance (through
+   :mod:`lightning_speedkit._surgery`), so parameters, buffers, state_dict keys
+   and the optimizer's references are untouched.
+2. Parity: the first time a swapped module runs on real inputs, it runs its own
+   forward *and* the fused one on copies of those inputs (in eval mode, so
+   dropout is off), compares the outputs and, when gradients are enabled, the
+   gradients of inputs and parameters under a fixed random projection of the
+   output. A module whose error exceeds the tolerance is reverted, with a
+   warning; the call itself returns the module's own output, so the check never
+   changes the numbers of a training step. Without a sample, each module is
+   also checked at swap time on a small synthetic input of its own.
+3. ``backend="auto"`` times the candidate backends on those real inputs, with
+   backward, and keeps the fastest that passes.
+
+The report is live: entries fill in as modules are checked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor, nn
+
+from lightning_speedkit._surgery import (
+    original_forward,
+    refuse_wrapped,
+    replace_forward,
+    replaced_forward,
+    restore_forward,
+)
+from lightning_speedkit.attention.adapters import AttentionAdapter, SwapContext, adapters
+from lightning_speedkit.attention.backends import (
+    Attend,
+    BackendChoice,
+    auto_candidates,
+    check_backend,
+)
+from lightning_speedkit.errors import SpeedkitConfigError
+from lightning_speedkit.measure.flops import not_counted
+
+log = logging.getLogger(__name__)
+
+Status = Literal["pending", "active", "reverted"]
+
+#: Largest relative error (max |fused - own| / max |own|) that passes, by the
+#: lowest floating dtype among the module's outputs.
+DEFAULT_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float64: 1e-7,
+    torch.float32: 1e-4,
+    torch.bfloat16: 3e-2,
+    torch.float16: 1e-2,
+}
+
+
+@dataclass
+class ModuleSwap:
+    """One swapped attention module, as checked so far."""
+
+    name: str
+    family: str
+    requested: str
+    backend: str | None = None
+    """The backend that runs (``auto``'s pick; a fallback says so)."""
+    status: Status = "pending"
+    parity_error: float | None = None
+    """Largest relative error over outputs and gradients in the latest check."""
+    speedup: float | None = None
+    """Own forward(+backward) time / fused time, on the checked inputs."""
+    checked: str = ""
+    """What the latest passed check covered: ``synthetic``, ``forward`` or ``forward+backward``."""
+    reason: str = ""
+    """Why it was reverted."""
+
+
+@dataclass
+class SwapReport:
+    """What :func:`swap_attention` did; entries update as modules are checked."""
+
+    backend: str
+    modules: list[ModuleSwap] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
+    """Modules of a known family that cannot be swapped, with the reason."""
+
+    @property
+    def swapped(self) -> list[str]:
+        """Names of the modules whose attention now runs the fused backend."""
+        return [m.name for m in self.modules if m.status != "reverted"]
+
+    @property
+    def reverted(self) -> list[tuple[str, str]]:
+        """Modules that failed their parity check, with the reason; they run their own forward."""
+        return [(m.name, m.reason) for m in self.modules if m.status == "reverted"]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "backend": self.backend,
+            "modules": [asdict(m) for m in self.modules],
+            "skipped": [list(pair) for pair in self.skipped],
+        }
+
+    def to_markdown(self) -> str:
+        lines = [
+            "| module | family | backend | status | parity error | speedup | note |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for m in self.modules:
+            error = "-" if m.parity_error is None else f"{m.parity_error:.1e}"
+            speedup = "-" if m.speedup is None else f"{m.speedup:.2f}x"
+            note = m.reason or (f"checked: {m.checked}" if m.checked else "not called yet")
+            lines.append(
+                f"| {m.name or '(root)'} | {m.family} | {m.backend or m.requested} | {m.status} "
+                f"| {error} | {speedup} | {note} |"
+            )
+        for name, reason in self.skipped:
+            lines.append(f"| {name or '(root)'} | - | - | skipped | - | - | {reason} |")
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.to_markdown()
+
+
+def swap_attention(
+    model: nn.Module,
+    backend: BackendChoice = "sdpa",
+    sample: Any = None,
+    *,
+    tolerance: float | None = None,
+    measure: bool = True,
+) -> SwapReport:
+    """Make every attention module of ``model`` run a fused backend, parity-checked.
+
+    Args:
+        model: any ``nn.Module``, not yet wrapped by DDP/FSDP/DeepSpeed or compiled
+            (compile after swapping).
+        backend: ``"sdpa"`` (PyTorch picks the kernel: start here), ``"flash"``,
+            ``"efficient"``, ``"cudnn"``, ``"flex"``, ``"math"``, or ``"auto"`` (time
+            the candidates on the first real inputs, keep the fastest that passes).
+            A backend the device cannot run falls back to ``"sdpa"``, said once.
+        sample: what ``model`` is called with: a tensor, a tuple of positional
+            arguments or a dict of keyword arguments. The model runs it once (in
+            eval mode, output discarded) so that each swapped module is checked
+            on its real inputs now rather than at its first call.
+        tolerance: largest relative error that passes; default by dtype
+            (:data:`DEFAULT_TOLERANCE`: 1e-4 in fp32, 3e-2 in bf16).
+        measure: time the module's own forward(+backward) against the fused one
+            at the check, for the report's ``speedup`` (``"auto"`` always times).
+
+    Returns:
+        A :class:`SwapReport`: ``.swapped``, ``.reverted``, ``.skipped``, ``.modules``.
+
+    Example::
+
+        >>> from torch import nn
+        >>> layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, batch_first=True)
+        >>> report = swap_attention(layer, sample=torch.randn(2, 5, 16))
+        >>> report.swapped
+        ['self_attn']
+        >>> report.modules[0].family, report.modules[0].checked
+        ('multihead_attention', 'forward+backward')
+    """
+    check_backend(backend)
+    if tolerance is not None and not tolerance > 0:
+        raise SpeedkitConfigError(f"`tolerance` must be positive, got {tolerance!r}.")
+    refuse_wrapped(model, "swap_attention")
+    report = SwapReport(backend)
+    swaps = _swap_modules(model, report, backend, tolerance, measure)
+    if not swaps and not report.skipped:
+        rank_zero_warn(
+            f"swap_attention found no attention module in {type(model).__name__}. Its "
+            "attention is not one of the known families (nn.MultiheadAttention, timm, "
+            "Hugging Face, or q/k/v + output projections with a head count): teach it with "
+            "`lightning_speedkit.register_adapter`."
+        )
+    if sample is not None:
+        with _eval(model), torch.enable_grad():
+            _call(model, sample)
+    else:
+        for swap in swaps:
+            swap.check_synthetic()
+    return report
+
+
+def _swap_modules(
+    model: nn.Module,
+    report: SwapReport,
+    backend: str,
+    tolerance: float | None,
+    measure: bool,
+) -> list[_SwappedForward]:
+    swaps: list[_SwappedForward] = []
+    owners: list[tuple[str, AttentionAdapter, Any]] = []  # claimed subtrees
+    for name, module in model.named_modules():
+        owners = [o for o in owners if o[0] == "" or name.startswith(o[0] + ".")]
+        if replaced_forward(module) is not None:
+            report.skipped.append((name, "already swapped"))
+            continue
+        for adapter in adapters():
+            if owners and adapter is not owners[-1][1]:
+                continue  # inside a swapped module only its own family looks further
+            binding = adapter.match(module)
+            if binding is None:
+                continue
+            if any(binding is owner[2] for owner in owners):
+                break  # the same model as an enclosing swap (a shared config)
+            if isinstance(binding, str):
+                report.skipped.append((name, binding))
+                break
+            entry = ModuleSwap(name=name, family=adapter.family, requested=backend)
+            swap = _SwappedForward(module, entry, adapter, binding, tolerance, measure)
+            replace_forward(module, swap)
+            report.modules.append(entry)
+            swaps.append(swap)
+            owners.append((name, adapter, binding))
+            break
+    return swaps
+
+
+def _call(model: nn.Module, sample: Any) -> Any:
+    if isinstance(sample, Tensor):
+        return model(sample)
+    if isinstance(sample, tuple):
+        return model(*sample)
+    if isinstance(sample, Mapping):
+        return model(**sample)
+    raise SpeedkitConfigError(
+        f"`sample` must be a tensor, a tuple of positional arguments or a dict of keyword "
+        f"arguments (what the model is called with), got {type(sample).__name__}."
+    )
+
+
+@contextlib.contextmanager
+def _eval(module: nn.Module) -> Iterator[None]:
+    """Eval mode inside (no dropout, no running-stat updates), each module's mode restored."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+class _SwappedForward:
+    """The forward ``swap_attention`` puts on a module: fused once checked, own until then."""
+
+    _speedkit = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        entry: ModuleSwap,
+        adapter: AttentionAdapter,
+        binding: Any,
+        tolerance: float | None,
+        measure: bool,
+    ) -> None:
+        self.module = module
+        self.entry = entry
+        self.adapter = adapter
+        self.original = original_forward(module)
+        self.tolerance = tolerance
+        self.measure = measure
+        self._attends: dict[str, Attend] = {}
+        first = "sdpa" if entry.requested == "auto" else entry.requested
+        self.ctx = SwapContext(module, self.original, self._attend(first), binding)
+        self.checked_forward = False
+        self.checked_backward = False
+        self._pinned = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # checks run eagerly; a traced call takes what passed
+            if self.entry.status == "active":
+                return self._fast(self.ctx, args, kwargs)
+            return self.original(*args, **kwargs)
+        grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        if not self.checked_forward or (grad and not self.checked_backward):
+            return self._check_call(args, kwargs, grad)
+        return self._fast(self.ctx, args, kwargs)
+
+    def _fast(self, ctx: SwapContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        out = self.adapter.forward(ctx, *args, **kwargs)
+        if out is NotImplemented:
+            return self.original(*args, **kwargs)
+        return out
+
+    def _attend(self, backend: str) -> Attend:
+        if backend not in self._attends:
+            self._attends[backend] = Attend(backend)
+        return self._attends[backend]
+
+    # ------------------------------------------------------------------ checks
+
+    def check_synthetic(self) -> None:
+        """Check on the adapter's own small input (no timing): catches look-alikes early."""
+        if self.adapter.example_inputs is None:
+            return
+        example = self.adapter.example_inputs(self.module)
+        if example is None:
+            return
+        with _eval(self.module), torch.enable_grad():
+            try:
+                self.original(*example[0], **example[1])
+            except Exception:
+                log.debug("no synthetic check for %s", self.entry.name, exc_info=True)
+                return
+            self._check(example[0], example[1], grad=True, time_it=False, label="synthetic")
+
+    def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> Any:
+        with _eval(self.module), not_counted():  # the check is not the model's work
+            passed = self._check(
+                args,
+                kwargs,
+                grad,
+                time_it=self.measure,
+                label="forward+backward" if grad else "forward",
+            )
+        if passed:
+            self.checked_forward = True
+            self.checked_backward = self.checked_backward or grad
+        return self.original(*args, **kwargs)
+
+    def _check(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        grad: bool,
+        *,
+        time_it: bool,
+        label: str,
+    ) -> bool:
+        """Compare fused against own on copies of these inputs; revert on failure.
+
+        Returns whether a check happened and passed (the adapter may not handle
+        these inputs: then nothing is decided).
+        """
+        entry = self.entry
+        copies = _copy_inputs(args, kwargs, requires_grad=grad)
+        own = _Run(lambda: self.original(*copies[0], **copies[1]), copies, self.module, grad)
+        if not own.tensors:
+            return False
+        requested = entry.requested
+        if requested == "auto" and label != "synthetic" and not self._pinned:
+            candidates: Sequence[str] = auto_candidates(own.tensors[0].device)
+        else:
+            candidates = [self.ctx.attend.backend]
+        tolerance = self.tolerance or _tolerance(own.tensors)
+        passing: list[tuple[str, float, _Run]] = []
+        failure = ""
+        for backend in candidates:
+            ctx = SwapContext(self.module, self.original, self._attend(backend), self.ctx.binding)
+            try:
+                fused = _Run(_bind(self.adapter.forward, ctx, copies), copies, self.module, grad)
+            except Exception as error:
+                failure = f"the fused forward raised {type(error).__name__}: {error}"
+                continue
+            if fused.not_implemented:
+                return False
+            error_value = own.error(fused)
+            if error_value <= tolerance:
+                passing.append((backend, error_value, fused))
+            elif not failure or error_value < math.inf:
+                failure = (
+                    f"parity error {error_value:.2e} > tolerance {tolerance:.0e} "
+                    f"on {label} inputs with backend {backend!r}"
+                )
+        if not passing:
+            self._revert(failure)
+            return False
+        if time_it and (len(passing) > 1 or self.measure):
+            own_time = own.time()
+            timed = [(fused.time(), backend, err) for backend, err, fused in passing]
+            best_time, backend, error_value = min(timed)
+            entry.speedup = own_time / best_time if best_time > 0 else None
+        else:
+            backend, error_value, _ = passing[0]
+        attend = self._attend(backend)
+        self.ctx = SwapContext(self.module, self.original, attend, self.ctx.binding)
+        entry.backend = attend.describe(own.tensors[0].device)
+        entry.parity_error = error_value
+        entry.checked = label
+        entry.status = "active"
+        return True
+
+    def pin(self, backend: str) -> None:
+        """Run ``backend`` from now on (a resumed run keeps ``auto``'s earlier pick)."""
+        self._pinned = True
+        self.ctx = SwapContext(self.module, self.original, self._attend(backend), self.ctx.binding)
+
+    def revert(self, reason: str) -> None:
+        """Give the module its own forward back."""
+        self._revert(reason)
+
+    def _revert(self, reason: str) -> None:
+        restore_forward(self.module)
+        self.entry.status = "reverted"
+        self.entry.reason = reason
+        rank_zero_warn(
+            f"AttentionSwap kept {self.entry.name or type(self.module).__name__!r}'s own "
+            f"attention ({self.entry.family}): {reason}."
+        )
+
+
+def _bind(
+    forward: Callable[..., Any], ctx: SwapContext, inputs: tuple[tuple[Any, ...], dict[str, Any]]
+) -> Callable[[], Any]:
+    return lambda: forward(ctx, *inputs[0], **inputs[1])
+
+
+def _tolerance(tensors: list[Tensor]) -> float:
+    dtypes = [t.dtype for t in tensors if t.is_floating_point()]
+    return max((DEFAULT_TOLERANCE.get(d, 1e-2) for d in dtypes), default=1e-4)
+
+
+def _copy_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], requires_grad: bool
+) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """Detached copies (aliasing kept: ``mha(x, x, x)`` stays self-attention)."""
+    memo: dict[int, Tensor] = {}
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            if id(value) not in memo:
+                clone = value.detach().clone()
+                if requires_grad and clone.is_floating_point():
+                    # A non-leaf (a view of the leaf): hooks on module inputs, such
+                    # as count_flops' module tracker, refuse leaves in autograd.grad.
+                    clone = clone.requires_grad_(True).view_as(clone)
+                memo[id(value)] = clone
+            return memo[id(value)]
+        if isinstance(value, (tuple, list)):
+            return type(value)(copy(v) for v in value)
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        return value
+
+    return copy(args), copy(kwargs)
+
+
+def _tensors(value: Any) -> list[Tensor]:
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in _tensors(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    return []
+
+
+class _Run:
+    """One forward on the check's inputs, its gradients, and its timing."""
+
+    def __init__(
+        self,
+        fn: Callable[[], Any],
+        inputs: tuple[tuple[Any, ...], dict[str, Any]],
+        module: nn.Module,
+        grad: bool,
+    ) -> None:
+        self.fn = fn
+        self.grad = grad
+        output = fn()
+        self.not_implemented = output is NotImplemented
+        self.tensors = [] if self.not_implemented else _tensors(output)
+        self.targets = [t for t in _tensors(inputs) if t.requires_grad]
+        self.targets += [p for p in module.parameters() if p.requires_grad]
+        self.grads: list[Tensor | None] = []
+        if grad and not self.not_implemented:
+            self.grads = self._backward(self.tensors)
+
+    def _projections(self, outputs: list[Tensor]) -> list[Tensor]:
+        # A fixed random projection of each output: the same for both runs.
+        generator = torch.Generator().manual_seed(1234)
+        return [
+            torch.randn(o.shape, generator=generator, dtype=torch.float32).to(o.device, o.dtype)
+            for o in outputs
+        ]
+
+    def _backward(self, tensors: list[Tensor]) -> list[Tensor | None]:
+        outputs = [t for t in tensors if t.requires_grad]
+        if not outputs or not self.targets:
+            return []
+        return list(
+            torch.autograd.grad(
+                outputs, self.targets, self._projections(outputs), allow_unused=True
+            )
+        )
+
+    def error(self, other: _Run) -> float:
+        """Largest relative error of ``other``'s outputs and gradients against ours.
+
+        Each tensor's error is scaled by its own largest value, floored at 1% of
+        the largest value in its group (outputs, gradients): a gradient that is
+        zero in exact arithmetic (a key bias's) is rounding noise on both sides,
+        not a mismatch.
+        """
+        if len(self.tensors) != len(other.tensors) or len(self.grads) != len(other.grads):
+            return math.inf
+        outputs = _relative_errors(list(zip(self.tensors, other.tensors, strict=True)))
+        grads = _relative_errors(list(zip(self.grads, other.grads, strict=True)))
+        if outputs is None or grads is None:
+            return math.inf
+        errors = [e for e in (outputs, grads) if e.numel()]
+        if not errors:
+            return 0.0
+        return float(torch.cat(errors).max())  # SYNC: once per module check
+
+    def time(self, repeats: int = 3) -> float:
+        """Median seconds of forward (+ backward), after one warm-up."""
+        device = self.tensors[0].device if self.tensors else torch.device("cpu")
+        times = []
+        for i in range(repeats + 1):
+            _synchronize(device)
+            start = time.perf_counter()
+            output = _tensors(self.fn())
+            if self.grad:
+                self._backward(output)
+            _synchronize(device)
+            if i:
+                times.append(time.perf_counter() - start)
+        return statistics.median(times)
+
+
+def _relative_errors(pairs: list[tuple[Tensor | None, Tensor | None]]) -> Tensor | None:
+    """Per-pair relative errors (see :meth:`_Run.error`); ``None`` for a shape mismatch."""
+    diffs: list[Tensor] = []
+    scales: list[Tensor] = []
+    for ours, theirs in pairs:
+        if ours is None and theirs is None:
+            continue
+        if ours is None:  # an input unused on one side only: its gradient is zero
+            assert theirs is not None
+            ours = torch.zeros_like(theirs)
+        if theirs is None:
+            theirs = torch.zeros_like(ours)
+        if ours.shape != theirs.shape:
+            return None
+        if not ours.is_floating_point():
+            same = torch.equal(ours, theirs)
+            diffs.append(torch.tensor(0.0 if same else math.inf))
+            scales.append(torch.tensor(1.0))
+            continue
+        a, b = ours.detach().float(), theirs.detach().float()
+        diff = (a - b).abs()
+        diff = torch.where(a.isnan() & b.isnan(), torch.zeros_like(diff), diff)
+        diffs.append(torch.nan_to_num(diff, nan=math.inf).max().cpu())
+        scales.append(torch.nan_to_num(a.abs(), nan=0.0).max().cpu())
+    if not diffs:
+        return torch.zeros(0)
+    diff, scale = torch.stack(diffs), torch.stack(scales)
+    floor = (scale.max() * 0.01).clamp_min(1e-12)
+    return diff / torch.maximum(scale, floor)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # SYNC: timing a check, once per module
+
+
+def swapped_modules(model: nn.Module) -> dict[str, _SwappedForward]:
+    """The swaps live in ``model``, by module name."""
+    swaps = {}
+    for name, module in model.named_modules():
+        forward = replaced_forward(module)
+        if isinstance(forward, _SwappedForward):
+            swaps[name] = forward
+    return swaps

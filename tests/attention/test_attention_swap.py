@@ -1,0 +1,136 @@
+"""AttentionSwap: swaps in setup, checks on the first real step, resumes with its picks."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+
+from lightning_speedkit import AttentionSwap, SpeedkitConfigError
+from lightning_speedkit.attention.swap_attention import swapped_modules
+from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VLMTask
+
+from ..conftest import SMALL_CORPUS
+from ..helpers.multiprocess import run_script
+
+ATTENTION = [
+    "model.vision.blocks.0.attn",
+    "model.vision.blocks.1.attn",
+    "model.language_model.blocks.0.attn",
+    "model.language_model.blocks.1.attn",
+]
+
+
+def _task() -> VLMTask:
+    L.seed_everything(0, verbose=False)
+    tokenizer = CaptionTokenizer()
+    return VLMTask(VLMConfig.preset("tiny", tokenizer.vocab_size), pad_id=tokenizer.pad_id)
+
+
+def _fit(
+    data_dir: Path,
+    callbacks: list[Any],
+    steps: int = 4,
+    task: VLMTask | None = None,
+    ckpt_path: str | None = None,
+    **trainer_kwargs: Any,
+) -> tuple[L.Trainer, VLMTask]:
+    task = task or _task()
+    datamodule = VLMDataModule(data_dir, batch_size=8, corpus=SMALL_CORPUS, progress=False)
+    trainer_kwargs.setdefault("enable_checkpointing", False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        limit_val_batches=1,
+        num_sanity_val_steps=1,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **trainer_kwargs,
+    )
+    trainer.fit(task, datamodule=datamodule, ckpt_path=ckpt_path)
+    return trainer, task
+
+
+def test_fit_swaps_checks_on_the_first_step_and_trains_like_plain(small_corpus: Path) -> None:
+    swap = AttentionSwap("auto", verbose=False)
+    trainer, task = _fit(small_corpus, [swap])
+    _, plain = _fit(small_corpus, [])
+    assert swap.report is not None
+    assert swap.report.swapped == ATTENTION
+    for m in swap.report.modules:  # sanity validation checked forward; the first step, backward
+        assert m.checked == "forward+backward"
+        assert m.status == "active"
+        assert m.speedup is not None
+        assert m.parity_error is not None
+        assert m.parity_error < 1e-5
+    assert trainer.callback_metrics["attention/swapped"] == 4.0
+    assert trainer.callback_metrics["attention/reverted"] == 0.0
+    for (name, p), ref in zip(task.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, ref, rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_report_is_printed_after_the_first_batch(
+    small_corpus: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO"):
+        _fit(small_corpus, [AttentionSwap("sdpa")], steps=1)
+    assert "| model.vision.blocks.0.attn | structural | sdpa | active |" in caplog.text
+
+
+def test_resume_keeps_autos_picks_and_reverts(small_corpus: Path, tmp_path: Path) -> None:
+    swap = AttentionSwap("auto", verbose=False)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _fit(small_corpus, [swap, checkpoint], steps=2, enable_checkpointing=True)
+    state = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"]["AttentionSwap"]
+    picks = {name: saved["backend"] for name, saved in state["modules"].items()}
+    assert sorted(picks) == sorted(ATTENTION)
+    # Pretend the first run had reverted one module: the resumed run must keep it reverted.
+    state["modules"][ATTENTION[0]] = {"status": "reverted", "reason": "parity error 1e+00"}
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    ckpt["callbacks"]["AttentionSwap"] = state
+    torch.save(ckpt, tmp_path / "edited.ckpt")
+
+    resumed = AttentionSwap("auto", verbose=False)
+    with pytest.warns(UserWarning, match="reverted in the run this one resumes"):
+        _fit(small_corpus, [resumed], steps=3, ckpt_path=str(tmp_path / "edited.ckpt"))
+    assert resumed.report is not None
+    assert resumed.report.reverted[0][0] == ATTENTION[0]
+    for m in resumed.report.modules[1:]:
+        assert m.backend == picks[m.name]  # pinned: not timed again
+
+
+def test_second_fit_keeps_the_swaps(small_corpus: Path) -> None:
+    swap = AttentionSwap("sdpa", verbose=False)
+    trainer, task = _fit(small_corpus, [swap], steps=1)
+    report = swap.report
+    trainer.fit_loop.epoch_loop.max_steps = 2
+    trainer.fit(task, datamodule=trainer.datamodule)
+    assert swap.report is report
+    assert list(swapped_modules(task)) == ATTENTION
+
+
+def test_bad_arguments_are_refused() -> None:
+    with pytest.raises(SpeedkitConfigError, match="`backend='flash2'`"):
+        AttentionSwap("flash2")  # type: ignore[arg-type]
+    with pytest.raises(SpeedkitConfigError, match="`tolerance` must be positive"):
+        AttentionSwap(tolerance=-1.0)
+
+
+@pytest.mark.multiprocess
+def test_ddp_ranks_swap_and_train_like_unswapped_ddp(small_corpus: Path, tmp_path: Path) -> None:
+    swapped = run_script(
+        "attention_swap_ddp.py", tmp_path / "swap", "--data-dir", str(small_corpus), "--swap"
+    )
+    plain = run_script("attention_swap_ddp.py", tmp_path / "plain", "--data-dir", str(small_corpus))
+    for rank in swapped:
+        modules = rank["report"]["modules"]
+        assert [m["name"] for m in modules] == ATTENTION
+        assert all(m["checked"] == "forward+backward" for m in modules)
+    assert swapped[0]["params"] == pytest.approx(swapped[1]["params"], rel=1e-12)  # ranks agree
+    assert swapped[0]["params"] == pytest.approx(plain[0]["params"], rel=1e-4, abs=1e-4)

@@ -1,0 +1,402 @@
+"""swap_attention: each family swapped with equal outputs and gradients, look-alikes reverted."""
+
+from __future__ import annotations
+
+import copy
+import math
+import warnings
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_speedkit import SpeedkitConfigError, count_flops, swap_attention
+from lightning_speedkit.attention.swap_attention import swapped_modules
+from speedkit_examples.vlm import VLM, VLMConfig
+
+
+def _vlm(preset: str = "tiny") -> VLM:
+    torch.manual_seed(0)
+    return VLM(VLMConfig.preset(preset, vocab_size=35))  # type: ignore[arg-type]
+
+
+def _vlm_inputs(batch: int = 3, text: int = 20) -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    images = torch.randn(batch, 3, 32, 32, generator=generator)
+    return images, torch.randint(0, 35, (batch, text), generator=generator)
+
+
+def _outputs_and_grads(model: nn.Module, *inputs: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
+    """The output and every parameter's gradient under a fixed projection of it."""
+    model.zero_grad()
+    out = model(*inputs)
+    out = out[0] if isinstance(out, tuple) else out
+    weight = torch.randn(out.shape, generator=torch.Generator().manual_seed(2))
+    (out * weight).sum().backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads
+
+
+def _assert_same_numbers(swapped: nn.Module, reference: nn.Module, *inputs: Tensor) -> None:
+    out, grads = _outputs_and_grads(swapped, *inputs)
+    ref_out, ref_grads = _outputs_and_grads(reference, *inputs)
+    torch.testing.assert_close(out, ref_out, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == ref_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+# ------------------------------------------------------------------ structural
+
+
+def test_example_vlm_attention_is_found_by_structure_and_matches() -> None:
+    model, reference = _vlm(), _vlm()
+    report = swap_attention(model, "sdpa", sample=_vlm_inputs())
+    assert report.swapped == [
+        "vision.blocks.0.attn",
+        "vision.blocks.1.attn",
+        "language_model.blocks.0.attn",
+        "language_model.blocks.1.attn",
+    ]
+    assert {m.family for m in report.modules} == {"structural"}
+    assert all(m.checked == "forward+backward" for m in report.modules)
+    assert all(m.parity_error is not None and m.parity_error < 1e-5 for m in report.modules)
+    assert model.state_dict().keys() == reference.state_dict().keys()
+    _assert_same_numbers(model, reference, *_vlm_inputs(batch=2, text=31))
+
+
+def test_swapped_modules_really_run_sdpa_and_not_softmax() -> None:
+    model = _vlm()
+    swap_attention(model, "sdpa", sample=_vlm_inputs())
+    counts = count_flops(model, *_vlm_inputs()).by_operator
+    assert any("scaled_dot_product" in op for op in counts)  # the fused kernel ran
+    assert not any(op == "aten.bmm" for op in counts)  # eager attention's score matmuls are gone
+
+
+def test_causal_mask_buffer_makes_the_fused_attention_causal() -> None:
+    attention = _vlm().language_model.blocks[0].attn
+    reference = copy.deepcopy(attention)
+    swap_attention(attention, "sdpa", sample=torch.randn(2, 9, 64))
+    x = torch.randn(2, 9, 64)
+    changed = x.clone()
+    changed[:, -1] += 1.0  # a causal layer's earlier outputs ignore the last token
+    torch.testing.assert_close(attention(x)[:, :-1], attention(changed)[:, :-1])
+    torch.testing.assert_close(attention(x), reference(x), rtol=1e-5, atol=1e-6)
+
+
+class HeadMixingAttention(nn.Module):
+    """Looks like attention (q/k/v/o projections, heads) but mixes heads after the softmax."""
+
+    def __init__(self, dim: int = 32, num_heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.q_proj, self.k_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.v_proj, self.o_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N, C = x.shape
+        q, k, v = (
+            p(x).view(B, N, self.num_heads, self.head_dim).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
+        weights = (q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)).softmax(-1)
+        weights = weights.mean(dim=1, keepdim=True).expand_as(weights)  # heads mixed
+        return self.o_proj((weights @ v).transpose(1, 2).reshape(B, N, C))
+
+
+@pytest.mark.parametrize("with_sample", [True, False])
+def test_look_alike_that_is_not_equivalent_fails_parity_and_keeps_its_forward(
+    with_sample: bool,
+) -> None:
+    module = HeadMixingAttention()
+    x = torch.randn(2, 6, 32)
+    expected = module(x)
+    with pytest.warns(UserWarning, match="kept .* own attention .* parity error"):
+        report = swap_attention(module, "sdpa", sample=x if with_sample else None)
+    assert report.swapped == []
+    ((name, reason),) = report.reverted
+    assert name == ""
+    assert "parity error" in reason
+    assert "forward" not in module.__dict__  # the class's own forward again
+    torch.testing.assert_close(module(x), expected)
+
+
+class GroupedQueryAttention(nn.Module):
+    """Causal GQA with a nanoGPT-style float mask buffer of shape (1, 1, T, T) and dropout."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, kv_heads: int = 2, max_len: int = 16) -> None:
+        super().__init__()
+        self.n_head, self.n_kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wk = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(dim, kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(dim, dim, bias=False)
+        self.attn_dropout = nn.Dropout(0.1)
+        self.register_buffer(
+            "bias", torch.tril(torch.ones(max_len, max_len)).view(1, 1, max_len, max_len)
+        )
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N, C = x.shape
+        q = self.wq(x).view(B, N, self.n_head, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, N, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, N, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        groups = self.n_head // self.n_kv_heads
+        k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
+        att = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(self.head_dim))
+        att = att.masked_fill(self.bias[:, :, :N, :N] == 0, float("-inf"))
+        att = self.attn_dropout(F.softmax(att, dim=-1))
+        return self.wo((att @ v).transpose(1, 2).reshape(B, N, C))
+
+
+def test_grouped_query_attention_with_float_mask_and_dropout_is_swapped() -> None:
+    module = GroupedQueryAttention().eval()
+    reference = copy.deepcopy(module)
+    report = swap_attention(module, "sdpa")
+    assert report.swapped == [""]
+    assert report.modules[0].checked == "synthetic"
+    _assert_same_numbers(module, reference, torch.randn(3, 12, 32))
+
+
+def test_calls_the_structure_does_not_cover_run_the_modules_own_forward() -> None:
+    attention = _vlm().language_model.blocks[0].attn
+    swap_attention(attention, "sdpa")
+    too_long = torch.randn(1, attention.causal_mask.shape[0] + 1, 64)
+    with pytest.raises(RuntimeError):  # the module's own forward: its mask is too short
+        attention(too_long)
+
+
+def test_nothing_matched_warns_with_the_way_out() -> None:
+    with pytest.warns(UserWarning, match="found no attention module.*register_adapter"):
+        report = swap_attention(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+    assert report.swapped == []
+    assert report.skipped == []
+
+
+def test_optimizer_built_before_the_swap_still_trains_the_same_parameters() -> None:
+    model, reference = _vlm(), _vlm()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.5) for m in (model, reference)]
+    swap_attention(model, "sdpa", sample=_vlm_inputs())
+    for m, optimizer in zip((model, reference), optimizers, strict=True):
+        _outputs_and_grads(m, *_vlm_inputs())
+        optimizer.step()
+    for p, ref in zip(model.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p, ref, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(next(model.parameters()), next(_vlm().parameters()))  # it moved
+
+
+def test_swapped_model_compiles_and_matches() -> None:
+    model, reference = _vlm(), _vlm()
+    swap_attention(model, "sdpa", sample=_vlm_inputs())
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=False)
+    inputs = _vlm_inputs(batch=2, text=12)
+    torch.testing.assert_close(compiled(*inputs), reference(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_parity_check_is_not_counted_as_model_flops() -> None:
+    model = _vlm()
+    swap_attention(model, "sdpa")  # synthetic checks only: the first real call checks again
+    first = count_flops(model, *_vlm_inputs())
+    second = count_flops(model, *_vlm_inputs())
+    assert first.total == second.total
+
+
+def test_state_dict_loads_into_the_unswapped_model() -> None:
+    model, other = _vlm(), VLM(VLMConfig.preset("tiny", vocab_size=35))
+    swap_attention(model, "sdpa")
+    other.load_state_dict(model.state_dict())
+    inputs = _vlm_inputs()
+    torch.testing.assert_close(model(*inputs), other(*inputs), rtol=1e-5, atol=1e-5)
+
+
+def test_second_swap_skips_what_is_swapped_already() -> None:
+    model = _vlm()
+    swap_attention(model, "sdpa")
+    again = swap_attention(model, "math")
+    assert again.swapped == []
+    assert {reason for _, reason in again.skipped} == {"already swapped"}
+    assert len(swapped_modules(model)) == 4
+
+
+def test_auto_picks_a_passing_backend_and_reports_its_speedup() -> None:
+    model = _vlm()
+    report = swap_attention(model, "auto", sample=_vlm_inputs())
+    for m in report.modules:
+        assert m.backend in ("sdpa", "flash", "math")
+        assert m.speedup is not None
+        assert m.speedup > 0
+    assert "| vision.blocks.0.attn | structural |" in report.to_markdown()
+
+
+def test_bad_input_is_refused_with_the_fix() -> None:
+    with pytest.raises(SpeedkitConfigError, match=r"`backend='fast'`.*Choose one of"):
+        swap_attention(_vlm(), "fast")  # type: ignore[arg-type]
+    with pytest.raises(SpeedkitConfigError, match="`sample` must be a tensor"):
+        swap_attention(_vlm(), sample=[torch.zeros(1)])
+    with pytest.raises(SpeedkitConfigError, match=r"already wrapped by torch\.compile.*before"):
+        swap_attention(torch.compile(_vlm()))
+    with pytest.raises(SpeedkitConfigError, match="`tolerance` must be positive"):
+        swap_attention(_vlm(), tolerance=0.0)
+
+
+# ---------------------------------------------------------- nn.MultiheadAttention
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_transformer_encoder_layer_multihead_attention_is_swapped(batch_first: bool) -> None:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(
+        16, 2, dim_feedforward=32, dropout=0.0, batch_first=batch_first
+    )
+    reference = copy.deepcopy(layer)
+    x = torch.randn(2, 7, 16) if batch_first else torch.randn(7, 2, 16)
+    report = swap_attention(layer, "math", sample=x)
+    assert report.swapped == ["self_attn"]
+    assert report.modules[0].family == "multihead_attention"
+    _assert_same_numbers(layer, reference, x)
+
+
+def test_multihead_attention_calls_asking_for_weights_still_get_them() -> None:
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 4, batch_first=True)
+    reference = copy.deepcopy(mha)
+    x = torch.randn(2, 5, 16)
+    swap_attention(mha, "sdpa", sample=(x, x, x, None, False))
+    out, weights = mha(x, x, x)  # need_weights defaults to True
+    ref_out, ref_weights = reference(x, x, x)
+    assert weights is not None
+    torch.testing.assert_close(weights, ref_weights)
+    torch.testing.assert_close(out, ref_out)
+
+
+# ---------------------------------------------------------------- timm-style switch
+
+
+class TimmStyleAttention(nn.Module):
+    """The shape of timm's ``Attention``: a ``fused_attn`` switch between SDPA and eager.
+
+    timm itself needs torchvision, which has no build for this CPU torch; on
+    machines with timm, ``test_timm_vision_transformer`` runs the real one.
+    """
+
+    def __init__(self, dim: int = 32, num_heads: int = 4) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = num_heads, dim // num_heads
+        self.scale = self.head_dim**-0.5
+        self.fused_attn = False
+        self.qkv = nn.Linear(dim, dim * 3)
+        self.proj = nn.Linear(dim, dim)
+        self.seen_fused: list[bool] = []
+
+    def forward(self, x: Tensor) -> Tensor:
+        B, N, C = x.shape
+        q, k, v = self.qkv(x).reshape(B, N, 3, self.num_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        self.seen_fused.append(self.fused_attn)
+        if self.fused_attn:
+            x = F.scaled_dot_product_attention(q, k, v)
+        else:
+            x = (q * self.scale @ k.transpose(-2, -1)).softmax(dim=-1) @ v
+        return self.proj(x.transpose(1, 2).reshape(B, N, C))
+
+
+def test_modules_with_a_fused_attn_switch_run_fused_and_keep_the_switch() -> None:
+    module = TimmStyleAttention()
+    reference = copy.deepcopy(module)
+    report = swap_attention(module, "flash")
+    assert report.swapped == [""]
+    assert report.modules[0].family == "timm"
+    x = torch.randn(2, 10, 32)
+    module.seen_fused.clear()
+    _assert_same_numbers(module, reference, x)  # the first real call is checked...
+    assert module.seen_fused[:2] == [False, True]  # own, then fused, on a copy of the input
+    module.seen_fused.clear()
+    _assert_same_numbers(module, reference, x)  # ...and from then on runs fused only
+    assert module.seen_fused == [True]
+    assert module.fused_attn is False
+
+
+def test_timm_vision_transformer() -> None:
+    timm = pytest.importorskip(
+        "timm", reason="timm needs torchvision, not installable beside CPU torch 2.13"
+    )
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8)
+    for block in model.blocks:
+        block.attn.fused_attn = False
+    reference = copy.deepcopy(model)
+    x = torch.randn(2, 3, 32, 32)
+    report = swap_attention(model, "sdpa", sample=x)
+    assert len(report.swapped) == len(model.blocks)
+    _assert_same_numbers(model, reference, x)
+
+
+# ----------------------------------------------------------------- Hugging Face
+
+
+def _llama(**overrides: Any) -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attn_implementation="eager",
+        **overrides,
+    )
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+class _Logits(nn.Module):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.model(ids).logits  # type: ignore[no-any-return]
+
+
+def test_hugging_face_model_switches_to_sdpa_per_call_and_matches() -> None:
+    model = _llama()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    report = swap_attention(model, "sdpa", sample=(ids,))
+    assert report.swapped == [""]
+    assert report.modules[0].family == "huggingface"
+    assert report.modules[0].checked == "forward+backward"
+    _assert_same_numbers(_Logits(model), _Logits(reference), ids)
+    assert model.config._attn_implementation == "eager"  # switched for the call only
+
+
+def test_hugging_face_calls_asking_for_attentions_get_them() -> None:
+    model = _llama()
+    swap_attention(model, "sdpa")
+    ids = torch.randint(0, 50, (1, 6))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model(ids, output_attentions=True)
+    assert out.attentions is not None
+    assert len(out.attentions) == 2
+    assert out.attentions[0].shape == (1, 4, 6, 6)
+
+
+def test_hugging_face_tower_without_sdpa_keeps_its_attention_the_rest_is_swapped() -> None:
+    transformers = pytest.importorskip("transformers")
+
+    class NoSdpaTower(transformers.LlamaModel):  # a tower transformers has no SDPA for
+        _supports_sdpa = False
+
+    class TwoTower(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.language = _llama()
+            config = copy.deepcopy(self.language.config)
+            self.vision = NoSdpaTower(config)
+
+    report = swap_attention(TwoTower(), "sdpa")
+    assert report.swapped == ["language"]
+    assert report.skipped == [("vision", "NoSdpaTower has no SDPA attention in transformers")]

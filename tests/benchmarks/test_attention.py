@@ -1,0 +1,41 @@
+"""The attention benchmark must keep working; its numbers are recorded in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attention.py"
+
+
+def test_attention_benchmark_runs_and_writes_its_tables(tmp_path: Path) -> None:
+    spec = importlib.util.spec_from_file_location("attention_bench", SCRIPT)
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out, plot = tmp_path / "attention.json", tmp_path / "attention.png"
+    args = ["--device", "cpu", "--size", "tiny", "--seq", "128", "--repeats", "1"]
+    args += [
+        "--rounds",
+        "1",
+        "--steps",
+        "1",
+        "--batch",
+        "2",
+        "--out",
+        str(out),
+        "--plot",
+        str(plot),
+    ]
+    result = module.main(args)
+    saved = json.loads(out.read_text())
+    assert saved == json.loads(json.dumps(result))
+    assert {r["backend"] for r in saved["attention"]} >= {"eager", "sdpa", "math"}
+    (small, large) = saved["end_to_end"]
+    assert (small["image_size"], large["image_size"]) == (32, 64)
+    assert small["swapped_modules"] == 4
+    assert small["reverted_modules"] == 0
+    assert large["tokens"] > small["tokens"]
+    assert plot.stat().st_size > 10_000
