@@ -230,6 +230,11 @@ def test_auto_picks_a_passing_backend_and_reports_its_speedup() -> None:
     assert "| vision.blocks.0.attn | structural |" in report.to_markdown()
 
 
+def test_auto_times_its_candidates_even_without_measure() -> None:
+    report = swap_attention(_vlm(), "auto", sample=_vlm_inputs(), measure=False)
+    assert all(m.speedup is not None for m in report.modules)  # picked by timing, not first
+
+
 def test_bad_input_is_refused_with_the_fix() -> None:
     with pytest.raises(SpeedkitConfigError, match=r"`backend='fast'`.*Choose one of"):
         swap_attention(_vlm(), "fast")  # type: ignore[arg-type]
