@@ -11,8 +11,10 @@ from lightning_speedkit.data import NumWorkersTuner, SpeedDataModuleMixin, tune_
 from lightning_speedkit.distributed import DDPHalfPrecisionStrategy, DDPPowerSGDStrategy
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure import FlopCount, SpeedMonitor, count_flops, peak_flops
+from lightning_speedkit.schedule import AccumulationScheduler
 
 __all__ = [
+    "AccumulationScheduler",
     "AttentionSwap",
     "DDPHalfPrecisionStrategy",
     "DDPPowerSGDStrategy",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -43,3 +44,55 @@ def add_callback_once(trainer: L.Trainer, callback: L.Callback) -> None:
     callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
     if not any(type(c) is type(callback) for c in callbacks):
         callbacks.append(callback)
+
+
+def take_over_accumulation(
+    trainer: L.Trainer,
+    window_done: Callable[[], bool],
+    window_starts: Callable[[], bool],
+) -> Callable[[], None]:
+    """Let the caller decide where gradient-accumulation windows start and end.
+
+    Lightning decides both with ``batch_idx % accumulate_grad_batches`` counted from the
+    start of each epoch, so a factor changed mid-epoch puts a window's edges in the wrong
+    places (stale gradients carried into the next step). Two methods decide:
+
+    - ``_TrainingEpochLoop._accumulated_batches_reached()``: "does this batch close a
+      window" (everything else -- ``_should_accumulate``, DDP's ``no_sync``, checkpoint
+      and logger step counting -- derives from it);
+    - ``_AutomaticOptimization._make_zero_grad_fn(batch_idx, optimizer)``: "does this
+      batch open one" (zero the gradients first).
+
+    Both are replaced on the loop instances; ``accumulate_grad_batches`` keeps its other
+    job, the loss divisor. Returns the function that puts Lightning's own back.
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    automatic = epoch_loop.automatic_optimization
+    for owner, name in ((epoch_loop, "_accumulated_batches_reached"),
+                        (automatic, "_make_zero_grad_fn")):  # fmt: skip
+        if not callable(getattr(owner, name, None)):
+            raise RuntimeError(
+                f"This Lightning ({L.__version__}) has no `{type(owner).__name__}.{name}`, which "
+                f"AccumulationScheduler drives. It is tested with Lightning 2.x up to 2.6; "
+                f"please report the version."
+            )
+    lightning_zero_grad_fn = automatic._make_zero_grad_fn
+
+    def make_zero_grad_fn(batch_idx: int, optimizer: Any) -> Callable[[], None] | None:
+        if not window_starts():
+            return None
+        divisor = trainer.accumulate_grad_batches
+        trainer.accumulate_grad_batches = 1  # Lightning's own check then says "zero now"
+        try:
+            return lightning_zero_grad_fn(batch_idx, optimizer)
+        finally:
+            trainer.accumulate_grad_batches = divisor
+
+    epoch_loop._accumulated_batches_reached = window_done  # type: ignore[method-assign]
+    automatic._make_zero_grad_fn = make_zero_grad_fn  # type: ignore[method-assign]
+
+    def restore() -> None:
+        epoch_loop.__dict__.pop("_accumulated_batches_reached", None)
+        automatic.__dict__.pop("_make_zero_grad_fn", None)
+
+    return restore

@@ -17,6 +17,7 @@ from lightning_speedkit.data import NumWorkersTuner
 from lightning_speedkit.measure import SpeedMonitor
 from lightning_speedkit.measure.peak import measure_matmul_peak
 from lightning_speedkit.measure.speed_monitor import PeakSetting
+from lightning_speedkit.schedule import AccumulationScheduler, accumulation_for
 from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VLMTask
 
 
@@ -31,6 +32,8 @@ class DemoConfig:
     devices: int = 1
     precision: str = "32-true"
     batch_size: int = 32
+    global_batch: int | None = None
+    """Samples per optimizer step over all devices (None: one batch per step)."""
     num_workers: int = 0
     """DataLoader workers of the plain run (the kit run tunes its own)."""
     data_dir: str | None = None
@@ -156,8 +159,22 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
     tuner = NumWorkersTuner(progress=False) if run == "kit" else None
     if tuner is not None:
         callbacks.append(tuner)
+    # Both runs take optimizer steps of the same global batch: plain Lightning through its
+    # own accumulate_grad_batches, the kit through AccumulationScheduler.
+    accumulation = 1
+    if config.global_batch is not None:
+        accumulation = accumulation_for(config.global_batch, config.batch_size, config.devices)
+        if run == "kit":
+            callbacks.append(
+                AccumulationScheduler(
+                    target_global_batch=config.global_batch,
+                    micro_batch_size=config.batch_size,
+                    verbose=False,
+                )
+            )
     output_dir = Path(config.output_dir)
     trainer = L.Trainer(
+        accumulate_grad_batches=accumulation if run == "plain" else 1,
         accelerator=config.accelerator,
         devices=config.devices,
         precision=config.precision,  # type: ignore[arg-type]
@@ -188,6 +205,13 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
             f"kit: NumWorkersTuner chose num_workers={best['num_workers']}"
             + (f", prefetch_factor={best['prefetch_factor']}" if best["num_workers"] else "")
             + (" (the loader as given)" if best["num_workers"] == config.num_workers else "")
+        )
+    if accumulation > 1:
+        who = "AccumulationScheduler" if run == "kit" else "accumulate_grad_batches"
+        notes.append(
+            f"{run}: {who}: {accumulation} batches of {config.batch_size} on "
+            f"{trainer.world_size} device(s) per optimizer step "
+            f"(global batch {accumulation * config.batch_size * trainer.world_size})"
         )
     result = DemoResult(
         run=run,

@@ -81,6 +81,16 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
         default=defaults.num_workers,
         help="DataLoader workers of the plain run (default: %(default)s)",
     )
+    demo.add_argument(
+        "--global-batch",
+        type=_positive_int,
+        default=None,
+        help=(
+            "samples per optimizer step over all devices: the plain run reaches it with "
+            "Trainer(accumulate_grad_batches), the kit with AccumulationScheduler "
+            "(default: one batch per step)"
+        ),
+    )
     demo.add_argument("--only", choices=("plain", "kit"), default=None, help="do one run only")
     demo.add_argument(
         "--data-dir",
@@ -214,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             devices=args.devices,
             precision=args.precision,
             batch_size=args.batch_size,
+            global_batch=args.global_batch,
             num_workers=args.num_workers,
             data_dir=args.data_dir,
             output_dir=args.output_dir,

@@ -37,7 +37,7 @@ def test_console_script_is_installed() -> None:
     assert proc.stdout.strip() == f"speedkit {__version__}"
 
 
-@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--devices"])
+@pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--devices", "--global-batch"])
 def test_demo_refuses_non_positive_counts(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         main(["demo", flag, "0"])
@@ -72,6 +72,22 @@ def test_demo_trains_plain_and_kit_and_prints_them_side_by_side(
     assert f"{plain['samples_per_sec']:,.1f}" in out
     ratio = kit["samples_per_sec"] / plain["samples_per_sec"]
     assert f"kit / plain samples/s: {ratio:.2f}x" in out
+
+
+def test_demo_global_batch_accumulates_in_both_runs(
+    demo_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = main(["demo", "--steps", "4", "--batch-size", "8", "--global-batch", "32",
+                 "--data-dir", str(demo_corpus), "--output-dir", str(tmp_path),
+                 "--accelerator", "cpu"])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "plain: accumulate_grad_batches: 4 batches of 8 on 1 device(s) per optimizer" in out
+    assert "kit: AccumulationScheduler: 4 batches of 8 on 1 device(s) per optimizer" in out
+    plain, kit = json.loads((tmp_path / "demo.json").read_text())
+    assert plain["steps"] == kit["steps"] == 4
+    # the same optimisation: four micro-batches of the same data per step in both runs
+    assert kit["loss_start"] == pytest.approx(plain["loss_start"], rel=1e-4)
 
 
 def test_demo_can_do_one_run(demo_corpus: Path, tmp_path: Path) -> None:
