@@ -26,3 +26,7 @@ XFORMERS_AVAILABLE = _available("xformers")
 #: matplotlib: the PNG plots of benchmarks and reports.
 #: ``pip install lightning_speedkit[plot]``.
 MATPLOTLIB_AVAILABLE = _available("matplotlib")
+
+#: deepspeed: the ``deepspeed_zero2`` and ``deepspeed_zero2_offload`` strategies.
+#: ``pip install lightning_speedkit[deepspeed]``.
+DEEPSPEED_AVAILABLE = _available("deepspeed")

@@ -199,6 +199,90 @@ def _add_bench_attention(subparsers: argparse._SubParsersAction[argparse.Argumen
                        help="directory for results.json and the plot")  # fmt: skip
 
 
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text}")
+    return value
+
+
+def _add_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    plan = subparsers.add_parser(
+        "plan",
+        help="per-GPU memory of DDP, ZeRO-1/2/3 and the ZeRO-2 presets; which fit",
+        description=(
+            "Estimate each device's memory for weights, gradients, optimizer state and "
+            "(given the model's shape) activations under DDP, ZeRO-1/2/3 and the kit's "
+            "presets, with and without activation checkpointing; say which fit and "
+            "recommend one."
+        ),
+    )
+    what = plan.add_mutually_exclusive_group(required=True)
+    what.add_argument("--params", type=_positive_float, help="parameters, e.g. 7e9")
+    what.add_argument(
+        "--model",
+        metavar="MODULE:FACTORY",
+        help="count a real model's parameters (trainable and frozen apart) on the meta device",
+    )
+    plan.add_argument("--trainable", type=float, default=None, help="trainable parameters")
+    plan.add_argument("--gpus", type=_positive_int, required=True, help="data-parallel devices")
+    plan.add_argument("--gpu-mem", type=_positive_float, default=None, help="GiB per device")
+    plan.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
+    plan.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    plan.add_argument("--batch", type=_positive_int, default=None, help="micro-batch per device")
+    plan.add_argument("--seq", type=_positive_int, default=None, help="sequence length")
+    plan.add_argument("--hidden", type=_positive_int, default=None, help="hidden size")
+    plan.add_argument("--layers", type=_positive_int, default=None, help="transformer layers")
+    plan.add_argument("--heads", type=_positive_int, default=None, help="default: hidden / 64")
+    plan.add_argument(
+        "--fused-attention", action="store_true", help="flash/SDPA attention (no s^2 matrices)"
+    )
+    plan.add_argument(
+        "--headroom",
+        type=_positive_float,
+        default=0.9,
+        help="share of device memory a plan may use (default: %(default)s)",
+    )
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from lightning_speedkit.distributed.plan_memory import count_parameters, plan_memory
+    from lightning_speedkit.errors import SpeedkitConfigError
+
+    try:
+        if args.model:
+            params, trainable = count_parameters(args.model)
+            if args.trainable is not None:
+                trainable = int(args.trainable)
+            print(f"{args.model}: {params:,} parameters, {trainable:,} trainable")
+        else:
+            params, trainable = args.params, args.trainable
+        plan = plan_memory(
+            params, args.gpus, trainable_params=trainable, optimizer=args.optimizer,
+            precision=args.precision, batch_size=args.batch, seq_len=args.seq,
+            hidden_size=args.hidden, n_layers=args.layers, n_heads=args.heads,
+            fused_attention=args.fused_attention,
+        )  # fmt: skip
+    except SpeedkitConfigError as exc:
+        print(f"speedkit plan: error: {exc}", file=sys.stderr)
+        return 2
+    memory = args.gpu_mem * 2**30 if args.gpu_mem else None
+    print(plan.table(memory, args.headroom))
+    if memory is None:
+        return 0
+    choice = plan.recommend(memory, args.headroom)
+    if choice is None:
+        print(f"\nnothing fits in {args.gpu_mem:g} GiB x {args.headroom:g}: add devices, "
+              f"shorten sequences or micro-batches, or shard further (ZeRO-3).")  # fmt: skip
+        return 0
+    name, checkpointing = choice
+    strategy = name if name in ("fsdp_zero2", "deepspeed_zero2", "deepspeed_zero2_offload") else {
+        "ddp": "ddp", "zero1": "deepspeed_stage_1", "zero3": "fsdp"}.get(name, name)  # fmt: skip
+    extra = " with callbacks=[ActivationCheckpointing()]" if checkpointing else ""
+    print(f"\nrecommended: Trainer(strategy={strategy!r}){extra}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="speedkit",
@@ -209,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(subparsers)
     _add_bench_allreduce(subparsers)
     _add_bench_attention(subparsers)
+    _add_plan(subparsers)
     return parser
 
 
@@ -263,6 +348,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 json.dump(to_json(rows), handle, indent=2)
     elif args.command == "bench-attention":
         return _bench_attention(args)
+    elif args.command == "plan":
+        return _plan(args)
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from pathlib import Path
 
 import pytest
@@ -41,8 +42,13 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(scope="session", autouse=True)
 def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Caches (corpus, tuner results) go to a temporary directory, not the user's ~/.cache."""
+    """Caches (corpus, tuner results) go to a temporary directory, not the user's ~/.cache.
+
+    DeepSpeed's CPU op, which it compiles with g++ on first use (about 25 s), is kept in
+    the test environment instead, so one build serves every test and every later run.
+    """
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("xdg-cache"))
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
 @pytest.fixture(scope="session")

@@ -19,15 +19,38 @@ def _subcommands() -> list[str]:
 
 
 def test_help_lists_only_subcommands_that_exist(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _subcommands() == ["bench-allreduce", "bench-attention", "demo"]
+    assert _subcommands() == ["bench-allreduce", "bench-attention", "demo", "plan"]
     with pytest.raises(SystemExit) as info:
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "demo" in out
-    assert "bench-attention" in out
-    for later in ("plan", "report"):
-        assert later not in out
+    assert "plan" in out
+    assert "report" not in out
+
+
+def test_plan_prints_the_table_and_recommends(capsys: pytest.CaptureFixture[str]) -> None:
+    shape = ["--seq", "4096", "--batch", "1", "--hidden", "4096", "--layers", "32"]
+    code = main(["plan", "--params", "7e9", "--gpus", "8", "--gpu-mem", "80", *shape,
+                 "--fused-attention"])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    ddp = next(line for line in out.splitlines() if line.startswith("ddp "))
+    assert ddp.split()[1:5] == ["13.04", "13.04", "78.23", "104.31"]  # 2 + 2 + 12 bytes x 7e9
+    assert ddp.split()[-1] == "no"
+    assert "recommended: Trainer(strategy='fsdp_zero2')" in out
+
+
+def test_plan_counts_a_real_model_and_says_what_to_do(capsys: pytest.CaptureFixture[str]) -> None:
+    model = "tests.distributed.test_plan_memory:small_vlm_frozen_vision"
+    assert main(["plan", "--model", model, "--gpus", "2", "--gpu-mem", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "trainable" in out
+    assert "recommended: Trainer(strategy='ddp')" in out
+    assert main(["plan", "--model", "not_a_module_xyz:f", "--gpus", "2"]) == 2
+    assert "speedkit plan: error:" in capsys.readouterr().err
+    assert main(["plan", "--params", "1e12", "--gpus", "2", "--gpu-mem", "1"]) == 0
+    assert "nothing fits" in capsys.readouterr().out
 
 
 def test_console_script_is_installed() -> None:

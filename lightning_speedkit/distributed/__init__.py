@@ -1,5 +1,25 @@
-"""Distributed: communication-compressing DDP strategies."""
+"""Distributed: communication-compressing DDP strategies, ZeRO-2 presets, memory planning."""
 
+from lightning_speedkit.distributed.activation_checkpointing import (
+    ActivationCheckpointing,
+    checkpoint_blocks,
+    uncheckpoint_blocks,
+)
+from lightning_speedkit.distributed.deepspeed_zero2 import DeepSpeedZeRO2Strategy, zero2_bucket_size
+from lightning_speedkit.distributed.fsdp_zero2 import FSDPZeRO2Strategy
+from lightning_speedkit.distributed.plan_memory import MemoryEstimate, MemoryPlan, plan_memory
 from lightning_speedkit.distributed.powersgd import DDPHalfPrecisionStrategy, DDPPowerSGDStrategy
 
-__all__ = ["DDPHalfPrecisionStrategy", "DDPPowerSGDStrategy"]
+__all__ = [
+    "ActivationCheckpointing",
+    "DDPHalfPrecisionStrategy",
+    "DDPPowerSGDStrategy",
+    "DeepSpeedZeRO2Strategy",
+    "FSDPZeRO2Strategy",
+    "MemoryEstimate",
+    "MemoryPlan",
+    "checkpoint_blocks",
+    "plan_memory",
+    "uncheckpoint_blocks",
+    "zero2_bucket_size",
+]

@@ -1,0 +1,360 @@
+"""plan_memory: per-device memory of each data-parallel strategy, before you run out of it."""
+
+from __future__ import annotations
+
+import importlib
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+
+from lightning_speedkit.errors import SpeedkitConfigError
+
+__all__ = ["MemoryEstimate", "MemoryPlan", "count_parameters", "plan_memory"]
+
+OptimizerName = Literal["adam", "adamw", "sgd"]
+PrecisionName = Literal["mixed", "fp32"]
+_STATES = {"adam": 2, "adamw": 2, "sgd": 1}  # fp32 tensors per parameter (SGD: momentum)
+_PRECISIONS = ("mixed", "fp32")
+_GIB = 2**30
+
+#: The ZeRO paper's stages (Rajbhandari et al. 2020, Figure 1), then what the presets
+#: really allocate. The order is also the order of preference when several fit:
+#: less communication and no offload first.
+PAPER = ("ddp", "zero1", "zero2", "zero3")
+PRESETS = ("fsdp_zero2", "deepspeed_zero2", "deepspeed_zero2_offload")
+_PREFERENCE = ("ddp", "fsdp_zero2", "deepspeed_zero2", "zero1", "deepspeed_zero2_offload", "zero3")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one device holds; ``host`` is the host memory offload needs (DeepSpeed's estimate)."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    host: int = 0
+
+    @property
+    def model_states(self) -> int:
+        """Parameters, gradients and optimizer state: what ZeRO partitions."""
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def total(self) -> int:
+        return self.model_states + self.activations
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """Per-device estimates for each strategy; see :func:`plan_memory`."""
+
+    n_params: int
+    trainable_params: int
+    n_devices: int
+    optimizer: str
+    precision: str
+    activations: int | None
+    """Activation bytes per device without recomputation (None: not asked for)."""
+    activations_checkpointed: int | None
+    """The same with every transformer layer recomputed (only its input kept)."""
+    estimates: dict[str, MemoryEstimate] = field(repr=False)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(self.estimates)
+
+    def per_device(self, name: str, checkpointing: bool = False) -> MemoryEstimate:
+        """The estimate for ``name`` (``"ddp"``, ``"zero1"``..., ``"fsdp_zero2"``...).
+
+        With ``checkpointing=True`` the activations are those of full activation
+        checkpointing (what :class:`ActivationCheckpointing` does).
+        """
+        if name not in self.estimates:
+            raise SpeedkitConfigError(
+                f"`{name}` is not a planned strategy; choose one of {', '.join(self.names)}."
+            )
+        estimate = self.estimates[name]
+        if checkpointing and self.activations_checkpointed is not None:
+            return MemoryEstimate(
+                estimate.params, estimate.grads, estimate.optimizer,
+                self.activations_checkpointed, estimate.host,
+            )  # fmt: skip
+        return estimate
+
+    def fits(self, device_memory: float, headroom: float = 0.9) -> list[tuple[str, bool]]:
+        """``(name, checkpointing)`` pairs whose total is within ``headroom`` of the memory.
+
+        ``headroom`` leaves room for what no formula sees: the CUDA context, allocator
+        fragmentation, communication buffers and kernels' workspaces (0.9 is a common
+        margin; lower it for long-sequence runs with irregular shapes).
+        """
+        budget = device_memory * headroom
+        found = []
+        for name in self.names:
+            for checkpointing in (False, True) if self.activations else (False,):
+                if self.per_device(name, checkpointing).total <= budget:
+                    found.append((name, checkpointing))
+        return found
+
+    def recommend(self, device_memory: float, headroom: float = 0.9) -> tuple[str, bool] | None:
+        """The preset to use: the fastest that fits, without recomputation if possible.
+
+        Order: plain DDP (least communication), the ZeRO-2 presets (DDP's
+        communication volume), then the same with activation checkpointing (about a
+        third more compute), then optimizer offload, then ZeRO-3 (half again the
+        communication). None when nothing fits.
+        """
+        fitting = set(self.fits(device_memory, headroom))
+        for checkpointing in (False, True):
+            for name in _PREFERENCE:
+                if (name, checkpointing) in fitting:
+                    return name, checkpointing
+        return None
+
+    def table(self, device_memory: float | None = None, headroom: float = 0.9) -> str:
+        """A text table in GiB, one row per strategy, with what fits."""
+        head = ["strategy", "params", "grads", "optimizer", "model states"]
+        if self.activations is not None:
+            head += ["activations", "total", "w/ ckpt"]
+        else:
+            head += ["total"]
+        if device_memory is not None:
+            head += ["fits"]
+        fitting = set(self.fits(device_memory, headroom)) if device_memory is not None else set()
+        rows = [head]
+        for name in self.names:
+            est = self.per_device(name)
+            row = [name] + [_gib(v) for v in (est.params, est.grads, est.optimizer)]
+            row.append(_gib(est.model_states))
+            if self.activations is not None:
+                row += [_gib(est.activations), _gib(est.total),
+                        _gib(self.per_device(name, checkpointing=True).total)]  # fmt: skip
+            else:
+                row.append(_gib(est.total))
+            if device_memory is not None:
+                row.append(
+                    "yes" if (name, False) in fitting
+                    else "with ckpt" if (name, True) in fitting
+                    else "no"
+                )  # fmt: skip
+            rows.append(row)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+        lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
+                           enumerate(zip(r, widths, strict=True))) for r in rows]  # fmt: skip
+        host = self.estimates["deepspeed_zero2_offload"].host
+        lines.append(f"(GiB per device; deepspeed_zero2_offload also needs {_gib(host)} GiB "
+                     f"of host memory, DeepSpeed's estimate)")  # fmt: skip
+        return "\n".join(lines)
+
+
+def _gib(value: int) -> str:
+    return f"{value / _GIB:,.2f}"
+
+
+def _positive(value: float, argument: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
+        raise SpeedkitConfigError(f"`{argument}` must be a number >= 1, got {value!r}.")
+    return int(value)
+
+
+def activation_bytes(
+    batch_size: int,
+    seq_len: int,
+    hidden_size: int,
+    n_layers: int,
+    n_heads: int,
+    *,
+    bytes_per_value: int = 2,
+    fused_attention: bool = False,
+    recompute: bool = False,
+) -> int:
+    """Activations a transformer stack keeps for backward (Korthikanti et al. 2022).
+
+    Per layer ``s b h (34 + 5 a s / h)`` bytes with 16-bit activations, no tensor or
+    sequence parallelism (their Eq. 1). A fused attention kernel keeps no ``a s^2``
+    score and softmax matrices, which drops the ``5 a s / h`` term (as their selective
+    recomputation does). Full recomputation keeps only each layer's input,
+    ``2 s b h``. Scaled by ``bytes_per_value / 2`` for other activation dtypes.
+    """
+    s, b, h, a = seq_len, batch_size, hidden_size, n_heads
+    if recompute:
+        per_layer = 2 * s * b * h
+    else:
+        per_layer = s * b * h * 34 + (0 if fused_attention else 5 * a * s * s * b)
+    return per_layer * n_layers * bytes_per_value // 2
+
+
+def plan_memory(
+    n_params: float,
+    n_devices: int,
+    *,
+    trainable_params: float | None = None,
+    optimizer: OptimizerName = "adam",
+    precision: PrecisionName = "mixed",
+    batch_size: int | None = None,
+    seq_len: int | None = None,
+    hidden_size: int | None = None,
+    n_layers: int | None = None,
+    n_heads: int | None = None,
+    fused_attention: bool = False,
+) -> MemoryPlan:
+    """Per-device memory of DDP, ZeRO-1/2/3 and the kit's ZeRO-2 presets.
+
+    ``"ddp"``, ``"zero1"``, ``"zero2"``, ``"zero3"`` follow the ZeRO paper's
+    accounting: with mixed-precision Adam, 2 bytes of 16-bit weights, 2 of 16-bit
+    gradients and K = 12 of fp32 master weights and moments per parameter, of which
+    stage 1 partitions the K, stage 2 also the gradients, stage 3 everything.
+
+    The presets follow what the engines allocate:
+
+    - ``"deepspeed_zero2"``: 16-bit weights whole; fp32 master weights, 16- and
+      32-bit gradient partitions and fp32 moments partitioned (2 + 18 / N bytes per
+      parameter, DeepSpeed's own ``estimate_zero2_model_states_mem_needs``).
+    - ``"deepspeed_zero2_offload"``: only the 16-bit weights on the device; the rest
+      in host memory (``host``: DeepSpeed's estimate, with its 1.5 buffer factor).
+    - ``"fsdp_zero2"``: the fp32 flat parameter, its gradient and the moments
+      sharded (4 + 4 + 8 per parameter over N), and the unsharded compute copy of the
+      weights alive from forward to the end of backward (2 bytes, or 4 in fp32).
+
+    Frozen parameters hold weights only: no gradients, no optimizer state.
+
+    Args:
+        n_params: all parameters (e.g. ``7e9``).
+        n_devices: data-parallel devices in all.
+        trainable_params: those that train (default: all).
+        optimizer: ``"adam"``/``"adamw"`` (two moments) or ``"sgd"`` (momentum).
+        precision: ``"mixed"`` (16-bit weights and gradients for compute, an fp32
+            master copy; ``16-mixed``/``bf16-mixed``) or ``"fp32"``.
+        batch_size, seq_len, hidden_size, n_layers: micro-batch per device and the
+            transformer's shape, for activations (all four or none).
+        n_heads: attention heads (default: hidden_size / 64).
+        fused_attention: attention by a fused kernel (no ``s^2`` matrices kept).
+
+    Example::
+
+        >>> plan = plan_memory(7e9, 8)
+        >>> round(plan.per_device("ddp").model_states / 2**30, 1)  # 16 bytes/param
+        104.3
+        >>> round(plan.per_device("zero2").model_states / 2**30, 1)  # 2 + 14 / 8
+        24.4
+    """
+    total = _positive(n_params, "n_params")
+    devices = _positive(n_devices, "n_devices")
+    trainable = total if trainable_params is None else int(trainable_params)
+    if isinstance(trainable_params, bool) or not 0 <= trainable <= total:
+        raise SpeedkitConfigError(
+            f"`trainable_params` must be between 0 and n_params ({total:,}), got "
+            f"{trainable_params!r}."
+        )
+    if optimizer not in _STATES:
+        raise SpeedkitConfigError(
+            f"`optimizer` must be one of {', '.join(_STATES)}, got {optimizer!r}."
+        )
+    if precision not in _PRECISIONS:
+        raise SpeedkitConfigError(
+            f"`precision` must be one of {', '.join(_PRECISIONS)}, got {precision!r}."
+        )
+    shape = {"batch_size": batch_size, "seq_len": seq_len, "hidden_size": hidden_size,
+             "n_layers": n_layers}  # fmt: skip
+    given = {k: v for k, v in shape.items() if v is not None}
+    if given and len(given) < len(shape):
+        missing = ", ".join(f"`{k}`" for k in shape if k not in given)
+        raise SpeedkitConfigError(
+            f"Activations need all of the model's shape; also give {missing}."
+        )
+    for name, value in given.items():
+        _positive(value, name)
+    states = _STATES[optimizer]
+    mixed = precision == "mixed"
+    weight = 2 if mixed else 4  # bytes of the weights (and gradients) compute uses
+    master = 4 if mixed else 0  # the fp32 copy of the trainable weights mixed precision keeps
+    moments = 4 * states  # fp32 optimizer state
+    n = devices
+
+    def stage(level: int) -> MemoryEstimate:
+        k = master + moments  # the paper's K (12 for mixed-precision Adam)
+        return MemoryEstimate(
+            params=_div(weight * total, n) if level >= 3 else weight * total,
+            grads=_div(weight * trainable, n) if level >= 2 else weight * trainable,
+            optimizer=_div(k * trainable, n) if level >= 1 else k * trainable,
+            activations=0,
+        )
+
+    estimates = {name: stage(level) for level, name in enumerate(PAPER)}
+    # DeepSpeed ZeRO-2 keeps a 16-bit and an fp32 gradient partition in mixed precision.
+    estimates["deepspeed_zero2"] = MemoryEstimate(
+        params=weight * total + _div(master * trainable, n),
+        grads=_div((2 + 4 if mixed else 4) * trainable, n),
+        optimizer=_div(moments * trainable, n),
+        activations=0,
+    )
+    estimates["deepspeed_zero2_offload"] = MemoryEstimate(
+        params=weight * total,
+        grads=0,
+        optimizer=0,
+        activations=0,
+        host=int(trainable * max(4 * n, 16) * 1.5),  # DeepSpeed's estimate, buffers included
+    )
+    # FSDP's sharded flat parameter is fp32; SHARD_GRAD_OP keeps the unsharded compute copy
+    # from forward to the end of backward. (One fp32 rank needs no separate copy; counted
+    # anyway, so that the plan never grows with the device count.)
+    estimates["fsdp_zero2"] = MemoryEstimate(
+        params=weight * total + _div(4 * total, n),
+        grads=_div(4 * trainable, n),
+        optimizer=_div(moments * trainable, n),
+        activations=0,
+    )
+
+    activations = checkpointed = None
+    if batch_size and seq_len and hidden_size and n_layers:
+        heads = n_heads or max(1, hidden_size // 64)
+        shape_args = (batch_size, seq_len, hidden_size, n_layers, heads)
+        act_bytes = 4 if precision == "fp32" else 2
+        activations = activation_bytes(
+            *shape_args, bytes_per_value=act_bytes, fused_attention=fused_attention
+        )
+        checkpointed = activation_bytes(*shape_args, bytes_per_value=act_bytes, recompute=True)
+        estimates = {
+            name: MemoryEstimate(e.params, e.grads, e.optimizer, activations, e.host)
+            for name, e in estimates.items()
+        }
+    return MemoryPlan(total, trainable, devices, optimizer, precision, activations,
+                      checkpointed, estimates)  # fmt: skip
+
+
+def _div(value: int, n: int) -> int:
+    return math.ceil(value / n)
+
+
+def count_parameters(factory: str) -> tuple[int, int]:
+    """``(all, trainable)`` parameters of ``"module:function"``'s model, built on meta.
+
+    The function is called with no arguments under ``torch.device("meta")``: no
+    memory is allocated, so a 70B model counts in a second.
+    """
+    module_name, sep, attr = factory.partition(":")
+    if not sep or not module_name or not attr:
+        raise SpeedkitConfigError(
+            f"`--model` takes MODULE:FACTORY, e.g. 'speedkit_examples.vlm:VLM'; got {factory!r}."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as err:
+        raise SpeedkitConfigError(
+            f"`--model {factory}`: cannot import {module_name!r}: {err}"
+        ) from err
+    build = getattr(module, attr, None)
+    if not callable(build):
+        raise SpeedkitConfigError(f"`--model {factory}`: {module_name} has no callable {attr!r}.")
+    with torch.device("meta"):
+        model = build()
+    if not isinstance(model, torch.nn.Module):
+        raise SpeedkitConfigError(
+            f"`--model {factory}` returned {type(model).__name__}, not a torch.nn.Module."
+        )
+    seen: dict[int, torch.nn.Parameter] = {id(p): p for p in model.parameters()}  # tied once
+    return (sum(p.numel() for p in seen.values()),
+            sum(p.numel() for p in seen.values() if p.requires_grad))  # fmt: skip

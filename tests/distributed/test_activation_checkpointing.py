@@ -1,0 +1,157 @@
+"""ActivationCheckpointing: same numbers, less saved memory, names and keys unchanged."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_speedkit import ActivationCheckpointing, SpeedkitConfigError
+from lightning_speedkit.distributed import checkpoint_blocks, uncheckpoint_blocks
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 64) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.ff = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Dropout(0.1),
+                                nn.Linear(4 * dim, dim))  # fmt: skip
+
+    def forward(self, x: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+        return x + scale * self.ff(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self, depth: int = 6) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(Block() for _ in range(depth))
+        self.head = nn.Linear(64, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, scale=0.5)
+        return self.head(x).mean()
+
+
+def loss_and_grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    torch.manual_seed(1)  # the same dropout masks
+    model.zero_grad()
+    loss = model(x)
+    loss.backward()
+    return loss.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
+
+
+def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes autograd keeps for backward during one forward."""
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x)
+    return total
+
+
+def test_outputs_gradients_and_keys_unchanged() -> None:
+    plain, wrapped = Net(), Net()
+    names = checkpoint_blocks(wrapped)
+    assert names == [f"blocks.{i}" for i in range(6)]
+    assert list(wrapped.state_dict()) == list(plain.state_dict())
+    x = torch.randn(8, 32, 64, requires_grad=False)
+    loss, grads = loss_and_grads(plain, x)
+    loss_ckpt, grads_ckpt = loss_and_grads(wrapped, x)
+    torch.testing.assert_close(loss_ckpt, loss, rtol=0, atol=0)
+    for got, want in zip(grads_ckpt, grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_saved_activations_really_shrink() -> None:
+    plain, wrapped = Net(), Net()
+    checkpoint_blocks(wrapped)
+    x = torch.randn(8, 128, 64)
+    before, after = saved_bytes(plain, x), saved_bytes(wrapped, x)
+    # each block now keeps its input (8 x 128 x 64 floats) instead of ~14 tensors of that size
+    assert after < before / 5
+    half = Net()
+    checkpoint_blocks(half, fraction=0.5)
+    assert after < saved_bytes(half, x) < before
+
+
+def test_fraction_spreads_over_the_blocks_and_undo() -> None:
+    model = Net(depth=6)
+    assert checkpoint_blocks(model, fraction=0.5) == ["blocks.0", "blocks.2", "blocks.4"]
+    assert uncheckpoint_blocks(model) == ["blocks.0", "blocks.2", "blocks.4"]
+    assert checkpoint_blocks(model, blocks=["Block"], fraction=1 / 6) == ["blocks.0"]
+
+
+def test_eval_and_no_grad_run_the_blocks_as_they_are() -> None:
+    model = Net()
+    checkpoint_blocks(model)
+    x = torch.randn(2, 4, 64)
+    with torch.no_grad():
+        assert saved_bytes(model, x) == 0
+    model.eval()
+    torch.testing.assert_close(model(x), copy.deepcopy(model)(x))
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"fraction": 0}, "fraction"),
+        ({"fraction": 1.5}, "fraction"),
+        ({"blocks": "everything"}, '"auto"'),
+        ({"blocks": ["Nope"]}, "not a module class"),
+        ({"blocks": [3]}, "module classes or names"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(SpeedkitConfigError, match=match):
+        checkpoint_blocks(Net(), **kwargs)
+
+
+def test_callback_trains_the_example_vlm_like_the_plain_run(demo_corpus: Any) -> None:
+    from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VLMTask
+
+    def run(callbacks: list[L.Callback]) -> list[float]:
+        L.seed_everything(0, verbose=False)
+        tokenizer = CaptionTokenizer()
+        config = VLMConfig.preset("tiny", tokenizer.vocab_size)
+        data = VLMDataModule(data_dir=demo_corpus, image_size=config.image_size,
+                             max_text_len=config.max_text_len, batch_size=8)  # fmt: skip
+        task = VLMTask(config, pad_id=tokenizer.pad_id)
+        losses: list[float] = []
+
+        class Trace(L.Callback):
+            def on_train_batch_end(
+                self, trainer: L.Trainer, module: Any, out: Any, *a: Any
+            ) -> None:
+                losses.append(float(out["loss"]))
+
+        trainer = L.Trainer(
+            accelerator="cpu", max_steps=4, logger=False, limit_val_batches=0,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[*callbacks, Trace()],
+        )  # fmt: skip
+        trainer.fit(task, datamodule=data)
+        return losses
+
+    callback = ActivationCheckpointing()
+    with_ckpt = run([callback])
+    assert len(callback.checkpointed) == 4  # the tiny preset: 2 vision + 2 decoder blocks
+    assert with_ckpt == pytest.approx(run([]), rel=1e-6)
+
+
+def test_wrapped_model_is_refused() -> None:
+    class OptimizedModule(nn.Module):  # the name torch.compile's wrapper has
+        pass
+
+    with pytest.raises(SpeedkitConfigError, match="already wrapped"):
+        checkpoint_blocks(OptimizedModule())

@@ -1,0 +1,164 @@
+"""plan_memory: the ZeRO paper's formulas, DeepSpeed's own estimator, activations, bad input."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from lightning_speedkit import SpeedkitConfigError
+from lightning_speedkit.distributed.plan_memory import (
+    PAPER,
+    PRESETS,
+    activation_bytes,
+    count_parameters,
+    plan_memory,
+)
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 8, 64, 1024])
+@pytest.mark.parametrize("psi", [1_000_000, 7_000_000_000])
+def test_paper_stages_follow_the_zero_paper(psi: int, n: int) -> None:
+    # Rajbhandari et al. 2020, Figure 1: mixed-precision Adam, K = 12.
+    plan = plan_memory(psi, n)
+    expected = {
+        "ddp": (2 + 2 + 12) * psi,
+        "zero1": 2 * psi + 2 * psi + 12 * psi / n,
+        "zero2": 2 * psi + (2 + 12) * psi / n,
+        "zero3": (2 + 2 + 12) * psi / n,
+    }
+    for name, bytes_ in expected.items():
+        assert plan.per_device(name).model_states == pytest.approx(bytes_, abs=3)
+
+
+def test_paper_example_7_5b_on_64_devices() -> None:
+    # the paper's own numbers: 120 GB, 31.4 GB, 16.6 GB, 1.9 GB
+    plan = plan_memory(7.5e9, 64)
+    got = [plan.per_device(name).model_states / 1e9 for name in PAPER]
+    assert got == pytest.approx([120, 31.4, 16.6, 1.9], abs=0.06)
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("n", [1, 2, 8, 16, 64])
+@pytest.mark.parametrize("psi", [10_000_000, 7_000_000_000])
+def test_deepspeed_rows_agree_with_deepspeeds_estimator(psi: int, n: int) -> None:
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    plan = plan_memory(psi, n)
+    _, gpu = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=n, cpu_offload=False)
+    assert plan.per_device("deepspeed_zero2").model_states == pytest.approx(gpu, abs=4)
+    cpu, gpu = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=n, cpu_offload=True)
+    offload = plan.per_device("deepspeed_zero2_offload")
+    assert offload.model_states == gpu
+    assert offload.host == pytest.approx(cpu, abs=1)
+
+
+def test_frozen_parameters_hold_no_gradients_or_optimizer_state() -> None:
+    psi, trainable = 1_000_000, 250_000
+    plan = plan_memory(psi, 4, trainable_params=trainable)
+    ddp = plan.per_device("ddp")
+    assert (ddp.params, ddp.grads, ddp.optimizer) == (2 * psi, 2 * trainable, 12 * trainable)
+    frozen = plan_memory(psi, 4, trainable_params=0)
+    for name in frozen.names:
+        estimate = frozen.per_device(name)
+        assert estimate.grads == estimate.optimizer == 0
+
+
+def test_fp32_and_sgd() -> None:
+    psi = 1_000_000
+    fp32 = plan_memory(psi, 1, precision="fp32").per_device("ddp")
+    assert (fp32.params, fp32.grads, fp32.optimizer) == (4 * psi, 4 * psi, 8 * psi)
+    sgd = plan_memory(psi, 1, optimizer="sgd").per_device("ddp")
+    assert sgd.optimizer == (4 + 4) * psi  # fp32 master and momentum
+
+
+def test_fsdp_zero2_allocations() -> None:
+    psi, n = 1_000_000, 4
+    mixed = plan_memory(psi, n).per_device("fsdp_zero2")
+    # bf16 compute copy whole; fp32 flat parameter, its gradient and Adam's moments sharded
+    assert (mixed.params, mixed.grads, mixed.optimizer) == (2 * psi + psi, psi, 2 * psi)
+
+
+def test_activations_follow_korthikanti() -> None:
+    s, b, h, a, layers = 2048, 4, 4096, 32, 24
+    eager = activation_bytes(b, s, h, layers, a)
+    assert eager == layers * s * b * h * (34 + 5 * a * s / h)
+    assert activation_bytes(b, s, h, layers, a, fused_attention=True) == layers * 34 * s * b * h
+    assert activation_bytes(b, s, h, layers, a, recompute=True) == layers * 2 * s * b * h
+    plan = plan_memory(1e9, 8, batch_size=b, seq_len=s, hidden_size=h, n_layers=layers, n_heads=a)
+    assert plan.per_device("zero2").activations == eager
+    assert plan.per_device("zero2", checkpointing=True).activations == layers * 2 * s * b * h
+    assert plan.per_device("ddp").total == plan.per_device("ddp").model_states + eager
+
+
+@given(
+    psi=st.integers(1, 10**11), trainable=st.floats(0, 1), n=st.integers(1, 4096),
+    precision=st.sampled_from(["mixed", "fp32"]), optimizer=st.sampled_from(["adam", "sgd"]),
+)  # fmt: skip
+def test_more_devices_never_need_more_memory_per_device(
+    psi: int, trainable: float, n: int, precision: str, optimizer: str
+) -> None:
+    kwargs = {"trainable_params": int(psi * trainable), "precision": precision,
+              "optimizer": optimizer}  # fmt: skip
+    fewer, more = plan_memory(psi, n, **kwargs), plan_memory(psi, n + 1, **kwargs)  # type: ignore[arg-type]
+    for name in PAPER + PRESETS:
+        assert more.per_device(name).total <= fewer.per_device(name).total
+        assert fewer.per_device(name).total <= fewer.per_device("ddp").total or name in (
+            "deepspeed_zero2", "fsdp_zero2",
+        )  # fmt: skip
+
+
+def test_recommendation_is_the_fastest_that_fits() -> None:
+    shape = {"batch_size": 1, "seq_len": 4096, "hidden_size": 4096, "n_layers": 32}
+    plan = plan_memory(7e9, 8, **shape, fused_attention=True)
+    assert plan.recommend(80 * GIB) == ("fsdp_zero2", False)  # DDP's 104 GiB do not fit
+    assert plan.recommend(24 * GIB) == ("deepspeed_zero2_offload", True)
+    assert plan.recommend(8 * GIB) is None
+    small = plan_memory(1e8, 8)
+    assert small.recommend(80 * GIB) == ("ddp", False)
+    table = plan.table(80 * GIB)
+    assert "fsdp_zero2" in table
+    assert "host memory" in table
+
+
+@pytest.mark.parametrize(
+    ("args", "kwargs", "match"),
+    [
+        ((7e9, 0), {}, "n_devices"),
+        ((0, 8), {}, "n_params"),
+        ((7e9, 8), {"optimizer": "lion"}, "optimizer"),
+        ((7e9, 8), {"precision": "fp8"}, "precision"),
+        ((7e9, 8), {"trainable_params": 8e9}, "trainable_params"),
+        ((7e9, 8), {"batch_size": 4, "seq_len": 2048}, "hidden_size"),
+    ],
+)
+def test_bad_input(args: tuple[float, int], kwargs: dict[str, object], match: str) -> None:
+    with pytest.raises(SpeedkitConfigError, match=match):
+        plan_memory(*args, **kwargs)  # type: ignore[arg-type]
+    with pytest.raises(SpeedkitConfigError, match="not a planned strategy"):
+        plan_memory(1e6, 1).per_device("zero4")
+
+
+def small_vlm_frozen_vision() -> Any:
+    """A factory for ``--model``: the example VLM, vision tower frozen."""
+    from speedkit_examples.vlm import VLM, VLMConfig
+
+    model = VLM(VLMConfig.preset("small", 64))
+    model.vision.requires_grad_(False)
+    return model
+
+
+def test_count_parameters_on_the_meta_device() -> None:
+    real = small_vlm_frozen_vision()
+    total, trainable = count_parameters(f"{__name__}:small_vlm_frozen_vision")
+    assert total == sum(p.numel() for p in real.parameters())
+    assert trainable == sum(p.numel() for p in real.parameters() if p.requires_grad) < total
+    for bad, match in [("speedkit_examples.vlm", "MODULE:FACTORY"),
+                       ("no_such_module_xyz:make", "cannot import"),
+                       ("speedkit_examples.vlm:nothing", "no callable")]:  # fmt: skip
+        with pytest.raises(SpeedkitConfigError, match=match):
+            count_parameters(bad)

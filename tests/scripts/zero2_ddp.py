@@ -1,0 +1,137 @@
+"""Two CPU ranks train a small block model with a ZeRO-2 preset (``--strategy NAME``).
+
+An epoch is 4 steps (64 samples, 2 ranks, micro-batches of 8), so a checkpoint every
+4 steps falls on an epoch end and a resumed run sees the same data as an unbroken one.
+
+Each rank writes its losses, global step, the bytes of optimizer state it holds and
+its parameters. ``--save-every N`` checkpoints every N steps; ``--resume PATH`` goes on
+from a checkpoint (a file, or DeepSpeed's directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_speedkit import ActivationCheckpointing  # (the import registers the strategies)
+
+DIM, BLOCKS, MICRO = 32, 4, 8
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(DIM, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def dataset(samples: int = 64) -> TensorDataset:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(samples, DIM, generator=g)
+    return TensorDataset(x, torch.sin(x[:, :1]) + x[:, 1:2] * x[:, 2:3])
+
+
+class Task(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = Net()
+        self.losses: list[float] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        data = dataset()
+        trainer = self.trainer
+        sampler = DistributedSampler(data, trainer.world_size, trainer.global_rank, shuffle=False)
+        return DataLoader(data, batch_size=MICRO, sampler=sampler)
+
+
+def optimizer_state_bytes(trainer: L.Trainer) -> int:
+    optimizer: Any = trainer.optimizers[0]
+    while not isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed's ZeRO wrapper
+        optimizer = optimizer.optimizer
+    return sum(
+        value.numel() * value.element_size()
+        for state in optimizer.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--steps", type=int, default=8)
+    parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--checkpointing", action="store_true", help="ActivationCheckpointing")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    torch.set_num_threads(1)
+    callbacks: list[L.Callback] = []
+    checkpointing = ActivationCheckpointing() if args.checkpointing else None
+    if checkpointing is not None:
+        callbacks.append(checkpointing)
+    if args.save_every:
+        callbacks.append(ModelCheckpoint(args.out / "ckpt", every_n_train_steps=args.save_every,
+                                         save_top_k=-1))  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=args.strategy, max_steps=args.steps,
+        logger=False, callbacks=callbacks, enable_checkpointing=bool(args.save_every),
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+    )  # fmt: skip
+    task = Task()
+    trainer.fit(task, ckpt_path=args.resume)
+    rank = trainer.global_rank
+    n_params = sum(p.numel() for p in Task().parameters())
+    result = {
+        "strategy": type(trainer.strategy).__name__,
+        "global_step": trainer.global_step,
+        "losses": task.losses,
+        "optimizer_state_bytes": optimizer_state_bytes(trainer),
+        "unsharded_adam_bytes": 2 * 4 * n_params,  # exp_avg and exp_avg_sq, fp32
+        "blocks": [k.__name__ for k in getattr(trainer.strategy, "blocks", [])],
+        "checkpointed": checkpointing.checkpointed if checkpointing is not None else [],
+    }
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
