@@ -139,3 +139,16 @@ def test_lightning_alone_divides_the_deepspeed_loss_twice(tmp_path: Path) -> Non
     quarter_lr = reference([64, 64], dtype=torch.float32, lr=0.05 / 4)
     for name, value in quarter_lr.items():
         torch.testing.assert_close(params[name], value, rtol=0, atol=1e-6)
+
+
+def test_fsdp_zero2_follows_a_target(tmp_path: Path) -> None:
+    # Lightning runs FSDP without no_sync: each micro-batch reduce-scatters, and the
+    # sharded gradients still add up to one step over the larger batch.
+    ranks = run_script("accumulation_ddp.py", tmp_path, "--strategy", "fsdp_zero2",
+                       "--target", "64", "--steps", "2")  # fmt: skip
+    for result in ranks:
+        assert [c["accumulation"] for c in result["history"]] == [4]
+        assert result["micro_batches"] == 8
+    params = torch.load(tmp_path / "params0.pt", weights_only=True)  # consolidated on rank 0
+    for name, value in reference([64, 64], dtype=torch.float32).items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-6)

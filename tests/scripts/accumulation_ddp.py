@@ -128,7 +128,9 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--mode", choices=("target", "adaptive", "plain"), default="target")
     parser.add_argument("--accumulate", type=int, default=1, help="plain Lightning's")
-    parser.add_argument("--strategy", choices=("ddp", "ddp_powersgd", "deepspeed"), default="ddp")
+    parser.add_argument(
+        "--strategy", choices=("ddp", "ddp_powersgd", "deepspeed", "fsdp_zero2"), default="ddp"
+    )
     parser.add_argument("--schedule", type=json.loads, default=None, help='e.g. {"0": 16}')
     parser.add_argument("--target", type=int, default=64)
     parser.add_argument("--max-global-batch", type=int, default=256)
@@ -147,6 +149,8 @@ def main() -> None:
         strategy = DDPPowerSGDStrategy(start_iter=2, start_method="popen")
     elif args.strategy == "deepspeed":
         strategy = cpu_deepspeed(stage=2)
+    elif args.strategy == "fsdp_zero2":
+        strategy = "fsdp_zero2"
     else:
         strategy = DDPStrategy(start_method="popen")
     scheduler: AccumulationScheduler | None = None
@@ -173,14 +177,16 @@ def main() -> None:
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         accumulate_grad_batches=args.accumulate,
     )  # fmt: skip
-    # DeepSpeed's ZeRO optimizer works in fp32 at most
-    dtype = torch.float32 if args.strategy == "deepspeed" else torch.float64
+    # DeepSpeed's ZeRO optimizer and Lightning's FSDP precision work in fp32 at most
+    dtype = torch.float32 if args.strategy in ("deepspeed", "fsdp_zero2") else torch.float64
     model = Regression(args.step_delay, args.samples, dtype)
     trainer.fit(model)
 
     rank = trainer.global_rank
-    torch.save({k: v.detach().clone() for k, v in model.state_dict().items()},
-               args.out / f"params{rank}.pt")  # fmt: skip
+    # FSDP: the consolidated weights (a collective; rank 0 receives them)
+    state = (trainer.strategy.lightning_module_state_dict() if args.strategy == "fsdp_zero2"
+             else model.state_dict())  # fmt: skip
+    torch.save({k: v.detach().clone() for k, v in state.items()}, args.out / f"params{rank}.pt")
     result = {
         "global_step": trainer.global_step,
         "micro_batches": len(model.losses),
