@@ -3,6 +3,7 @@
 from lightning_speedkit.distributed.activation_checkpointing import (
     ActivationCheckpointing,
     checkpoint_blocks,
+    saved_tensor_bytes,
     uncheckpoint_blocks,
 )
 from lightning_speedkit.distributed.deepspeed_zero2 import DeepSpeedZeRO2Strategy, zero2_bucket_size
@@ -20,6 +21,7 @@ __all__ = [
     "MemoryPlan",
     "checkpoint_blocks",
     "plan_memory",
+    "saved_tensor_bytes",
     "uncheckpoint_blocks",
     "zero2_bucket_size",
 ]

@@ -17,7 +17,12 @@ from lightning_speedkit import _surgery
 from lightning_speedkit._blocks import block_instances, repeated_block_types
 from lightning_speedkit.errors import SpeedkitConfigError
 
-__all__ = ["ActivationCheckpointing", "checkpoint_blocks", "uncheckpoint_blocks"]
+__all__ = [
+    "ActivationCheckpointing",
+    "checkpoint_blocks",
+    "saved_tensor_bytes",
+    "uncheckpoint_blocks",
+]
 
 BlockChoice = str | Sequence[type[nn.Module] | str]
 
@@ -101,6 +106,32 @@ def checkpoint_blocks(
         forward._speedkit = True  # type: ignore[attr-defined]
         _surgery.replace_forward(module, forward)
     return [name for name, _ in chosen]
+
+
+def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
+    """Bytes autograd keeps for backward while ``fn(*args, **kwargs)`` runs.
+
+    What activation checkpointing saves is measured here, on any device: every tensor
+    packed for backward is counted (a tensor saved twice counts twice, as a view of a
+    bigger one counts its own size).
+
+    Example::
+
+        >>> import torch
+        >>> w = torch.randn(4, 4, requires_grad=True)
+        >>> saved_tensor_bytes(lambda x: (x @ w).relu().sum(), torch.randn(8, 4))
+        256
+    """
+    total = 0
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        fn(*args, **kwargs)
+    return total
 
 
 def uncheckpoint_blocks(model: nn.Module) -> list[str]:

@@ -11,7 +11,11 @@ import torch
 from torch import nn
 
 from lightning_speedkit import ActivationCheckpointing, SpeedkitConfigError
-from lightning_speedkit.distributed import checkpoint_blocks, uncheckpoint_blocks
+from lightning_speedkit.distributed import (
+    checkpoint_blocks,
+    saved_tensor_bytes,
+    uncheckpoint_blocks,
+)
 
 
 class Block(nn.Module):
@@ -47,17 +51,7 @@ def loss_and_grads(model: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, lis
 
 
 def saved_bytes(model: nn.Module, x: torch.Tensor) -> int:
-    """Bytes autograd keeps for backward during one forward."""
-    total = 0
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        total += tensor.numel() * tensor.element_size()
-        return tensor
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        model(x)
-    return total
+    return saved_tensor_bytes(model, x)
 
 
 def test_outputs_gradients_and_keys_unchanged() -> None:

@@ -92,7 +92,18 @@ def test_activations_follow_korthikanti() -> None:
     plan = plan_memory(1e9, 8, batch_size=b, seq_len=s, hidden_size=h, n_layers=layers, n_heads=a)
     assert plan.per_device("zero2").activations == eager
     assert plan.per_device("zero2", checkpointing=True).activations == layers * 2 * s * b * h
-    assert plan.per_device("ddp").total == plan.per_device("ddp").model_states + eager
+    ddp = plan.per_device("ddp")
+    assert ddp.total == ddp.model_states + eager + ddp.transient
+
+
+def test_total_counts_the_optimizer_steps_temporaries() -> None:
+    # foreach Adam's sqrt(v): 4 bytes per parameter it updates, on that device's shard
+    psi = 1_000_000
+    adam = plan_memory(psi, 4)
+    assert adam.per_device("ddp").transient == 4 * psi
+    assert adam.per_device("zero2").transient == adam.per_device("fsdp_zero2").transient == psi
+    assert adam.per_device("deepspeed_zero2_offload").transient == 0  # stepped on the host
+    assert plan_memory(psi, 4, optimizer="sgd").per_device("ddp").transient == 0
 
 
 @given(

@@ -1,0 +1,295 @@
+"""Per-rank peak memory under ddp, fsdp_zero2 and deepspeed_zero2, against plan_memory.
+
+Part 1 trains the example VLM (``base``, 290 M parameters, AdamW, fp32 on CPU or
+bf16-mixed on CUDA) for a few steps on two processes under each strategy, with and
+without ActivationCheckpointing, and records each rank's peak memory: on CUDA
+``torch.cuda.max_memory_allocated``; on CPU the process's peak resident set (VmHWM)
+above what it held before building the model. The plan's prediction is
+``plan_memory(...).per_device(name).total`` with the VLM's two towers' activations.
+Images are 112 pixels and captions 32 tokens, so a CPU step takes seconds: model
+states dominate there.
+
+Part 2 is the activation side on one process (``small`` preset, batch 32): bytes
+autograd saves for backward with and without checkpointing, and the median step time
+of each, interleaved (the compute that checkpointing costs).
+
+    python benchmarks/memory.py                        # CPU, two gloo processes
+    python benchmarks/memory.py --accelerator cuda     # two GPUs
+
+Prints tables and writes JSON (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve()
+STRATEGIES = ("ddp", "fsdp_zero2", "deepspeed_zero2")
+GIB = 2**30
+
+
+# --- process memory ------------------------------------------------------------------------
+
+
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _reset_peak_rss() -> None:
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
+
+
+# --- part 1: one strategy on two processes (the worker) --------------------------------------
+
+
+def vlm_config(size: str, image_size: int, text_len: int) -> Any:
+    from speedkit_examples.vlm import CaptionTokenizer, VLMConfig
+
+    config = VLMConfig.preset(size, CaptionTokenizer().vocab_size)  # type: ignore[arg-type]
+    return replace(config, image_size=image_size, max_text_len=text_len)
+
+
+def vlm_activations(config: Any, batch: int, bytes_per_value: int, recompute: bool) -> int:
+    """Korthikanti et al.'s estimate, tower by tower (eager attention)."""
+    from lightning_speedkit.distributed.plan_memory import activation_bytes
+
+    image = config.num_image_tokens
+    towers = [
+        (image, config.vision_dim, config.vision_depth, config.vision_heads),
+        (image + config.max_text_len - 1, config.text_dim, config.text_depth, config.text_heads),
+    ]
+    return sum(
+        activation_bytes(
+            batch, s, h, layers, heads, bytes_per_value=bytes_per_value, recompute=recompute
+        )
+        for s, h, layers, heads in towers
+    )
+
+
+def worker(args: argparse.Namespace) -> None:
+    baseline_kib = _status_kib("VmRSS")
+    _reset_peak_rss()
+    import lightning as L
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, Dataset
+
+    from lightning_speedkit import ActivationCheckpointing
+    from speedkit_examples.vlm import VLMTask
+
+    torch.set_num_threads(1)
+    config = vlm_config(args.size, args.image_size, args.text_len)
+
+    class Synthetic(Dataset[dict[str, torch.Tensor]]):
+        def __len__(self) -> int:
+            return 64
+
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            g = torch.Generator().manual_seed(i)
+            return {
+                "images": torch.randn(3, config.image_size, config.image_size, generator=g),
+                "input_ids": torch.randint(
+                    4, config.vocab_size, (config.max_text_len,), generator=g
+                ),
+            }
+
+    steps: list[float] = []
+
+    class Measure(L.Callback):
+        def on_train_batch_start(self, *args: Any) -> None:
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, *args: Any) -> None:
+            steps.append(time.perf_counter() - self.start)
+
+    cuda = args.accelerator == "cuda"
+    strategy: Any = DDPStrategy(gradient_as_bucket_view=True) if args.strategy == "ddp" else (
+        args.strategy
+    )  # fmt: skip
+    callbacks: list[L.Callback] = [Measure()]
+    if args.checkpointing:
+        callbacks.append(ActivationCheckpointing(verbose=False))
+    trainer = L.Trainer(
+        accelerator=args.accelerator, devices=2, strategy=strategy, max_steps=args.steps,
+        precision="bf16-mixed" if cuda else "32-true", logger=False, callbacks=callbacks,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        limit_val_batches=0,
+    )  # fmt: skip
+    task = VLMTask(config, pad_id=0)
+    trainer.fit(task, DataLoader(Synthetic(), batch_size=args.batch))
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = (_status_kib("VmHWM") - baseline_kib) * 1024
+    result = {"rank": trainer.global_rank, "peak_bytes": peak, "step_s": statistics.median(steps)}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+
+
+def run_strategy(args: argparse.Namespace, strategy: str, checkpointing: bool) -> dict[str, Any]:
+    out = Path(args.work) / f"{strategy}{'-ckpt' if checkpointing else ''}"
+    for stale in out.glob("rank*.json"):
+        stale.unlink()
+    cmd = [sys.executable, str(HERE), "--worker", "--strategy", strategy, "--out", str(out),
+           "--accelerator", args.accelerator, "--size", args.size, "--steps", str(args.steps),
+           "--image-size", str(args.image_size), "--text-len", str(args.text_len),
+           "--batch", str(args.batch)] + (["--checkpointing"] if checkpointing else [])  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
+    if proc.returncode != 0 and len(ranks) < 2:
+        raise RuntimeError(f"{strategy} failed:\n{proc.stderr[-4000:]}")
+    return {"strategy": strategy, "checkpointing": checkpointing, "ranks": ranks}
+
+
+def part1(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from lightning_speedkit import plan_memory
+    from speedkit_examples.vlm import VLM
+
+    config = vlm_config(args.size, args.image_size, args.text_len)
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in VLM(config).parameters())
+    cuda = args.accelerator == "cuda"
+    plan = plan_memory(n_params, 2, optimizer="adamw", precision="mixed" if cuda else "fp32")
+    rows = []
+    for strategy in args.strategies:
+        for checkpointing in (False, True):
+            run = run_strategy(args, strategy, checkpointing)
+            estimate = plan.per_device(strategy)
+            states, step_tmp = estimate.model_states, estimate.transient
+            acts = vlm_activations(config, args.batch, 2 if cuda else 4, checkpointing)
+            planned = states + step_tmp + acts
+            peak = max(r["peak_bytes"] for r in run["ranks"])
+            run.update({"n_params": n_params, "planned_bytes": planned,
+                        "planned_model_states": states, "planned_step_temporaries": step_tmp,
+                        "planned_activations": acts, "measured_bytes": peak,
+                        "ratio": peak / planned,
+                        "step_s": max(r["step_s"] for r in run["ranks"])})  # fmt: skip
+            rows.append(run)
+            print(f"  {strategy:<16} ckpt={checkpointing!s:<5} measured {peak / GIB:6.2f} GiB, "
+                  f"planned {planned / GIB:6.2f} GiB", flush=True)  # fmt: skip
+    return rows
+
+
+# --- part 2: activations and the compute checkpointing costs (one process) -----------------
+
+
+def saved_bytes(model: torch.nn.Module, images: torch.Tensor, ids: torch.Tensor) -> int:
+    from lightning_speedkit.distributed import saved_tensor_bytes
+
+    def loss() -> torch.Tensor:
+        logits = model(images, ids[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+
+    return saved_tensor_bytes(loss)
+
+
+def part2(args: argparse.Namespace) -> dict[str, Any]:
+    from lightning_speedkit.distributed import checkpoint_blocks
+    from speedkit_examples.vlm import VLM
+
+    device = torch.device(args.accelerator)
+    config = vlm_config("small", 64, 40)
+    torch.manual_seed(0)
+    plain = VLM(config).to(device)
+    wrapped = VLM(config).to(device)
+    wrapped.load_state_dict(plain.state_dict())
+    names = checkpoint_blocks(wrapped)
+    batch = 32
+    images = torch.randn(batch, 3, config.image_size, config.image_size, device=device)
+    ids = torch.randint(4, config.vocab_size, (batch, config.max_text_len), device=device)
+    saved = {
+        "plain": saved_bytes(plain, images, ids),
+        "checkpointed": saved_bytes(wrapped, images, ids),
+    }
+    times: dict[str, list[float]] = {"plain": [], "checkpointed": []}
+    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4)
+                  for name, m in (("plain", plain), ("checkpointed", wrapped))}  # fmt: skip
+    for i in range(2 * args.repeats + 2):  # interleaved; the first of each is warm-up
+        name, model = (("plain", plain), ("checkpointed", wrapped))[i % 2]
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # SYNC: benchmark timing
+        start = time.perf_counter()
+        logits = model(images, ids[:, :-1])
+        F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten()).backward()
+        optimizers[name].step()
+        optimizers[name].zero_grad(set_to_none=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize()  # SYNC: benchmark timing
+        if i >= 2:
+            times[name].append(time.perf_counter() - start)
+    step = {name: statistics.median(t) for name, t in times.items()}
+    return {
+        "preset": "small", "batch": batch, "blocks": len(names),
+        "saved_bytes": saved,
+        "planned_bytes": {"plain": vlm_activations(config, batch, 4, False),
+                          "checkpointed": vlm_activations(config, batch, 4, True)},
+        "step_s": step, "step_ratio": step["checkpointed"] / step["plain"],
+    }  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any] | None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
+    parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--size", default="base")
+    parser.add_argument("--image-size", type=int, default=112)
+    parser.add_argument("--text-len", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--repeats", type=int, default=5, help="part 2: timed steps per variant")
+    parser.add_argument("--work", default="/tmp/speedkit_memory_bench")
+    parser.add_argument("--out", default=str(HERE.parent / "results" / "memory_cpu.json"))
+    args = parser.parse_args(argv)
+    if args.worker:
+        worker(args)
+        return None
+    print(f"part 1: {args.size} VLM, 2 processes, {args.accelerator}")
+    rows = part1(args)
+    print("\nstrategy          ckpt   measured GiB   planned GiB   ratio   step s")
+    for r in rows:
+        print(f"{r['strategy']:<16} {'yes' if r['checkpointing'] else 'no':<5} "
+              f"{r['measured_bytes'] / GIB:>12.2f} {r['planned_bytes'] / GIB:>13.2f} "
+              f"{r['ratio']:>7.2f} {r['step_s']:>8.2f}")  # fmt: skip
+    print("\npart 2: activations and step time, small VLM, batch 32, one process")
+    act = part2(args)
+    for name in ("plain", "checkpointed"):
+        print(f"  {name:<13} saved {act['saved_bytes'][name] / 2**20:8.1f} MiB "
+              f"(Korthikanti {act['planned_bytes'][name] / 2**20:8.1f} MiB), "
+              f"step {act['step_s'][name] * 1e3:7.1f} ms")  # fmt: skip
+    less = act["saved_bytes"]["plain"] / act["saved_bytes"]["checkpointed"]
+    print(f"  checkpointing: {less:.1f}x less saved, step time x{act['step_ratio']:.2f}")
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "command": "python benchmarks/memory.py " + " ".join(sys.argv[1:]),
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"meta": meta, "strategies": rows, "activations": act}
+    out.write_text(json.dumps(result, indent=2))
+    print(f"\nwrote {out}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
