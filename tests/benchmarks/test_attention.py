@@ -2,19 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
+
+from tests.helpers.modules import load_module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "attention.py"
 
 
 def test_attention_benchmark_runs_and_writes_its_tables(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("attention_bench", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_module(SCRIPT)
     out, plot = tmp_path / "attention.json", tmp_path / "attention.png"
     args = ["--device", "cpu", "--size", "tiny", "--seq", "128", "--repeats", "1"]
     args += [

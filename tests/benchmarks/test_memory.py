@@ -2,22 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.modules import load_module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "memory.py"
 
 
 @pytest.mark.multiprocess
 def test_memory_benchmark_runs_and_writes_its_tables(tmp_path: Path) -> None:
-    spec = importlib.util.spec_from_file_location("memory_bench", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_module(SCRIPT)
     out = tmp_path / "memory.json"
     result = module.main(["--size", "tiny", "--image-size", "32", "--text-len", "16",
                           "--steps", "1", "--strategies", "ddp", "--repeats", "1",

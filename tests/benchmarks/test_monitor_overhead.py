@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.helpers.modules import load_module
 
 from ..conftest import SMALL_CORPUS
 
@@ -17,11 +18,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "monitor_overhead.
 def test_monitor_overhead_runs_and_writes_its_table(
     small_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    spec = importlib.util.spec_from_file_location("monitor_overhead", SCRIPT)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    module = load_module(SCRIPT)
     # The benchmark builds the default corpus; point it at the small one.
     monkeypatch.setattr(module.VLMDataModule, "__init__", _small(module.VLMDataModule.__init__))
     out = tmp_path / "overhead.json"

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -15,16 +14,12 @@ import lightning_speedkit
 from lightning_speedkit import DeepSpeedZeRO2Strategy, FSDPZeRO2Strategy, SpeedkitConfigError
 from lightning_speedkit._blocks import repeated_block_types
 from lightning_speedkit.distributed import zero2_bucket_size
+from tests.helpers.modules import load_module
 from tests.helpers.multiprocess import SCRIPTS, run_script
 
 
 def script() -> Any:
-    spec = importlib.util.spec_from_file_location("zero2_ddp", SCRIPTS / "zero2_ddp.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(SCRIPTS / "zero2_ddp.py")
 
 
 def consolidated(strategy: str, checkpoint: Path, tmp_path: Path) -> dict[str, torch.Tensor]:

@@ -11,6 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import AccumulationScheduler
+from tests.helpers.modules import load_module
 from tests.helpers.multiprocess import SCRIPTS, run_script
 
 pytestmark = pytest.mark.multiprocess
@@ -19,15 +20,7 @@ DIM, MICRO = 16, 8
 
 
 def script_module() -> Any:
-    import importlib.util
-
-    path = SCRIPTS / "accumulation_ddp.py"
-    spec = importlib.util.spec_from_file_location("accumulation_ddp", path)
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_module(SCRIPTS / "accumulation_ddp.py")
 
 
 def reference(
