@@ -17,7 +17,13 @@ from lightning_speedkit.distributed import (
     plan_memory,
 )
 from lightning_speedkit.errors import SpeedkitConfigError
-from lightning_speedkit.measure import FlopCount, SpeedMonitor, count_flops, peak_flops
+from lightning_speedkit.measure import (
+    FlopCount,
+    ProfilerSchedule,
+    SpeedMonitor,
+    count_flops,
+    peak_flops,
+)
 from lightning_speedkit.schedule import AccumulationScheduler
 
 __all__ = [
@@ -30,6 +36,7 @@ __all__ = [
     "FSDPZeRO2Strategy",
     "FlopCount",
     "NumWorkersTuner",
+    "ProfilerSchedule",
     "SpeedDataModuleMixin",
     "SpeedMonitor",
     "SpeedkitConfigError",

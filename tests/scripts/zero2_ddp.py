@@ -22,7 +22,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_speedkit import ActivationCheckpointing  # (the import registers the strategies)
+from lightning_speedkit import ActivationCheckpointing, ProfilerSchedule  # registers strategies
 
 DIM, BLOCKS, MICRO = 32, 4, 8
 
@@ -100,10 +100,16 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=0)
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--checkpointing", action="store_true", help="ActivationCheckpointing")
+    parser.add_argument("--profile", action="store_true", help="ProfilerSchedule, one window")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
     callbacks: list[L.Callback] = []
+    profiler = None
+    if args.profile:
+        profiler = ProfilerSchedule(skip_first=1, wait=0, warmup=1, active=2, repeat=1,
+                                    dirpath=args.out / "profiler")  # fmt: skip
+        callbacks.append(profiler)
     checkpointing = ActivationCheckpointing() if args.checkpointing else None
     if checkpointing is not None:
         callbacks.append(checkpointing)
@@ -127,6 +133,7 @@ def main() -> None:
         "unsharded_adam_bytes": 2 * 4 * n_params,  # exp_avg and exp_avg_sq, fp32
         "blocks": [k.__name__ for k in getattr(trainer.strategy, "blocks", [])],
         "checkpointed": checkpointing.checkpointed if checkpointing is not None else [],
+        "traces": [str(p) for p in profiler.traces] if profiler is not None else [],
     }
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():

@@ -1,0 +1,302 @@
+"""ProfilerSchedule: scheduled torch.profiler windows, one gzip chrome trace per rank per window."""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import shutil
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.autograd.profiler import record_function
+from torch.profiler import ProfilerAction, ProfilerActivity
+
+from lightning_speedkit.errors import SpeedkitConfigError
+
+__all__ = ["ProfilerSchedule"]
+
+#: Names of the regions ProfilerSchedule marks in every profiled step.
+PHASES = ("data_fetch", "forward", "backward", "optimizer_step")
+MARK = "speedkit/"
+
+
+class _Region:
+    """One ``record_function`` region opened in one hook and closed in another."""
+
+    def __init__(self) -> None:
+        self._open: dict[str, Any] = {}
+
+    def enter(self, name: str) -> None:
+        self.exit(name)
+        region = record_function(MARK + name)
+        region.__enter__()
+        self._open[name] = region
+
+    def exit(self, name: str) -> None:
+        region = self._open.pop(name, None)
+        if region is not None:
+            region.__exit__(None, None, None)
+
+    def exit_all(self) -> None:
+        for name in list(self._open):
+            self.exit(name)
+
+
+class ProfilerSchedule(L.Callback):
+    """Profiles chosen training steps with torch.profiler; writes a trace per window.
+
+    The schedule is torch's: skip ``skip_first`` steps, then ``repeat`` cycles (0:
+    until training ends) of ``wait`` idle steps, ``warmup`` steps profiled and
+    thrown away (the profiler's own start-up), and ``active`` steps recorded. Steps
+    are training batches, counted from Lightning's hooks, so the schedule holds with
+    accumulation, validation and resumes (Lightning's own PyTorchProfiler ignores
+    ``repeat``). After each window, every rank writes
+    ``<dirpath>/rank<R>-window<W>.pt.trace.json.gz``, a chrome trace (open it in
+    Perfetto or chrome://tracing, or analyse it with ``speedkit report``).
+
+    Inside profiled steps it marks, with ``record_function``, the phases
+    ``speedkit/data_fetch`` (between batches), ``speedkit/forward``,
+    ``speedkit/backward``, ``speedkit/optimizer_step``, and the forward of each
+    top-level child module of the LightningModule (``speedkit/module/<name>``, e.g.
+    vision encoder, projector, language model), so time can be attributed although
+    Lightning runs forward and backward inside the optimizer's closure. Outside the
+    windows nothing is marked and the profiler records nothing.
+
+    Profiling never stops training: a directory that cannot be written, a full disk,
+    a trace over ``max_trace_mb`` or a profiler error is said once (rank 0) and
+    training goes on without it.
+
+    Args:
+        skip_first: steps before the first cycle (start-up, compilation, tuning).
+        wait: idle steps at the start of each cycle.
+        warmup: steps profiled but not kept, before each window.
+        active: steps recorded per window (3 is plenty; each one adds to the trace).
+        repeat: windows; 0 repeats until training ends.
+        dirpath: where traces go; default ``<log dir>/profiler``.
+        num_traces_to_keep: per rank, the newest traces kept; older ones are deleted.
+        max_trace_mb: a compressed trace larger than this is deleted with a warning.
+        record_shapes: record operator input shapes (bigger traces).
+        with_stack: record Python stacks, which name the call sites of host syncs
+            (bigger traces, a little slower).
+        profile_memory: record allocations.
+
+    Example::
+
+        >>> import lightning as L
+        >>> trainer = L.Trainer(callbacks=[ProfilerSchedule(skip_first=10, active=3)],
+        ...                     logger=False)
+    """
+
+    def __init__(
+        self,
+        skip_first: int = 10,
+        wait: int = 5,
+        warmup: int = 1,
+        active: int = 3,
+        repeat: int = 1,
+        dirpath: str | Path | None = None,
+        *,
+        num_traces_to_keep: int = 5,
+        max_trace_mb: float = 200.0,
+        record_shapes: bool = False,
+        with_stack: bool = True,
+        profile_memory: bool = False,
+    ) -> None:
+        for name, value, least in (("skip_first", skip_first, 0), ("wait", wait, 0),
+                                   ("warmup", warmup, 0), ("active", active, 1),
+                                   ("repeat", repeat, 0),
+                                   ("num_traces_to_keep", num_traces_to_keep, 1)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise SpeedkitConfigError(f"`{name}` must be an int >= {least}, got {value!r}.")
+        if not max_trace_mb > 0:
+            raise SpeedkitConfigError(f"`max_trace_mb` must be positive, got {max_trace_mb!r}.")
+        self.skip_first, self.wait, self.warmup = skip_first, wait, warmup
+        self.active, self.repeat = active, repeat
+        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.num_traces_to_keep = num_traces_to_keep
+        self.max_trace_mb = float(max_trace_mb)
+        self.record_shapes = record_shapes
+        self.with_stack = with_stack
+        self.profile_memory = profile_memory
+        self.traces: list[Path] = []
+        """This rank's traces written in this fit, oldest first (pruned ones removed)."""
+        self._profiler: Any = None
+        self._directory = Path()
+        self._regions = _Region()
+        self._hooks: list[Any] = []
+        self._rank = 0
+        self._windows = 0
+        self._warned: set[str] = set()
+
+    # -- failure handling: say it once, go on -------------------------------------------------
+
+    def _give_up(self, what: str, error: BaseException) -> None:
+        if what not in self._warned:
+            self._warned.add(what)
+            rank_zero_warn(
+                f"ProfilerSchedule: {what} failed ({type(error).__name__}: {error}); "
+                f"training goes on without profiling."
+            )
+        self._stop_quietly()
+
+    def _stop_quietly(self) -> None:
+        self._regions.exit_all()
+        profiler, self._profiler = self._profiler, None
+        if profiler is not None:
+            with contextlib.suppress(Exception):  # already giving up on the profiler
+                profiler.stop()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+    # -- set-up ----------------------------------------------------------------------------------
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._rank = trainer.global_rank
+        self.traces = []
+        self._windows = 0
+        root = trainer.log_dir or trainer.default_root_dir
+        directory = self.dirpath or Path(root) / "profiler"
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            probe = directory / f".write-test-rank{self._rank}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            self._give_up(f"writing to {directory}", error)
+            return
+        self._directory = directory
+        activities = [ProfilerActivity.CPU]
+        if trainer.strategy.root_device.type == "cuda":
+            activities.append(ProfilerActivity.CUDA)
+        try:
+            self._profiler = torch.profiler.profile(
+                activities=activities,
+                schedule=torch.profiler.schedule(
+                    skip_first=self.skip_first,
+                    wait=self.wait,
+                    warmup=self.warmup,
+                    active=self.active,
+                    repeat=self.repeat,
+                ),
+                on_trace_ready=self._write_trace,
+                record_shapes=self.record_shapes,
+                with_stack=self.with_stack,
+                profile_memory=self.profile_memory,
+            )
+            self._profiler.start()
+        except Exception as error:  # profiling must never stop training
+            self._give_up("starting the profiler", error)
+            return
+        for name, child in pl_module.named_children():
+            self._hooks.append(child.register_forward_pre_hook(self._module_enter(name)))
+            self._hooks.append(child.register_forward_hook(self._module_exit(name)))
+        rank_zero_info(f"ProfilerSchedule: traces go to {directory}")
+
+    def _recording(self) -> bool:
+        profiler = self._profiler
+        return profiler is not None and profiler.current_action != ProfilerAction.NONE
+
+    def _module_enter(self, name: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any) -> None:
+            if self._recording():
+                self._regions.enter(f"module/{name}")
+
+        return hook
+
+    def _module_exit(self, name: str) -> Any:
+        def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
+            self._regions.exit(f"module/{name}")
+
+        return hook
+
+    # -- the step's phases -----------------------------------------------------------------------
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._regions.exit("data_fetch")
+        if self._recording():
+            self._regions.enter("forward")
+
+    def on_before_backward(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
+    ) -> None:
+        self._regions.exit("forward")
+        if self._recording():
+            self._regions.enter("backward")
+
+    def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._regions.exit("backward")
+
+    def on_before_optimizer_step(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
+    ) -> None:
+        self._regions.exit("forward")  # a step without backward (skipped loss)
+        if self._recording():
+            self._regions.enter("optimizer_step")
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        self._regions.exit_all()
+        if self._profiler is None:
+            return
+        try:
+            self._profiler.step()  # may end a window: _write_trace runs here
+        except Exception as error:  # profiling must never stop training
+            self._give_up("profiling a step", error)
+            return
+        if self._recording():
+            self._regions.enter("data_fetch")  # closed when the next batch arrives
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._regions.exit("data_fetch")  # validation is not data wait
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop_quietly()  # a window cut short by the end of training is written here
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self._stop_quietly()
+
+    # -- traces ----------------------------------------------------------------------------------
+
+    def _write_trace(self, profiler: Any) -> None:
+        path = self._directory / f"rank{self._rank}-window{self._windows}.pt.trace.json.gz"
+        self._windows += 1
+        raw = path.with_suffix("")  # .pt.trace.json
+        try:
+            profiler.export_chrome_trace(str(raw))
+            with raw.open("rb") as source, gzip.open(path, "wb", compresslevel=6) as target:
+                shutil.copyfileobj(source, target)
+        except Exception as error:  # a full disk must not stop training
+            for leftover in (raw, path):
+                leftover.unlink(missing_ok=True)
+            self._give_up(f"writing the trace {path.name}", error)
+            return
+        finally:
+            raw.unlink(missing_ok=True)
+        size_mb = path.stat().st_size / 2**20
+        if size_mb > self.max_trace_mb:
+            path.unlink()
+            if "cap" not in self._warned:
+                self._warned.add("cap")
+                rank_zero_warn(
+                    f"ProfilerSchedule: a trace of {size_mb:.1f} MB is over max_trace_mb="
+                    f"{self.max_trace_mb:g} and was not kept. Profile fewer steps (active="
+                    f"{self.active}), or drop with_stack / record_shapes / profile_memory."
+                )
+            return
+        self.traces.append(path)
+        while len(self.traces) > self.num_traces_to_keep:
+            self.traces.pop(0).unlink(missing_ok=True)
