@@ -33,6 +33,11 @@ def _checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any, **
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
+def _check_fraction(fraction: float) -> None:
+    if isinstance(fraction, bool) or not 0 < fraction <= 1:
+        raise SpeedkitConfigError(f"`fraction` must be in (0, 1], got {fraction!r}.")
+
+
 def _resolve(model: nn.Module, blocks: BlockChoice) -> list[type[nn.Module]]:
     if isinstance(blocks, str):
         if blocks != "auto":
@@ -94,8 +99,7 @@ def checkpoint_blocks(
         ['0', '2']
     """
     _surgery.refuse_wrapped(model, "checkpoint_blocks")
-    if isinstance(fraction, bool) or not 0 < fraction <= 1:
-        raise SpeedkitConfigError(f"`fraction` must be in (0, 1], got {fraction!r}.")
+    _check_fraction(fraction)
     instances = block_instances(model, _resolve(model, blocks))
     if not instances:
         return []
@@ -167,8 +171,7 @@ class ActivationCheckpointing(L.Callback):
     def __init__(
         self, blocks: BlockChoice = "auto", fraction: float = 1.0, *, verbose: bool = True
     ) -> None:
-        if isinstance(fraction, bool) or not 0 < fraction <= 1:
-            raise SpeedkitConfigError(f"`fraction` must be in (0, 1], got {fraction!r}.")
+        _check_fraction(fraction)
         self.blocks = blocks
         self.fraction = fraction
         self.verbose = verbose

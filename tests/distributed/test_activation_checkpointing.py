@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 from typing import Any
 
 import lightning as L
@@ -86,14 +85,30 @@ def test_fraction_spreads_over_the_blocks_and_undo() -> None:
     assert checkpoint_blocks(model, blocks=["Block"], fraction=1 / 6) == ["blocks.0"]
 
 
-def test_eval_and_no_grad_run_the_blocks_as_they_are() -> None:
-    model = Net()
-    checkpoint_blocks(model)
+def test_eval_and_no_grad_run_the_blocks_as_they_are(monkeypatch: pytest.MonkeyPatch) -> None:
+    from lightning_speedkit.distributed import activation_checkpointing as module
+
+    calls = []
+    real = module.checkpoint
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, "checkpoint", counting)
+    plain, wrapped = Net(), Net()
+    checkpoint_blocks(wrapped)
     x = torch.randn(2, 4, 64)
     with torch.no_grad():
-        assert saved_bytes(model, x) == 0
-    model.eval()
-    torch.testing.assert_close(model(x), copy.deepcopy(model)(x))
+        wrapped(x)
+    assert calls == []  # nothing to keep for backward: no recomputation set up
+    plain.eval()
+    wrapped.eval()
+    assert saved_bytes(wrapped, x) == saved_bytes(plain, x)  # eval: the blocks as they are
+    assert calls == []
+    wrapped.train()
+    wrapped(x)
+    assert len(calls) == 6  # training with gradients: every block checkpointed
 
 
 @pytest.mark.parametrize(

@@ -23,7 +23,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DDPStrategy
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_speedkit import AccumulationScheduler, DDPPowerSGDStrategy
+from lightning_speedkit import AccumulationScheduler, DDPPowerSGDStrategy, DeepSpeedZeRO2Strategy
 
 DIM = 16
 MICRO = 8
@@ -94,35 +94,6 @@ class RegisterHook(L.Callback):
         model.register_comm_hook(None, lambda state, bucket: self.hook(state, bucket))
 
 
-def cpu_deepspeed(stage: int) -> Any:
-    """Lightning's DeepSpeedStrategy with its three CUDA-only checks taken out (ZeRO on gloo)."""
-    from lightning.fabric.utilities.seed import reset_seed
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    class CPUDeepSpeed(DeepSpeedStrategy):
-        def setup_environment(self) -> None:
-            DDPStrategy.setup_environment(self)
-
-        def setup_distributed(self) -> None:
-            reset_seed()
-            self.set_world_ranks()
-            self._init_deepspeed_distributed()
-
-        def _setup_model_and_optimizer(
-            self, model: Any, optimizer: Any, lr_scheduler: Any = None
-        ) -> Any:
-            import deepspeed
-
-            engine, optimizer, _, _ = deepspeed.initialize(
-                args=argparse.Namespace(device_rank=0), config=self.config, model=model,
-                model_parameters=[p for p in model.parameters() if p.requires_grad],
-                optimizer=optimizer, lr_scheduler=lr_scheduler, dist_init_required=False,
-            )  # fmt: skip
-            return engine, optimizer
-
-    return CPUDeepSpeed(stage=stage)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
@@ -148,7 +119,7 @@ def main() -> None:
     if args.strategy == "ddp_powersgd":
         strategy = DDPPowerSGDStrategy(start_iter=2, start_method="popen")
     elif args.strategy == "deepspeed":
-        strategy = cpu_deepspeed(stage=2)
+        strategy = DeepSpeedZeRO2Strategy()  # the kit's preset: ZeRO-2 that runs on CPU
     elif args.strategy == "fsdp_zero2":
         strategy = "fsdp_zero2"
     else:
