@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--steps", type=int, default=4, help="training steps per round")
     parser.add_argument("--seq", type=int, nargs="+", default=None, help="bench-attention lengths")
     parser.add_argument("--repeats", type=int, default=3, help="bench-attention repeats")
+    parser.add_argument("--head-dims", type=int, nargs="+", default=[64], help="bench-attention")
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results/attention.json"))
     parser.add_argument("--plot", type=Path, default=Path("docs/assets/attention_cpu.png"))
     args = parser.parse_args(argv)
@@ -114,7 +115,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
 
     rows = bench_attention(
-        args.seq, device=device, dtype=dtype, repeats=args.repeats, progress=False
+        args.seq,
+        head_dims=args.head_dims,
+        device=device,
+        dtype=dtype,
+        repeats=args.repeats,
+        progress=False,
     )
     print(format_table(rows))
     base = VLMConfig.preset(args.size, vocab_size=35).image_size  # type: ignore[arg-type]

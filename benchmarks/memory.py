@@ -125,7 +125,7 @@ def worker(args: argparse.Namespace) -> None:
     if args.checkpointing:
         callbacks.append(ActivationCheckpointing(verbose=False))
     trainer = L.Trainer(
-        accelerator=args.accelerator, devices=2, strategy=strategy, max_steps=args.steps,
+        accelerator=args.accelerator, devices=args.devices, strategy=strategy, max_steps=args.steps,
         precision="bf16-mixed" if cuda else "32-true", logger=False, callbacks=callbacks,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         limit_val_batches=0,
@@ -149,10 +149,11 @@ def run_strategy(args: argparse.Namespace, strategy: str, checkpointing: bool) -
     cmd = [sys.executable, str(HERE), "--worker", "--strategy", strategy, "--out", str(out),
            "--accelerator", args.accelerator, "--size", args.size, "--steps", str(args.steps),
            "--image-size", str(args.image_size), "--text-len", str(args.text_len),
-           "--batch", str(args.batch)] + (["--checkpointing"] if checkpointing else [])  # fmt: skip
+           "--batch", str(args.batch), "--devices", str(args.devices)]  # fmt: skip
+    cmd += ["--checkpointing"] if checkpointing else []
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
-    if proc.returncode != 0 and len(ranks) < 2:
+    if proc.returncode != 0 and len(ranks) < args.devices:
         raise RuntimeError(f"{strategy} failed:\n{proc.stderr[-4000:]}")
     return {"strategy": strategy, "checkpointing": checkpointing, "ranks": ranks}
 
@@ -165,7 +166,9 @@ def part1(args: argparse.Namespace) -> list[dict[str, Any]]:
     with torch.device("meta"):
         n_params = sum(p.numel() for p in VLM(config).parameters())
     cuda = args.accelerator == "cuda"
-    plan = plan_memory(n_params, 2, optimizer="adamw", precision="mixed" if cuda else "fp32")
+    plan = plan_memory(
+        n_params, args.devices, optimizer="adamw", precision="mixed" if cuda else "fp32"
+    )
     rows = []
     for strategy in args.strategies:
         for checkpointing in (False, True):
@@ -249,6 +252,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--strategy", default="ddp", help=argparse.SUPPRESS)
     parser.add_argument("--checkpointing", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--accelerator", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--devices", type=int, default=2, help="processes (one per GPU on CUDA)")
     parser.add_argument("--size", default="base")
     parser.add_argument("--image-size", type=int, default=112)
     parser.add_argument("--text-len", type=int, default=32)
@@ -262,7 +266,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     if args.worker:
         worker(args)
         return None
-    print(f"part 1: {args.size} VLM, 2 processes, {args.accelerator}")
+    print(f"part 1: {args.size} VLM, {args.devices} process(es), {args.accelerator}")
     rows = part1(args)
     print("\nstrategy          ckpt   measured GiB   planned GiB   ratio   step s")
     for r in rows:
@@ -279,7 +283,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     print(f"  checkpointing: {less:.1f}x less saved, step time x{act['step_ratio']:.2f}")
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": platform.processor() or platform.machine(),
+        "machine": (
+            torch.cuda.get_device_name()
+            if args.accelerator == "cuda"
+            else platform.processor() or platform.machine()
+        ),
+        "devices": args.devices,
         "torch": torch.__version__,
         "command": "python benchmarks/memory.py " + " ".join(sys.argv[1:]),
     }

@@ -50,6 +50,8 @@ _SDPA_KERNEL: dict[str, SDPBackend] = {
     "cudnn": SDPBackend.CUDNN_ATTENTION,
     "math": SDPBackend.MATH,
 }
+#: How PyTorch says a restricted SDPA has no kernel for the inputs (wording varies by version).
+_NO_KERNEL = ("No viable backend", "No available kernel")
 
 #: (backend, device type, dtype, reason) already reported, so each is said once.
 _WARNED: set[tuple[str, str, str]] = set()
@@ -131,7 +133,7 @@ class Attend:
                 try:
                     return self._run(q, k, v, attn_mask, is_causal, scale, dropout_p)
                 except RuntimeError as error:
-                    if "No viable backend" not in str(error):
+                    if not any(m in str(error) for m in _NO_KERNEL):
                         raise
                     reason = "PyTorch has no such kernel for these inputs"
             if attn_mask is None:  # a mask-specific refusal is not remembered
@@ -209,6 +211,10 @@ class Attend:
             return _flex(q, k, v, is_causal, scale)
         if route == "sdpa":
             return _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p)
+        if self.backend in ("efficient", "cudnn"):
+            # PyTorch's memory-efficient and cuDNN kernels take no `enable_gqa` (torch 2.11:
+            # "No available kernel"); they get the key/value heads repeated.
+            k, v = _repeat_kv_heads(q, k, v)
         with sdpa_kernel([_SDPA_KERNEL[self.backend]]):
             return _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p)
 
@@ -268,6 +274,14 @@ def _swap_seq_and_heads(*tensors: Tensor) -> tuple[Tensor, ...]:
     return tuple(t.transpose(1, 2) for t in tensors)
 
 
+def _repeat_kv_heads(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+    """Grouped-query attention for kernels without it: each key/value head repeated."""
+    if k.shape[1] == q.shape[1]:
+        return k, v
+    groups = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+
+
 def _xformers(
     q: Tensor,
     k: Tensor,
@@ -280,9 +294,7 @@ def _xformers(
     """xformers' memory-efficient kernel: ``(B, N, H, D)`` layout, equal head counts."""
     from xformers.ops import LowerTriangularMask, memory_efficient_attention
 
-    if k.shape[1] != q.shape[1]:  # grouped-query attention: repeat key/value heads
-        groups = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    k, v = _repeat_kv_heads(q, k, v)
     bias: Any = LowerTriangularMask() if is_causal else None
     if attn_mask is not None:
         if is_causal:

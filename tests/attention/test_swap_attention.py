@@ -123,6 +123,49 @@ def test_look_alike_that_is_not_equivalent_fails_parity_and_keeps_its_forward(
     torch.testing.assert_close(module(x), expected)
 
 
+def test_half_precision_is_judged_against_float32_not_against_eager() -> None:
+    """Sharp attention in bf16: eager's own rounding is far from the float32 function
+    (its scores are rounded before the softmax), the fused kernel much less so. Judged
+    against eager the swap would fail (7e-2 > 3e-2); against float32 it passes, and its
+    reported error is the fused kernel's distance from float32."""
+    from speedkit_examples.vlm.model import VisionSelfAttention
+
+    torch.manual_seed(0)
+    module = VisionSelfAttention(64, 4).to(torch.bfloat16)
+    weights = {k: v.clone() for k, v in module.state_dict().items()}
+    x = (torch.randn(2, 128, 64) * 8).bfloat16()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no revert warning
+        report = swap_attention(module, "sdpa", sample=x)
+    (entry,) = report.modules
+    assert entry.status == "active"
+    assert entry.parity_error is not None
+    assert 3e-2 < entry.parity_error < 6e-2
+    for key, value in module.state_dict().items():  # the float32 run left them as they were
+        assert value.dtype == torch.bfloat16
+        assert torch.equal(value, weights[key])
+
+
+def test_half_precision_look_alike_is_still_reverted() -> None:
+    module = HeadMixingAttention().to(torch.bfloat16)
+    with pytest.warns(UserWarning, match="kept .* own attention .* parity error"):
+        report = swap_attention(module, "sdpa", sample=torch.randn(2, 6, 32).bfloat16())
+    assert report.swapped == []
+
+
+@pytest.mark.gpu
+def test_example_vlm_in_bf16_on_cuda_swaps_every_attention_module() -> None:
+    """The GPU regime: auto picks among SDPA's CUDA kernels and none is reverted."""
+    torch.manual_seed(0)
+    config = VLMConfig.preset("small", vocab_size=35, image_size=128)  # type: ignore[arg-type]
+    model = VLM(config).cuda().bfloat16()
+    images = torch.randn(8, 3, 128, 128, device="cuda", dtype=torch.bfloat16)
+    ids = torch.randint(0, 35, (8, config.max_text_len - 1), device="cuda")
+    report = swap_attention(model, "auto", sample=(images, ids))
+    assert report.reverted == []
+    assert len(report.swapped) == config.vision_depth + config.text_depth
+
+
 class GroupedQueryAttention(nn.Module):
     """Causal GQA with a nanoGPT-style float mask buffer of shape (1, 1, T, T) and dropout."""
 
