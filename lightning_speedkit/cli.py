@@ -37,7 +37,9 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description=(
             "Train the example VLM (ViT encoder, MLP projector, causal decoder) on the "
             "embedded synthetic caption corpus (written to the cache on first use) twice: "
-            "plain Lightning, then with the kit (NumWorkersTuner), both measured by "
+            "plain Lightning, then with the kit (NumWorkersTuner, AttentionSwap, a "
+            "ProfilerSchedule window with its report; ddp_powersgd on several devices), "
+            "both measured by "
             "SpeedMonitor, and print them side by side."
         ),
     )
@@ -283,6 +285,47 @@ def _plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_report(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    report = subparsers.add_parser(
+        "report",
+        help="diagnose a profiler trace: where the step's time goes and the fix",
+        description=(
+            "Analyse a chrome trace of training steps (from ProfilerSchedule, Lightning's "
+            "PyTorchProfiler or torch.profiler; .json or .json.gz): the step-time breakdown, "
+            "module shares, host-device sync call sites, and findings with the fix the kit "
+            "offers. Prints the report and writes it as markdown, JSON and PNG."
+        ),
+    )
+    report.add_argument("trace", help="the trace file")
+    report.add_argument(
+        "--out",
+        default=None,
+        help="directory for speedkit_report.{md,json,png} (default: beside the trace)",
+    )
+    report.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+
+
+def _report(args: argparse.Namespace) -> int:
+    import json
+    from pathlib import Path
+
+    from lightning_speedkit.errors import SpeedkitConfigError
+    from lightning_speedkit.measure.report import analyze_trace
+
+    trace = Path(args.trace)
+    try:
+        report = analyze_trace(trace)
+    except SpeedkitConfigError as exc:
+        print(f"speedkit report: error: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out) if args.out else trace.parent
+    name = trace.name.split(".")[0]
+    files = report.write(out, f"{name}.report")
+    print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_markdown())
+    print("wrote " + ", ".join(str(f) for f in files), file=sys.stderr)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="speedkit",
@@ -294,6 +337,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench_allreduce(subparsers)
     _add_bench_attention(subparsers)
     _add_plan(subparsers)
+    _add_report(subparsers)
     return parser
 
 
@@ -350,6 +394,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _bench_attention(args)
     elif args.command == "plan":
         return _plan(args)
+    elif args.command == "report":
+        return _report(args)
     return 0
 
 

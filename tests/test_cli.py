@@ -19,14 +19,14 @@ def _subcommands() -> list[str]:
 
 
 def test_help_lists_only_subcommands_that_exist(capsys: pytest.CaptureFixture[str]) -> None:
-    assert _subcommands() == ["bench-allreduce", "bench-attention", "demo", "plan"]
+    assert _subcommands() == ["bench-allreduce", "bench-attention", "demo", "plan", "report"]
     with pytest.raises(SystemExit) as info:
         main(["--help"])
     assert info.value.code == 0
     out = capsys.readouterr().out
     assert "demo" in out
     assert "plan" in out
-    assert "report" not in out
+    assert "report" in out
 
 
 def test_plan_prints_the_table_and_recommends(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,10 +1,12 @@
-"""ProfilerSchedule: scheduled torch.profiler windows, one gzip chrome trace per rank per window."""
+"""ProfilerSchedule: scheduled torch.profiler windows; a gzip trace and a report per window."""
 
 from __future__ import annotations
 
 import contextlib
 import gzip
 import shutil
+import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from lightning_speedkit.errors import SpeedkitConfigError
+from lightning_speedkit.measure.report import Report, analyze_trace
 
 __all__ = ["ProfilerSchedule"]
 
@@ -45,6 +48,16 @@ class _Region:
             self.exit(name)
 
 
+def _top_level(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules whose shares the report gives: the LightningModule's children, or, when
+    it holds a single model (``self.model``), that model's children (``model.vision``...)."""
+    prefix, children = "", list(module.named_children())
+    while len(children) == 1 and list(children[0][1].children()):
+        prefix += children[0][0] + "."
+        children = list(children[0][1].named_children())
+    return [(prefix + name, child) for name, child in children]
+
+
 class ProfilerSchedule(L.Callback):
     """Profiles chosen training steps with torch.profiler; writes a trace per window.
 
@@ -55,7 +68,11 @@ class ProfilerSchedule(L.Callback):
     accumulation, validation and resumes (Lightning's own PyTorchProfiler ignores
     ``repeat``). After each window, every rank writes
     ``<dirpath>/rank<R>-window<W>.pt.trace.json.gz``, a chrome trace (open it in
-    Perfetto or chrome://tracing, or analyse it with ``speedkit report``).
+    Perfetto or chrome://tracing, or analyse it again with ``speedkit report``), and
+    its diagnosis: ``.report`` (a :class:`~lightning_speedkit.measure.report.Report`:
+    ``.breakdown`` of step time, ``.findings`` each with ``.kind``, ``.evidence`` and
+    ``.fix``), written as ``speedkit_report.md``, ``.json`` and ``.png`` beside the
+    traces (ranks other than 0 add ``-rank<R>``).
 
     Inside profiled steps it marks, with ``record_function``, the phases
     ``speedkit/data_fetch`` (between batches), ``speedkit/forward``,
@@ -123,6 +140,15 @@ class ProfilerSchedule(L.Callback):
         self.profile_memory = profile_memory
         self.traces: list[Path] = []
         """This rank's traces written in this fit, oldest first (pruned ones removed)."""
+        self.report: Report | None = None
+        """The latest window's diagnosis (:class:`~lightning_speedkit.measure.report.Report`)."""
+        self.report_files: list[Path] = []
+        """Its markdown, JSON and PNG (``speedkit_report.*``; other ranks add ``-rank<R>``)."""
+        self._device = torch.device("cpu")
+        # Data fetch and step seconds of recent steps the profiler did not record.
+        self._unprofiled: tuple[deque[float], deque[float]] = (deque(maxlen=50), deque(maxlen=50))
+        self._batch_end: float | None = None
+        self._batch_start: float | None = None
         self._profiler: Any = None
         self._directory = Path()
         self._regions = _Region()
@@ -156,7 +182,12 @@ class ProfilerSchedule(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._rank = trainer.global_rank
+        self._device = trainer.strategy.root_device
         self.traces = []
+        self.report, self.report_files = None, []
+        self._batch_end = self._batch_start = None
+        for timings in self._unprofiled:
+            timings.clear()
         self._windows = 0
         root = trainer.log_dir or trainer.default_root_dir
         directory = self.dirpath or Path(root) / "profiler"
@@ -191,7 +222,7 @@ class ProfilerSchedule(L.Callback):
         except Exception as error:  # profiling must never stop training
             self._give_up("starting the profiler", error)
             return
-        for name, child in pl_module.named_children():
+        for name, child in _top_level(pl_module):
             self._hooks.append(child.register_forward_pre_hook(self._module_enter(name)))
             self._hooks.append(child.register_forward_hook(self._module_exit(name)))
         rank_zero_info(f"ProfilerSchedule: traces go to {directory}")
@@ -219,8 +250,14 @@ class ProfilerSchedule(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._regions.exit("data_fetch")
+        now = time.perf_counter()
         if self._recording():
             self._regions.enter("forward")
+            self._batch_end = None  # a profiled step: its timings are the profiler's
+        elif self._batch_end is not None and self._batch_start is not None:
+            self._unprofiled[0].append(now - self._batch_end)
+            self._unprofiled[1].append(now - self._batch_start)
+        self._batch_start = now
 
     def on_before_backward(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
@@ -250,6 +287,7 @@ class ProfilerSchedule(L.Callback):
         self._regions.exit_all()
         if self._profiler is None:
             return
+        self._batch_end = None if self._recording() else time.perf_counter()
         try:
             self._profiler.step()  # may end a window: _write_trace runs here
         except Exception as error:  # profiling must never stop training
@@ -269,7 +307,34 @@ class ProfilerSchedule(L.Callback):
     ) -> None:
         self._stop_quietly()
 
-    # -- traces ----------------------------------------------------------------------------------
+    # -- traces and reports -----------------------------------------------------------------------
+
+    def _analyse(self, raw: Path, path: Path) -> None:
+        """The window's report, next to the traces; a failure here costs only the report."""
+        try:
+            memory = None
+            if self._device.type == "cuda":
+                capacity = torch.cuda.get_device_properties(self._device).total_memory
+                memory = (float(torch.cuda.max_memory_reserved(self._device)), float(capacity))
+            fetched, stepped = sum(self._unprofiled[0]), sum(self._unprofiled[1])
+            share = fetched / stepped if stepped > 0 else None
+            report = analyze_trace(
+                raw, memory=memory, source=path.name, unprofiled_data_share=share
+            )
+            stem = "speedkit_report" if self._rank == 0 else f"speedkit_report-rank{self._rank}"
+            self.report_files = report.write(self._directory, stem)
+        except Exception as error:
+            if "report" not in self._warned:
+                self._warned.add("report")
+                rank_zero_warn(
+                    f"ProfilerSchedule: the report of {path.name} failed ({type(error).__name__}:"
+                    f" {error}); traces are still written."
+                )
+            return
+        self.report = report
+        if self._rank == 0:
+            kinds = ", ".join(report.kinds) or "nothing stands out"
+            rank_zero_info(f"ProfilerSchedule: {kinds}; report in {self.report_files[0]}")
 
     def _write_trace(self, profiler: Any) -> None:
         path = self._directory / f"rank{self._rank}-window{self._windows}.pt.trace.json.gz"
@@ -279,6 +344,7 @@ class ProfilerSchedule(L.Callback):
             profiler.export_chrome_trace(str(raw))
             with raw.open("rb") as source, gzip.open(path, "wb", compresslevel=6) as target:
                 shutil.copyfileobj(source, target)
+            self._analyse(raw, path)
         except Exception as error:  # a full disk must not stop training
             for leftover in (raw, path):
                 leftover.unlink(missing_ok=True)

@@ -23,6 +23,9 @@ def fit(callback: ProfilerSchedule, steps: int) -> L.Trainer:
     return trainer
 
 
+REPORT = ["speedkit_report.json", "speedkit_report.md", "speedkit_report.png"]
+
+
 def events(path: Path) -> list[dict[str, Any]]:
     with gzip.open(path) as handle:
         trace: dict[str, Any] = json.load(handle)
@@ -42,12 +45,13 @@ def test_windows_follow_the_schedule_and_mark_every_phase(tmp_path: Path) -> Non
         "rank0-window0.pt.trace.json.gz",
         "rank0-window1.pt.trace.json.gz",
     ]
-    assert sorted(tmp_path.iterdir()) == callback.traces
+    assert sorted(tmp_path.glob("*.pt.trace.json.gz")) == callback.traces
+    assert sorted(p.name for p in tmp_path.glob("speedkit_report*")) == REPORT  # the latest
     for path in callback.traces:
         trace = events(path)
         steps = {e["name"] for e in trace if e.get("name", "").startswith("ProfilerStep#")}
         assert len(steps) == 2  # active=2 steps recorded per window
-        for phase in ("forward", "backward", "optimizer_step", "module/net"):
+        for phase in ("forward", "backward", "optimizer_step", "module/net.0", "module/net.2"):
             assert count(trace, f"speedkit/{phase}") == 2, phase
         assert count(trace, "speedkit/data_fetch") >= 1
 
@@ -60,7 +64,7 @@ def test_repeat_zero_profiles_until_the_end_and_keeps_the_newest(tmp_path: Path)
         "rank0-window3.pt.trace.json.gz",
         "rank0-window4.pt.trace.json.gz",
     ]
-    assert sorted(tmp_path.iterdir()) == callback.traces
+    assert sorted(tmp_path.glob("*.pt.trace.json.gz")) == callback.traces
 
 
 def test_a_trace_over_the_cap_is_dropped_with_one_warning(tmp_path: Path) -> None:
@@ -70,7 +74,7 @@ def test_a_trace_over_the_cap_is_dropped_with_one_warning(tmp_path: Path) -> Non
         trainer = fit(callback, steps=5)
     assert sum("over max_trace_mb" in str(w.message) for w in record) == 1
     assert callback.traces == []
-    assert list(tmp_path.iterdir()) == []
+    assert list(tmp_path.glob("*.pt.trace.json.gz")) == []  # the report of it stays
     assert trainer.global_step == 5
 
 

@@ -1,0 +1,328 @@
+"""The bottleneck report: planted bottlenecks are found, a clean run is not blamed.
+
+Each planted test trains a small job under ProfilerSchedule and asserts the finding
+its bottleneck must produce; the synthetic GPU trace checks the device-side
+accounting to the microsecond, since CI has no GPU.
+"""
+
+from __future__ import annotations
+
+import gzip
+import inspect
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_speedkit import AttentionSwap, ProfilerSchedule, SpeedkitConfigError
+from lightning_speedkit.cli import main
+from lightning_speedkit.measure import profiler_schedule
+from lightning_speedkit.measure.report import CATEGORIES, Report, analyze_trace
+from tests.helpers.models import MLP, loader
+
+
+def profile(
+    module: L.LightningModule,
+    data: DataLoader[Any],
+    tmp_path: Path,
+    callbacks: list[L.Callback] | None = None,
+    active: int = 3,
+) -> ProfilerSchedule:
+    profiler = ProfilerSchedule(skip_first=4, wait=0, warmup=1, active=active, repeat=1,
+                                dirpath=tmp_path)  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", max_steps=4 + 1 + active, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False,
+                        callbacks=[*(callbacks or []), profiler])  # fmt: skip
+    trainer.fit(module, data)
+    assert profiler.report is not None
+    return profiler
+
+
+def test_a_data_bound_loader_is_found_first(tmp_path: Path) -> None:
+    profiler = profile(MLP(), loader(n=256, delay=0.004), tmp_path)  # 32 ms per batch of 8
+    report = profiler.report
+    assert report is not None
+    assert report.kinds[0] == "data"
+    assert report.breakdown["data"] > 0.6
+    data = report.findings[0]
+    assert "NumWorkersTuner()" in data.fix
+    assert f"{report.breakdown['data']:.0%}" in data.evidence
+
+
+class Big(MLP):
+    def __init__(self) -> None:
+        super().__init__(dim=512, hidden=2048)
+
+
+def in_memory(dim: int, n: int = 512, batch_size: int = 64) -> DataLoader[Any]:
+    return DataLoader(TensorDataset(torch.randn(n, dim)), batch_size=batch_size)
+
+
+class BigOnTensors(Big):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step(batch[0], batch_idx)
+
+
+def test_a_clean_compute_bound_run_is_not_blamed_on_data(tmp_path: Path) -> None:
+    report = profile(BigOnTensors(), in_memory(512), tmp_path).report
+    assert report is not None
+    assert "data" not in report.kinds
+    assert report.kinds[0] == "compute"
+    assert report.breakdown["data"] < 0.1
+    assert report.breakdown["matmul"] > 0.3
+    assert math.isclose(sum(report.breakdown.values()), 1.0, rel_tol=1e-6)
+
+
+class ItemInStep(MLP):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.last = loss.item()  # planted: a host-device sync in every step
+        return loss
+
+
+def test_an_item_in_training_step_is_named_with_its_line(tmp_path: Path) -> None:
+    report = profile(ItemInStep(), loader(n=256), tmp_path).report
+    assert report is not None
+    (finding,) = [f for f in report.findings if f.kind == "host_sync"]
+    lines, first = inspect.getsourcelines(ItemInStep.training_step)
+    planted = first + next(i for i, line in enumerate(lines) if ".item()" in line)
+    site = f"tests/measure/test_report.py:{planted} in training_step"
+    assert site in finding.evidence
+    assert "self.last = loss.item()" in finding.evidence
+    assert "blocks the host" in finding.evidence
+    ((row),) = [s for s in report.sync_sites if s["user_code"]]
+    assert row["per_step"] == 1.0
+
+
+def test_without_item_no_sync_is_blamed_on_the_user(tmp_path: Path) -> None:
+    report = profile(MLP(), loader(n=256), tmp_path).report
+    assert report is not None
+    assert "host_sync" not in report.kinds
+
+
+class EagerAttention(L.LightningModule):
+    """One eager softmax attention layer over long sequences (512 tokens)."""
+
+    def __init__(self, dim: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.head_dim = heads, dim // heads
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, N, C = x.shape
+        qkv = self.qkv(x).view(B, N, 3, self.heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k, v = qkv[0], qkv[1], qkv[2]
+        weights = (q @ k.transpose(-2, -1) / math.sqrt(self.head_dim)).softmax(dim=-1)
+        return self.proj((weights @ v).transpose(1, 2).reshape(B, N, C))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def sequences() -> DataLoader[Any]:
+    return DataLoader(TensorDataset(torch.randn(48, 512, 64)), batch_size=4)
+
+
+def test_eager_attention_at_long_sequences_is_found_and_the_swap_clears_it(
+    tmp_path: Path,
+) -> None:
+    report = profile(EagerAttention(), sequences(), tmp_path / "eager").report
+    assert report is not None
+    assert "attention" in report.kinds
+    assert report.kinds[0] == "attention"
+    assert report.breakdown["attention"] > 0.4
+    (finding,) = [f for f in report.findings if f.kind == "attention"]
+    assert "AttentionSwap()" in finding.fix
+    # The fix it names works: with the swap, attention is fused and no longer a finding.
+    swapped = profile(EagerAttention(), sequences(), tmp_path / "swapped",
+                      callbacks=[AttentionSwap(verbose=False)]).report  # fmt: skip
+    assert swapped is not None
+    assert "attention" not in swapped.kinds
+
+
+@pytest.mark.multiprocess
+def test_a_communication_bound_ddp_job_is_found_on_every_rank(tmp_path: Path) -> None:
+    from tests.helpers.multiprocess import run_script
+
+    ranks = run_script("profile_ddp.py", tmp_path)
+    for rank in ranks:
+        assert rank["kinds"][0] == "communication", rank
+        assert rank["breakdown"]["communication"] >= 0.3
+    names = sorted(Path(f).name for r in ranks for f in r["files"])
+    assert "speedkit_report.md" in names
+    assert "speedkit_report-rank1.md" in names
+
+
+def test_report_files_are_written_next_to_the_traces(tmp_path: Path) -> None:
+    profiler = profile(MLP(), loader(n=256), tmp_path)
+    names = sorted(p.name for p in profiler.report_files)
+    assert names == ["speedkit_report.json", "speedkit_report.md", "speedkit_report.png"]
+    saved = json.loads((tmp_path / "speedkit_report.json").read_text())
+    assert saved["breakdown"] == pytest.approx(profiler.report.breakdown)  # type: ignore[union-attr]
+    assert saved["steps"] == 3
+    markdown = (tmp_path / "speedkit_report.md").read_text()
+    assert "## Where the step goes" in markdown
+    assert (tmp_path / "speedkit_report.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_failing_report_warns_once_and_training_goes_on(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*args: Any, **kwargs: Any) -> Report:
+        raise ValueError("planted")
+
+    monkeypatch.setattr(profiler_schedule, "analyze_trace", broken)
+    callback = ProfilerSchedule(skip_first=0, wait=0, warmup=0, active=1, repeat=3,
+                                dirpath=tmp_path)  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", max_steps=5, logger=False, callbacks=[callback],
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    with pytest.warns(UserWarning, match="report of .* failed .*planted") as record:
+        trainer.fit(MLP(), loader(n=256))
+    assert sum("planted" in str(w.message) for w in record) == 1
+    assert trainer.global_step == 5
+    assert len(callback.traces) == 3  # the traces are still written
+    assert callback.report is None
+
+
+# ------------------------------------------------------------- other profilers' traces
+
+
+def test_lightning_pytorch_profiler_trace_is_understood(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    schedule = torch.profiler.schedule(wait=1, warmup=1, active=2)
+    profiler = PyTorchProfiler(dirpath=tmp_path, filename="lt", export_to_chrome=True,
+                               schedule=schedule)  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, profiler=profiler,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(MLP(), loader(n=256, delay=0.004))
+    (trace,) = sorted(tmp_path.glob("*.pt.trace.json"))
+    assert main(["report", str(trace), "--out", str(tmp_path / "out"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["steps"] >= 1
+    assert report["modules"] == {"net": pytest.approx(1.0)}  # "[pl][module]...: net"
+    assert report["findings"][0]["kind"] == "data"  # Lightning's train_dataloader_next
+    assert sorted(p.name for p in (tmp_path / "out").iterdir())[0].endswith(".report.json")
+
+
+def test_plain_torch_profiler_trace_gz_or_not(tmp_path: Path) -> None:
+    model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 256))
+    x = torch.randn(64, 256)
+    path = tmp_path / "plain.json"
+    with torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=0, warmup=1, active=2),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+    ) as prof:
+        for _ in range(3):
+            model(x).sum().backward()
+            prof.step()
+    report = analyze_trace(path)
+    assert report.steps == 2
+    assert report.kinds == ["compute"]
+    assert report.breakdown["matmul"] > 0.2
+    zipped = tmp_path / "plain.json.gz"
+    zipped.write_bytes(gzip.compress(path.read_bytes()))
+    assert analyze_trace(zipped).breakdown == pytest.approx(report.breakdown)
+
+
+def test_bad_traces_are_refused_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SpeedkitConfigError, match="No trace at"):
+        analyze_trace(tmp_path / "missing.json")
+    (tmp_path / "notes.json").write_text('{"hello": 1}')
+    with pytest.raises(SpeedkitConfigError, match="no `traceEvents`"):
+        analyze_trace(tmp_path / "notes.json")
+    (tmp_path / "broken.json.gz").write_bytes(b"not gzip")
+    with pytest.raises(SpeedkitConfigError, match="not a chrome trace"):
+        analyze_trace(tmp_path / "broken.json.gz")
+    assert main(["report", str(tmp_path / "missing.json")]) == 2
+    assert "speedkit report: error: No trace at" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- the device timeline
+
+
+def _x(name: str, cat: str, ts: float, dur: float, tid: Any = 1, **args: Any) -> dict[str, Any]:
+    return {"ph": "X", "name": name, "cat": cat, "ts": ts, "dur": dur, "pid": 1, "tid": tid,
+            "args": args}  # fmt: skip
+
+
+def synthetic_gpu_trace() -> dict[str, Any]:
+    """One 1000 us step: data 0-200 (device idle), a GEMM 200-500 launched inside the
+    vision module, flash attention 500-600 in the language model, an all-reduce 550-800
+    (its first 50 us hidden under attention), a stream sync 800-810 after which the
+    device idles until 850, an elementwise kernel 850-900, then idle to the end."""
+    host = [
+        _x("ProfilerStep#1", "user_annotation", 0, 1000),
+        _x("speedkit/data_fetch", "user_annotation", 0, 200),
+        _x("speedkit/module/vision", "user_annotation", 200, 200),
+        _x("cudaLaunchKernel", "cuda_runtime", 210, 5, correlation=1),
+        _x("speedkit/module/language_model", "user_annotation", 400, 100),
+        _x("aten::_scaled_dot_product_flash_attention", "cpu_op", 440, 20, **{"External id": 7}),
+        _x("cudaLaunchKernel", "cuda_runtime", 450, 5, correlation=2),
+        _x("cudaStreamSynchronize", "cuda_runtime", 800, 10, correlation=3),
+    ]
+    device = [
+        _x("sm90_xmma_gemm_bf16bf16_bf16f32", "kernel", 200, 300, tid=7, correlation=1),
+        _x("flash_fwd_kernel", "kernel", 500, 100, tid=7, correlation=2, **{"External id": 7}),
+        _x("ncclDevKernel_AllReduce_Sum_bf16_RING_LL", "kernel", 550, 250, tid=9),
+        _x("vectorized_elementwise_kernel", "kernel", 850, 50, tid=7),
+    ]
+    return {"traceEvents": host + device}
+
+
+def test_device_time_is_split_by_kernel_and_idle_by_what_the_host_did() -> None:
+    report = analyze_trace(synthetic_gpu_trace())
+    assert report.device == "cuda"
+    assert report.step_ms == pytest.approx(1.0)
+    expected = {
+        "data": 0.2,
+        "matmul": 0.3,
+        "attention": 0.1,
+        "communication": 0.2,
+        "host_sync": 0.05,
+        "elementwise": 0.05,
+        "memory_copy": 0,
+        "overhead": 0.1,
+    }
+    assert list(report.breakdown) == list(CATEGORIES)
+    for name, share in expected.items():
+        assert report.breakdown[name] == pytest.approx(share, abs=2e-3), name
+    # kernels are attributed to the module whose forward launched them
+    assert report.modules == {"vision": pytest.approx(0.75), "language_model": pytest.approx(0.25)}
+    assert report.kinds[0] == "data"
+    # 75% of forward time but 30% of the step: under the 40% that makes it a finding
+    assert "vision_encoder" not in report.kinds
+    assert "attention" not in report.kinds  # fused (flash) already
+
+
+def test_a_vision_tower_over_40_percent_of_the_step_is_flagged() -> None:
+    trace = synthetic_gpu_trace()
+    events = trace["traceEvents"]
+    gemm = next(e for e in events if e["name"].startswith("sm90_xmma_gemm"))
+    gemm["dur"] = 500  # vision: 200-700, of a 1000 us step
+    report = analyze_trace(trace)
+    (finding,) = [f for f in report.findings if f.kind == "vision_encoder"]
+    assert "`vision`" in finding.evidence
+    assert finding.share > 0.4
+
+
+def test_memory_near_the_limit_points_to_the_planner() -> None:
+    report = analyze_trace(synthetic_gpu_trace(), memory=(76 * 2**30, 80 * 2**30))
+    (finding,) = [f for f in report.findings if f.kind == "memory"]
+    assert finding.share == pytest.approx(0.95)
+    assert "speedkit plan" in finding.fix
+    assert "memory" not in analyze_trace(synthetic_gpu_trace(), memory=(1, 80)).kinds

@@ -1,0 +1,65 @@
+"""Two CPU ranks (gloo) profile a communication-bound job with ProfilerSchedule.
+
+Four 1024x1024 linear layers (16 MiB of fp32 gradients to all-reduce each step) on
+micro-batches of 1 sample: the arithmetic is a few milliseconds, the all-reduce
+over loopback many more. Each rank writes its report's kinds and breakdown.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_speedkit import ProfilerSchedule
+
+WIDTH, LAYERS = 1024, 4
+
+
+class Wide(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(*(nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0]).pow(2).mean()
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    profiler = ProfilerSchedule(skip_first=2, wait=0, warmup=1, active=3, repeat=1,
+                                dirpath=args.out / "profiler", with_stack=False)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_steps=7, logger=False,
+        callbacks=[profiler], enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    data = TensorDataset(torch.randn(64, WIDTH))
+    trainer.fit(Wide(), DataLoader(data, batch_size=1))
+    report = profiler.report
+    result = {
+        "kinds": report.kinds if report is not None else None,
+        "breakdown": report.breakdown if report is not None else None,
+        "files": [str(p) for p in profiler.report_files],
+    }
+    (args.out / f"rank{trainer.global_rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
