@@ -13,9 +13,10 @@ How a swap works:
    output. In half precision both are measured against a float32 run of the
    module's own forward (the eager softmax in bf16 is itself far from exact): a
    backend passes within the tolerance or within twice the module's own error.
-   A module whose error exceeds that is reverted, with a warning; the call
-   itself returns the module's own output, so the check never changes the
-   numbers of a training step. Without a sample, each module is
+   A module whose error exceeds that is reverted, with a warning. The checked
+   call returns the fused output when the check passes (equal within the
+   tolerance; a recomputation under activation checkpointing then runs what the
+   forward ran) and the module's own output otherwise. Without a sample, each module is
    also checked at swap time on a small synthetic input of its own.
 3. ``backend="auto"`` times the candidate backends on those real inputs, with
    backward, and keeps the fastest that passes.
@@ -318,7 +319,9 @@ class _SwappedForward:
             self._check(example[0], example[1], grad=True, time_it=False, label="synthetic")
 
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> Any:
-        with _eval(self.module), not_counted():  # the check is not the model's work
+        # The check is not the model's work: no FLOPs counted, and what its runs save for
+        # backward stays theirs (an enclosing activation checkpoint must not count it).
+        with _eval(self.module), not_counted(), _keep_saved_tensors():
             passed = self._check(
                 args,
                 kwargs,
@@ -329,6 +332,9 @@ class _SwappedForward:
         if passed:
             self.checked_forward = True
             self.checked_backward = self.checked_backward or grad
+            # The fused output (equal within the tolerance): a recomputation under activation
+            # checkpointing then runs the same operations as this forward did.
+            return self._fast(self.ctx, args, kwargs)
         return self.original(*args, **kwargs)
 
     def _check(
@@ -433,6 +439,11 @@ class _SwappedForward:
             f"AttentionSwap kept {self.entry.name or type(self.module).__name__!r}'s own "
             f"attention ({self.entry.family}): {reason}."
         )
+
+
+def _keep_saved_tensors() -> Any:
+    """Saved-tensor hooks of our own, innermost: an enclosing checkpoint's do not see these."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
 
 
 def _bind(

@@ -155,6 +155,8 @@ class ProfilerSchedule(L.Callback):
         self._hooks: list[Any] = []
         self._rank = 0
         self._windows = 0
+        self._steps = 0
+        self._resumed: tuple[int, int] | None = None
         self._warned: set[str] = set()
 
     # -- failure handling: say it once, go on -------------------------------------------------
@@ -188,7 +190,9 @@ class ProfilerSchedule(L.Callback):
         self._batch_end = self._batch_start = None
         for timings in self._unprofiled:
             timings.clear()
-        self._windows = 0
+        # A resumed run goes on with its schedule: the windows it took are not taken again.
+        self._steps, self._windows = self._resumed or (0, 0)
+        self._resumed = None
         root = trainer.log_dir or trainer.default_root_dir
         directory = self.dirpath or Path(root) / "profiler"
         try:
@@ -218,6 +222,8 @@ class ProfilerSchedule(L.Callback):
                 with_stack=self.with_stack,
                 profile_memory=self.profile_memory,
             )
+            self._profiler.step_num = self._steps
+            self._profiler.current_action = self._profiler.schedule(self._steps)
             self._profiler.start()
         except Exception as error:  # profiling must never stop training
             self._give_up("starting the profiler", error)
@@ -288,6 +294,7 @@ class ProfilerSchedule(L.Callback):
         if self._profiler is None:
             return
         self._batch_end = None if self._recording() else time.perf_counter()
+        self._steps += 1
         try:
             self._profiler.step()  # may end a window: _write_trace runs here
         except Exception as error:  # profiling must never stop training
@@ -306,6 +313,14 @@ class ProfilerSchedule(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         self._stop_quietly()
+
+    # -- checkpoints -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self._steps, "windows": self._windows}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._resumed = (int(state_dict["steps"]), int(state_dict["windows"]))
 
     # -- traces and reports -----------------------------------------------------------------------
 

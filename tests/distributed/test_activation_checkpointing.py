@@ -164,3 +164,25 @@ def test_wrapped_model_is_refused() -> None:
 
     with pytest.raises(SpeedkitConfigError, match="already wrapped"):
         checkpoint_blocks(OptimizedModule())
+
+
+def test_with_swapped_attention_checked_inside_a_checkpointed_block() -> None:
+    """AttentionSwap's first-call parity check runs inside the checkpointed block's forward;
+    the recomputation must replay the same operations (it failed with "a different number
+    of tensors was saved" before the check kept its own saved tensors)."""
+    from lightning_speedkit import swap_attention
+    from speedkit_examples.vlm import VLM, VLMConfig
+
+    torch.manual_seed(0)
+    config = VLMConfig.preset("tiny", vocab_size=35)  # type: ignore[arg-type]
+    plain = VLM(config)
+    model = VLM(config)
+    model.load_state_dict(plain.state_dict())
+    swap_attention(model, "sdpa")  # no sample: checked at the first real call
+    assert checkpoint_blocks(model)
+    images = torch.randn(2, 3, config.image_size, config.image_size)
+    ids = torch.randint(0, 35, (2, 12))
+    for m in (plain, model):
+        m(images, ids).square().mean().backward()
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
