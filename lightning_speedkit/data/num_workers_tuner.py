@@ -41,10 +41,18 @@ class NumWorkersTuner(L.Callback):
     ``data/model_batches_per_sec`` and ``data/num_workers``.
 
     Args:
-        max_workers, batches, warmup_batches, min_gain, time_budget, timeout,
-            cache, cache_dir, force, progress: as for
-            :func:`~lightning_speedkit.data.tune_num_workers`. ``max_workers``
-            defaults to the cores the training process leaves free (below).
+        max_workers: most workers tried; default: the cores the training process
+            leaves free (below).
+        batches: batches timed per candidate (as for
+            :func:`~lightning_speedkit.data.tune_num_workers`, like the next six).
+        warmup_batches: batches per candidate left out of its timing.
+        min_gain: relative gain a candidate needs over the best so far.
+        time_budget: seconds the whole search may take.
+        timeout: seconds a worker may take for a batch before its candidate is skipped.
+        cache: reuse a result saved for this dataset and machine.
+        cache_dir: where results are saved.
+        force: measure even when a cached result exists.
+        progress: show a progress bar.
         verdict_steps: training batches timed for the bottleneck verdict (after 3
             warm-up batches); 0 turns the verdict off.
         compute_threads: training on CPU, give torch this many threads for the

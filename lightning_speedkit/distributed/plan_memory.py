@@ -236,8 +236,11 @@ def plan_memory(
         optimizer: ``"adam"``/``"adamw"`` (two moments) or ``"sgd"`` (momentum).
         precision: ``"mixed"`` (16-bit weights and gradients for compute, an fp32
             master copy; ``16-mixed``/``bf16-mixed``) or ``"fp32"``.
-        batch_size, seq_len, hidden_size, n_layers: micro-batch per device and the
-            transformer's shape, for activations (all four or none).
+        batch_size: micro-batch per device, for activations (give all four of
+            ``batch_size``, ``seq_len``, ``hidden_size``, ``n_layers``, or none).
+        seq_len: sequence length.
+        hidden_size: the transformer's hidden size.
+        n_layers: transformer layers.
         n_heads: attention heads (default: hidden_size / 64).
         fused_attention: attention by a fused kernel (no ``s^2`` matrices kept).
 
