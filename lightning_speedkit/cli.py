@@ -303,6 +303,15 @@ def _add_report(subparsers: argparse._SubParsersAction[argparse.ArgumentParser])
         help="directory for speedkit_report.{md,json,png} (default: beside the trace)",
     )
     report.add_argument("--json", action="store_true", help="print JSON instead of markdown")
+    report.add_argument(
+        "--step-ms",
+        type=_positive_float,
+        default=None,
+        help=(
+            "median step time without the profiler (e.g. SpeedMonitor's step_ms_p50): on a "
+            "GPU trace, the device idle the profiler's host slowdown added is taken out"
+        ),
+    )
 
 
 def _report(args: argparse.Namespace) -> int:
@@ -314,7 +323,7 @@ def _report(args: argparse.Namespace) -> int:
 
     trace = Path(args.trace)
     try:
-        report = analyze_trace(trace)
+        report = analyze_trace(trace, unprofiled_step_ms=args.step_ms)
     except SpeedkitConfigError as exc:
         print(f"speedkit report: error: {exc}", file=sys.stderr)
         return 2

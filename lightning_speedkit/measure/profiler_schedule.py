@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gzip
 import shutil
+import statistics
 import time
 from collections import deque
 from pathlib import Path
@@ -331,10 +332,18 @@ class ProfilerSchedule(L.Callback):
             if self._device.type == "cuda":
                 capacity = torch.cuda.get_device_properties(self._device).total_memory
                 memory = (float(torch.cuda.max_memory_reserved(self._device)), float(capacity))
-            fetched, stepped = sum(self._unprofiled[0]), sum(self._unprofiled[1])
-            share = fetched / stepped if stepped > 0 else None
+            # Medians: the first steps of a fit (allocations, lazy set-up) are not typical.
+            fetches, steps = self._unprofiled
+            share = step_ms = None
+            if steps and statistics.median(steps) > 0:
+                share = min(statistics.median(fetches) / statistics.median(steps), 1.0)
+                step_ms = 1e3 * statistics.median(steps)
             report = analyze_trace(
-                raw, memory=memory, source=path.name, unprofiled_data_share=share
+                raw,
+                memory=memory,
+                source=path.name,
+                unprofiled_data_share=share,
+                unprofiled_step_ms=step_ms,
             )
             stem = "speedkit_report" if self._rank == 0 else f"speedkit_report-rank{self._rank}"
             self.report_files = report.write(self._directory, stem)
