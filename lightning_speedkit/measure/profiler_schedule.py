@@ -18,7 +18,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from lightning_speedkit.errors import SpeedkitConfigError
-from lightning_speedkit.measure.report import Report, analyze_trace
+from lightning_speedkit.measure.report import Report, amend_for_callbacks, analyze_trace
 
 __all__ = ["ProfilerSchedule"]
 
@@ -146,6 +146,7 @@ class ProfilerSchedule(L.Callback):
         self.report_files: list[Path] = []
         """Its markdown, JSON and PNG (``speedkit_report.*``; other ranks add ``-rank<R>``)."""
         self._device = torch.device("cpu")
+        self._callbacks: list[str] = []
         # Data fetch and step seconds of recent steps the profiler did not record.
         self._unprofiled: tuple[deque[float], deque[float]] = (deque(maxlen=50), deque(maxlen=50))
         self._batch_end: float | None = None
@@ -186,6 +187,7 @@ class ProfilerSchedule(L.Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._rank = trainer.global_rank
         self._device = trainer.strategy.root_device
+        self._callbacks = [type(c).__name__ for c in trainer.callbacks]  # type: ignore[attr-defined]
         self.traces = []
         self.report, self.report_files = None, []
         self._batch_end = self._batch_start = None
@@ -345,6 +347,7 @@ class ProfilerSchedule(L.Callback):
                 unprofiled_data_share=share,
                 unprofiled_step_ms=step_ms,
             )
+            amend_for_callbacks(report, self._callbacks)
             stem = "speedkit_report" if self._rank == 0 else f"speedkit_report-rank{self._rank}"
             self.report_files = report.write(self._directory, stem)
         except Exception as error:

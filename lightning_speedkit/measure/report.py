@@ -300,6 +300,30 @@ class Report:
         return path
 
 
+_ALREADY_ON = {
+    "data": (
+        "NumWorkersTuner",
+        "NumWorkersTuner is already on and this is what it could do: the loader has no "
+        "spare cores for more workers here. Make each sample cheaper (decode once and "
+        "cache, smaller images) or give the loader cores",
+    ),
+    "attention": (
+        "AttentionSwap",
+        "AttentionSwap is already on: the attention left unfused is in modules it "
+        "reverted (parity) or did not recognise; its report says which",
+    ),
+}
+
+
+def amend_for_callbacks(report: Report, callbacks: Iterable[str]) -> None:
+    """Say so where a finding's fix is a callback the run already has (by class name)."""
+    present = set(callbacks)
+    for finding in report.findings:
+        name, fix = _ALREADY_ON.get(finding.kind, ("", ""))
+        if name in present:
+            finding.fix = fix
+
+
 # ---------------------------------------------------------------------------------- reading
 
 

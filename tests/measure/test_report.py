@@ -34,9 +34,9 @@ def profile(
     callbacks: list[L.Callback] | None = None,
     active: int = 3,
 ) -> ProfilerSchedule:
-    profiler = ProfilerSchedule(skip_first=4, wait=0, warmup=1, active=active, repeat=1,
+    profiler = ProfilerSchedule(skip_first=8, wait=0, warmup=1, active=active, repeat=1,
                                 dirpath=tmp_path)  # fmt: skip
-    trainer = L.Trainer(accelerator="cpu", max_steps=4 + 1 + active, logger=False,
+    trainer = L.Trainer(accelerator="cpu", max_steps=8 + 1 + active, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False,
                         callbacks=[*(callbacks or []), profiler])  # fmt: skip
@@ -46,7 +46,7 @@ def profile(
 
 
 def test_a_data_bound_loader_is_found_first(tmp_path: Path) -> None:
-    profiler = profile(MLP(), loader(n=256, delay=0.004), tmp_path)  # 32 ms per batch of 8
+    profiler = profile(MLP(), loader(n=256, delay=0.01), tmp_path)  # 80 ms per batch of 8
     report = profiler.report
     assert report is not None
     assert report.kinds[0] == "data"
@@ -54,6 +54,16 @@ def test_a_data_bound_loader_is_found_first(tmp_path: Path) -> None:
     data = report.findings[0]
     assert "NumWorkersTuner()" in data.fix
     assert f"{report.breakdown['data']:.0%}" in data.evidence
+
+
+def test_a_fix_already_in_place_is_not_offered_again(tmp_path: Path) -> None:
+    from lightning_speedkit.measure.report import amend_for_callbacks
+
+    report = profile(MLP(), loader(n=256, delay=0.01), tmp_path).report
+    assert report is not None
+    assert "add NumWorkersTuner()" in report.findings[0].fix
+    amend_for_callbacks(report, ["SpeedMonitor", "NumWorkersTuner"])
+    assert report.findings[0].fix.startswith("NumWorkersTuner is already on")
 
 
 class Big(MLP):
