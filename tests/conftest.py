@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -52,11 +53,17 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
 
 
 @pytest.fixture(scope="session")
-def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Directory holding :data:`SMALL_CORPUS` (pass it as ``data_dir``)."""
+def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Directory holding :data:`SMALL_CORPUS`: pass it as ``data_dir``, with that ``corpus=``.
+
+    A test that forgets ``corpus=`` writes the default corpus beside it, and tests that read
+    "the" corpus in this directory then see two: the teardown names that mistake.
+    """
     data_dir = tmp_path_factory.mktemp("small-corpus")
     ensure_corpus(data_dir, SMALL_CORPUS, progress=False)
-    return data_dir
+    yield data_dir
+    corpora = sorted(p.name for p in data_dir.glob("corpus-*"))
+    assert len(corpora) == 1, f"a test wrote another corpus into the shared small_corpus: {corpora}"
 
 
 @pytest.fixture(scope="session")

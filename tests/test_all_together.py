@@ -28,6 +28,8 @@ from lightning_speedkit import (
 )
 from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VLMTask
 
+from .conftest import SMALL_CORPUS
+
 MICRO, EPOCH_BATCHES, ACCUMULATION = 8, 4, 2  # two optimizer steps per epoch
 
 
@@ -77,7 +79,8 @@ def fit(small_corpus: Path, tmp_path: Path, steps: int, ckpt: Path | None = None
     tokenizer = CaptionTokenizer()
     config = VLMConfig.preset("tiny", tokenizer.vocab_size)
     data = InOrder(data_dir=str(small_corpus), image_size=config.image_size,
-                   max_text_len=config.max_text_len, batch_size=MICRO)  # fmt: skip
+                   max_text_len=config.max_text_len, batch_size=MICRO,
+                   corpus=SMALL_CORPUS, progress=False)  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", max_steps=steps, limit_train_batches=EPOCH_BATCHES,
         limit_val_batches=0, logger=False, callbacks=callbacks(tmp_path),

@@ -12,6 +12,8 @@ import lightning_speedkit
 from speedkit_examples.vlm.cli import main
 from tests.helpers.multiprocess import REPO, clean_env
 
+from ...conftest import SMALL_CORPUS
+
 CONFIG = REPO / "examples" / "vlm" / "speedkit.yaml"
 CALLBACKS = (
     lightning_speedkit.SpeedMonitor,
@@ -37,6 +39,10 @@ def test_config_trains_on_two_processes(small_corpus: Path, tmp_path: Path) -> N
             "--trainer.max_steps", "3", "--trainer.default_root_dir", str(tmp_path),
             "--trainer.callbacks+=lightning.pytorch.callbacks.ModelCheckpoint",
             "--data.data_dir", str(small_corpus), "--data.batch_size", "8",
+            # the corpus the fixture built: another would be generated into the shared dir
+            "--data.corpus.train_samples", str(SMALL_CORPUS.train_samples),
+            "--data.corpus.val_samples", str(SMALL_CORPUS.val_samples),
+            "--data.corpus.samples_per_shard", str(SMALL_CORPUS.samples_per_shard),
             "--trainer.limit_val_batches", "0",
             "--trainer.enable_progress_bar", "false"]  # fmt: skip
     # ProfilerSchedule's window within 3 optimizer steps (6 micro-batches)
@@ -52,3 +58,4 @@ def test_config_trains_on_two_processes(small_corpus: Path, tmp_path: Path) -> N
     reports = sorted(p.name for p in tmp_path.rglob("speedkit_report*.md"))
     assert reports == ["speedkit_report-rank1.md", "speedkit_report.md"]
     assert [p.name for p in tmp_path.rglob("*.ckpt")] == ["epoch=0-step=3.ckpt"]
+    assert len(list(small_corpus.glob("corpus-*"))) == 1  # trained on the fixture's corpus
