@@ -667,15 +667,35 @@ def _module_name(region: str) -> str | None:
     if region.startswith("speedkit/module/"):
         return region[len("speedkit/module/") :]
     if region.startswith("[pl][module]"):  # Lightning's PyTorchProfiler: "<type>: <name>"
-        name = region.split(": ", 1)[-1]
-        return name if name and "." not in name else None
+        return region.split(": ", 1)[-1] or None
     return None
+
+
+def _top_level_names(names: set[str]) -> set[str]:
+    """The module names whose shares the report gives, from every depth's names.
+
+    Lightning's PyTorchProfiler marks modules at every depth (``model``, ``model.vision``,
+    ``model.vision.blocks.0``, ...). As ProfilerSchedule does, take the LightningModule's
+    children, or while there is a single one with children of its own (``self.model``),
+    its children: one depth only, so that no time is counted twice.
+    """
+    level = {n for n in names if "." not in n}
+    while len(level) == 1:
+        (only,) = level
+        children = {n for n in names if n.startswith(only + ".") and "." not in n[len(only) + 1 :]}
+        if not children:
+            break
+        level = children
+    return level
 
 
 def _module_shares(
     host: list[_Event], kernels: list[_Event], launches: Mapping[Any, _Event], on_device: bool
 ) -> dict[str, float]:
     regions = [(name, e) for e in host if (name := _module_name(e.name)) is not None]
+    if any(e.name.startswith("[pl][module]") for _, e in regions):
+        keep = _top_level_names({name for name, _ in regions})
+        regions = [(name, e) for name, e in regions if name in keep]
     if not regions:
         return {}
     times: dict[str, float] = defaultdict(float)

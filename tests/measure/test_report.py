@@ -23,7 +23,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_speedkit import AttentionSwap, ProfilerSchedule, SpeedkitConfigError
 from lightning_speedkit.cli import main
 from lightning_speedkit.measure import profiler_schedule
-from lightning_speedkit.measure.report import CATEGORIES, Report, analyze_trace
+from lightning_speedkit.measure.report import CATEGORIES, Report, _top_level_names, analyze_trace
 from tests.helpers.models import MLP, loader
 
 
@@ -224,9 +224,19 @@ def test_lightning_pytorch_profiler_trace_is_understood(
     assert main(["report", str(trace), "--out", str(tmp_path / "out"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["steps"] >= 1
-    assert report["modules"] == {"net": pytest.approx(1.0)}  # "[pl][module]...: net"
+    # "[pl][module]...: net", "net.0", ...: the single child's children, one depth only
+    assert set(report["modules"]) == {"net.0", "net.1", "net.2"}
+    assert sum(report["modules"].values()) == pytest.approx(1.0)
     assert report["findings"][0]["kind"] == "data"  # Lightning's train_dataloader_next
     assert sorted(p.name for p in (tmp_path / "out").iterdir())[0].endswith(".report.json")
+
+
+def test_lightning_module_names_are_read_at_the_top_level_depth() -> None:
+    names = {"model", "model.vision", "model.vision.blocks", "model.vision.blocks.0",
+             "model.projector", "model.decoder", "model.decoder.head"}  # fmt: skip
+    assert _top_level_names(names) == {"model.vision", "model.projector", "model.decoder"}
+    assert _top_level_names({"encoder", "encoder.0", "head"}) == {"encoder", "head"}
+    assert _top_level_names({"net"}) == {"net"}
 
 
 def test_plain_torch_profiler_trace_gz_or_not(tmp_path: Path) -> None:
