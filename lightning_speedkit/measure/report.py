@@ -637,12 +637,72 @@ def _paint_device(
             timeline.paint(e.start, resume, "host_sync", only=(-1,))
 
 
+# Template arguments that say nothing about what a kernel computes.
+_KERNEL_NOISE = re.compile(
+    r"\b(?:array|TrivialOffsetCalculator|OffsetCalculator|LoadWithCast|StoreWithCast|"
+    r"LoadWithoutCast|StoreWithoutCast|TensorListMetadata|TensorListScalarListMetadata)<[^<>]*>"
+)
+_PLAIN_TEMPLATE_ARG = re.compile(r"[\d\s]+u?l?|true|false|unsigned int|int|long|char\*|bool")
+
+
+def _short_kernel_name(name: str, limit: int = 100) -> str:
+    """A CUDA kernel's demangled name, short enough to read: what it computes, not how.
+
+    ``void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>,
+    std::array<char*, 3ul> >(int, ...)`` becomes
+    ``vectorized_elementwise_kernel<CUDAFunctor_add<float>>``: no parameter list, no
+    namespaces, no lambda chains (``direct_copy_kernel_cuda(...)::{lambda()#3}::...``
+    becomes ``direct_copy_kernel_cuda``), no numeric or bookkeeping template arguments.
+    Kernels that differ only in those (tile sizes, vector widths) share a row.
+    """
+    s = name.strip().removeprefix("void ").replace("(anonymous namespace)::", "")
+    for _ in range(8):  # f(args)::{lambda()#3}::operator()() const::{lambda(float)#1}
+        t = re.sub(r"::operator\(\)\([^()]*\)(?: const)?", "", s)
+        t = re.sub(r"::\{lambda\([^{}]*\)#\d+\}", "", t)
+        t = re.sub(r"(\w)\([^()<>]*\)(?=::|[,>])", r"\1", t)
+        if t == s:
+            break
+        s = t
+    s = re.sub(r"\b(?:\w+::)+", "", s)
+    s = _simplify_template(re.sub(r"\s+", " ", _KERNEL_NOISE.sub("", s)).strip())
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def _simplify_template(name: str) -> str:
+    """``name`` without its parameter list, and its template arguments simplified."""
+    depth = 0
+    for i, ch in enumerate(name):
+        if ch == "<":
+            depth += 1
+        elif ch == ">":
+            depth -= 1
+        elif ch == "(" and depth == 0 and i > 0:
+            name = name[:i].rstrip()
+            break
+    bracket = name.find("<")
+    if bracket < 0 or not name.endswith(">"):
+        return name
+    head, inner = name[:bracket], name[bracket + 1 : -1]
+    args, depth, start = [], 0, 0
+    for i, ch in enumerate(inner + ","):
+        if ch in "<(":
+            depth += 1
+        elif ch in ">)":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            arg = inner[start:i].strip()
+            start = i + 1
+            if arg and not _PLAIN_TEMPLATE_ARG.fullmatch(arg):
+                args.append(_simplify_template(arg))
+    return f"{head}<{', '.join(args)}>" if args else head
+
+
 def _self_times(
     host: list[_Event], kernels: list[_Event], step: _Event, on_device: bool
 ) -> list[tuple[str, float, str]]:
     if on_device:
         return [
-            (k.name[:90], k.dur, _category(k.name) or "elementwise")
+            (_short_kernel_name(k.name), k.dur, _category(k.name) or "elementwise")
             for k in kernels
             if step.start <= k.start < step.end
         ]

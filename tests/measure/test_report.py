@@ -23,7 +23,13 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_speedkit import AttentionSwap, ProfilerSchedule, SpeedkitConfigError
 from lightning_speedkit.cli import main
 from lightning_speedkit.measure import profiler_schedule
-from lightning_speedkit.measure.report import CATEGORIES, Report, _top_level_names, analyze_trace
+from lightning_speedkit.measure.report import (
+    CATEGORIES,
+    Report,
+    _short_kernel_name,
+    _top_level_names,
+    analyze_trace,
+)
 from tests.helpers.models import MLP, loader
 
 
@@ -359,3 +365,63 @@ def test_memory_near_the_limit_points_to_the_planner() -> None:
     assert finding.share == pytest.approx(0.95)
     assert "speedkit plan" in finding.fix
     assert "memory" not in analyze_trace(synthetic_gpu_trace(), memory=(1, 80)).kinds
+
+
+# Kernel names as an H100 trace of the example VLM records them (torch 2.11, bf16).
+_KERNELS = {
+    "void at::native::vectorized_elementwise_kernel<4, "
+    "at::native::CUDAFunctor_add<float>, std::array<char*, 3ul> >(int, "
+    "at::native::CUDAFunctor_add<float>, std::array<char*, 3ul>)":
+        "vectorized_elementwise_kernel<CUDAFunctor_add<float>>",
+    "void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda(at:"
+    ":TensorIteratorBase&)::{lambda()#3}::operator()() const::{lambda()#7}::operator()() "
+    "const::{lambda(float)#1}, std::array<char*, 2ul>, 4, TrivialOffsetCalculator<1, "
+    "unsigned int>, TrivialOffsetCalculator<1, unsigned int>, "
+    "at::native::memory::LoadWithCast<1>, at::native::memory::StoreWithCast<1> >(int, at:"
+    ":native::direct_copy_kernel_cuda(at::TensorIteratorBase&)::{lambda()#3}::operator()("
+    ") const::{lambda()#7}::operator()() const::{lambda(float)#1}, std::array<char*, "
+    "2ul>, TrivialOffsetCalculator<1, unsigned int>, TrivialOffsetCalculator<1, unsigned "
+    "int>, at::native::memory::LoadWithCast<1>, at::native::memory::StoreWithCast<1>)":
+        "unrolled_elementwise_kernel<direct_copy_kernel_cuda>",
+    "void at::native::elementwise_kernel<128, 4, "
+    "at::native::gpu_kernel_impl_nocast<at::native::(anonymous "
+    "namespace)::masked_fill_kernel(at::TensorIterator&, c10::Scalar "
+    "const&)::{lambda()#1}::operator()() const::{lambda()#12}::operator()() "
+    "const::{lambda(c10::BFloat16, bool)#1}>(at::TensorIteratorBase&, "
+    "at::native::(anonymous namespace)::masked_fill_kernel(at::TensorIterator&, "
+    "c10::Scalar const&)::{lambda()#1}::operator()() const::{lambda()#12}::operator()() "
+    "const::{lambda(c10::BFloat16, bool)#1} const&)::{lambda(int)#1}>(int, "
+    "at::native::gpu_kernel_impl_nocast<at::native::(anonymous "
+    "namespace)::masked_fill_kernel(at::TensorIterator&, c10::Scalar "
+    "const&)::{lambda()#1}::operator()() const::{lambda()#12}::operator()() "
+    "const::{lambda(c10::BFloat16, bool)#1}>(at::TensorIteratorBase&, "
+    "at::native::(anonymous namespace)::masked_fill_kernel(at::TensorIterator&, "
+    "c10::Scalar const&)::{lambda()#1}::operator()() const::{lambda()#12}::operator()() "
+    "const::{lambda(c10::BFloat16, bool)#1} const&)::{lambda(int)#1})":
+        "elementwise_kernel<gpu_kernel_impl_nocast<masked_fill_kernel>>",
+    "void at::native::(anonymous "
+    "namespace)::multi_tensor_apply_kernel<at::native::(anonymous "
+    "namespace)::TensorListMetadata<1>, at::native::(anonymous "
+    "namespace)::BinaryOpScalarFunctor<float, 1, 1, 0>, std::multiplies<float>, "
+    "float>(at::native::(anonymous namespace)::TensorListMetadata<1>, "
+    "at::native::(anonymous namespace)::BinaryOpScalarFunctor<float, 1, 1, 0>, "
+    "std::multiplies<float>, float)":
+        "multi_tensor_apply_kernel<BinaryOpScalarFunctor<float>, multiplies<float>, float>",
+    "void (anonymous namespace)::softmax_warp_backward<float, float, float, 8, false, "
+    "false>(float*, float const*, float const*, int, int, int, bool const*)":
+        "softmax_warp_backward<float, float, float>",
+    "nvjet_sm90_tst_256x128_64x4_2x4_h_bz_coopA_NNT":
+        "nvjet_sm90_tst_256x128_64x4_2x4_h_bz_coopA_NNT",
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(_KERNELS))
+def test_cuda_kernel_names_are_shortened_to_what_they_compute(name: str) -> None:
+    assert _short_kernel_name(name) == _KERNELS[name]
+
+
+def test_a_long_kernel_name_is_cut_to_the_limit() -> None:
+    name = "flash_fwd_kernel<" + ", ".join(f"Traits{i}<bfloat16_t>" for i in range(20)) + ">"
+    short = _short_kernel_name(name, limit=60)
+    assert len(short) == 60
+    assert short.endswith("...")
