@@ -63,6 +63,7 @@ ATTENTION_SHARE = 0.15  #: unfused attention above this share is a finding
 COMMUNICATION_SHARE = 0.30  #: exposed communication above this share is a finding
 VISION_SHARE = 0.40  #: a vision tower above this share of step time is flagged
 MEMORY_SHARE = 0.90  #: peak memory above this share of the device is a finding
+COPY_SHARE = 0.15  #: copies and dtype casts above this share name the compute finding
 BINS_PER_STEP = 20_000  #: timeline resolution
 
 _COMM = (
@@ -523,7 +524,8 @@ def analyze_trace(
         totals += np.bincount(labels, minlength=len(CATEGORIES))[: len(CATEGORIES)] * (
             timeline.width
         )
-        for name, seconds, category in _self_times(mine, device_events, step, on_device):
+        self_times = _self_times(mine, device_events, step, on_device, launches, ops_by_external)
+        for name, seconds, category in self_times:
             op_self[name] += seconds
             op_category[name] = category
 
@@ -609,10 +611,15 @@ def _kernel_category(
     if kernel.cat != "kernel":
         return "memory_copy"
     category = _category(kernel.name) or "elementwise"
-    if category in ("elementwise", "matmul"):  # eager attention's matmuls and softmax
+    if category in ("elementwise", "matmul"):
         op = ops.get(kernel.args.get("External id"))
-        if op is not None and _category(op.name) == "attention":
+        launched_by = _category(op.name) if op is not None else None
+        if launched_by == "attention":  # eager attention's matmuls and softmax
             return "attention"
+        if category == "elementwise" and (
+            launched_by == "memory_copy" or "copy_kernel" in kernel.name
+        ):
+            return "memory_copy"  # dtype casts and layout copies, as on the CPU (aten::copy_)
     return category
 
 
@@ -698,11 +705,16 @@ def _simplify_template(name: str) -> str:
 
 
 def _self_times(
-    host: list[_Event], kernels: list[_Event], step: _Event, on_device: bool
+    host: list[_Event],
+    kernels: list[_Event],
+    step: _Event,
+    on_device: bool,
+    launches: Mapping[Any, _Event],
+    ops_by_external: Mapping[Any, _Event],
 ) -> list[tuple[str, float, str]]:
-    if on_device:
+    if on_device:  # categories as in the breakdown
         return [
-            (_short_kernel_name(k.name), k.dur, _category(k.name) or "elementwise")
+            (_short_kernel_name(k.name), k.dur, _kernel_category(k, launches, ops_by_external))
             for k in kernels
             if step.start <= k.start < step.end
         ]
@@ -988,7 +1000,7 @@ def _diagnose(
         )
     if not any(f.kind not in ("host_sync", "memory") for f in findings):
         heaviest = ", ".join(f"{op['name'][:60]} {op['share']:.0%}" for op in top_ops[:3])
-        idle = breakdown["overhead"]
+        idle, copies = breakdown["overhead"], breakdown["memory_copy"]
         if on_device and idle >= HOST_BOUND_SHARE:
             evidence = (
                 f"host-bound: the device idles {idle:.0%} of the step with no data wait or "
@@ -998,6 +1010,18 @@ def _diagnose(
             fix = (
                 "torch.compile (fewer, fused kernels) or CUDA graphs; a larger micro-batch "
                 "per launch; fewer Python-side hooks per step"
+            )
+        elif copies >= COPY_SHARE and copies + breakdown["elementwise"] > breakdown["matmul"]:
+            evidence = (
+                f"compute-bound, and copies and dtype casts take {copies:.0%} of the step "
+                f"(elementwise {breakdown['elementwise']:.0%}, matmul "
+                f"{breakdown['matmul']:.0%}); heaviest: {heaviest}"
+            )
+            fix = (
+                "fewer copies: under autocast each fp32 result (norms, softmax, residual "
+                "adds) is cast again before the next matmul, and .contiguous()/.reshape() "
+                "copy transposed tensors; torch.compile fuses casts and copies into the "
+                "kernels around them"
             )
         elif breakdown["elementwise"] > breakdown["matmul"]:
             evidence = (

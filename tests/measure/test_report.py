@@ -335,6 +335,40 @@ def test_device_time_is_split_by_kernel_and_idle_by_what_the_host_did() -> None:
     assert "attention" not in report.kinds  # fused (flash) already
 
 
+def test_cast_and_copy_kernels_count_as_copies_and_name_the_compute_finding() -> None:
+    """One 1000 us step, all device time: a GEMM 0-300, a cast launched by aten::copy_
+    300-550, a transpose copy known by its kernel name 550-700, an add 700-1000."""
+    host = [
+        _x("ProfilerStep#1", "user_annotation", 0, 1000),
+        _x("aten::copy_", "cpu_op", 290, 5, **{"External id": 3}),
+        _x("cudaLaunchKernel", "cuda_runtime", 291, 2, correlation=3),
+    ]
+    cast = "void at::native::vectorized_elementwise_kernel<8, at::native::bfloat16_cast>(int)"
+    device = [
+        _x("nvjet_sm90_tst_256x128_64x4_2x4_h_bz_coopA_NNT", "kernel", 0, 300, tid=7),
+        _x(cast, "kernel", 300, 250, tid=7, correlation=3, **{"External id": 3}),
+        _x("void at::native::unrolled_elementwise_kernel<at::native::direct_copy_kernel_cuda("
+           "at::TensorIteratorBase&)::{lambda()#3}>(int)", "kernel", 550, 150, tid=7),
+        _x("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<"
+           "float>, std::array<char*, 3ul> >(int)", "kernel", 700, 300, tid=7),
+    ]  # fmt: skip
+    report = analyze_trace({"traceEvents": host + device})
+    assert report.breakdown["memory_copy"] == pytest.approx(0.4, abs=2e-3)
+    assert report.breakdown["elementwise"] == pytest.approx(0.3, abs=2e-3)
+    assert report.breakdown["matmul"] == pytest.approx(0.3, abs=2e-3)
+    ops = {op["name"]: op["category"] for op in report.top_ops}
+    assert ops == {
+        "vectorized_elementwise_kernel<bfloat16_cast>": "memory_copy",
+        "unrolled_elementwise_kernel<direct_copy_kernel_cuda>": "memory_copy",
+        "vectorized_elementwise_kernel<CUDAFunctor_add<float>>": "elementwise",
+        "nvjet_sm90_tst_256x128_64x4_2x4_h_bz_coopA_NNT": "matmul",
+    }
+    (finding,) = report.findings
+    assert finding.kind == "compute"
+    assert "copies and dtype casts take 40%" in finding.evidence
+    assert "torch.compile" in finding.fix
+
+
 def test_device_idle_is_what_the_unprofiled_step_leaves() -> None:
     """The synthetic step is 1000 us under the profiler, 950 us without: the kernels keep
     their 750 us, the unexplained idle shrinks from 100 to 50 us."""
