@@ -214,7 +214,8 @@ def plan_memory(
     - ``"deepspeed_zero2"``: 16-bit weights whole; fp32 master weights, 16- and
       32-bit gradient partitions and fp32 moments partitioned (2 + 18 / N bytes per
       parameter in mixed precision, DeepSpeed's own
-      ``estimate_zero2_model_states_mem_needs``; in fp32 it keeps more than this).
+      ``estimate_zero2_model_states_mem_needs``; in fp32, 4 + 20 / N: two fp32
+      gradient partitions, the one reduced into and the flat copy its step makes).
     - ``"deepspeed_zero2_offload"``: only the 16-bit weights on the device; the rest
       in host memory (``host``: DeepSpeed's estimate, with its 1.5 buffer factor).
     - ``"fsdp_zero2"``: the fp32 flat parameter, its gradient and the moments
@@ -301,9 +302,12 @@ def plan_memory(
     estimates = {name: stage(level) for level, name in enumerate(PAPER)}
     # DeepSpeed ZeRO-2 keeps a 16-bit and an fp32 gradient partition in mixed precision,
     # and an fp32 copy of its weight partition in any precision (a clone even in fp32).
+    # In fp32 its step still flattens the reduced partition into a new tensor beside it
+    # (the cast to fp32 that makes the second partition in mixed precision is then a
+    # no-op, the flattening is not): two fp32 gradient partitions.
     estimates["deepspeed_zero2"] = MemoryEstimate(
         params=weight * total + _div(4 * trainable, n),
-        grads=_div((2 + 4 if mixed else 4) * trainable, n),
+        grads=_div((2 + 4 if mixed else 4 + 4) * trainable, n),
         optimizer=_div(moments * trainable, n),
         activations=0,
         transient=_div(step_temp * trainable, n),

@@ -76,6 +76,15 @@ def test_fp32_and_sgd() -> None:
     assert sgd.optimizer == (4 + 4) * psi  # fp32 master and momentum
 
 
+def test_deepspeed_zero2_in_fp32_keeps_two_gradient_partitions() -> None:
+    psi, n = 1_000_000, 4
+    ds = plan_memory(psi, n, precision="fp32").per_device("deepspeed_zero2")
+    # weights whole, the fp32 clone of the weight partition; the partition reduced into
+    # and the flat copy the step makes; Adam's moments
+    assert (ds.params, ds.grads, ds.optimizer) == (4 * psi + 4 * psi // n, 8 * psi // n,
+                                                   8 * psi // n)  # fmt: skip
+
+
 def test_fsdp_zero2_allocations() -> None:
     psi, n = 1_000_000, 4
     mixed = plan_memory(psi, n).per_device("fsdp_zero2")
