@@ -37,8 +37,9 @@ def _add_demo(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
         description=(
             "Train the example VLM (ViT encoder, MLP projector, causal decoder) on the "
             "embedded synthetic caption corpus (written to the cache on first use) twice: "
-            "plain Lightning, then with the kit (NumWorkersTuner, AttentionSwap, a "
-            "ProfilerSchedule window with its report; ddp_powersgd on several devices), "
+            "plain Lightning, then with the kit (NumWorkersTuner, a SampleCache of decoded "
+            "samples, AttentionSwap on CPU, a ProfilerSchedule window with its report; "
+            "ddp_powersgd on several devices), "
             "both measured by "
             "SpeedMonitor, and print them side by side."
         ),

@@ -1,6 +1,7 @@
-"""Data pipeline: worker tuning, length bucketing and sequence packing."""
+"""Data pipeline: worker tuning, length bucketing, sequence packing, sample caching."""
 
 from lightning_speedkit.data.bucketing import LengthBucketBatchSampler
+from lightning_speedkit.data.cache import SampleCache
 from lightning_speedkit.data.mixin import SpeedDataModuleMixin
 from lightning_speedkit.data.num_workers_tuner import NumWorkersTuner
 from lightning_speedkit.data.packing import PackingCollate, document_mask
@@ -10,6 +11,7 @@ __all__ = [
     "LengthBucketBatchSampler",
     "NumWorkersTuner",
     "PackingCollate",
+    "SampleCache",
     "SpeedDataModuleMixin",
     "TuneResult",
     "document_mask",

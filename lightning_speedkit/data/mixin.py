@@ -8,6 +8,7 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_speedkit.data.bucketing import LengthBucketBatchSampler
+from lightning_speedkit.data.cache import SampleCache
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["SpeedDataModuleMixin"]
@@ -24,6 +25,9 @@ class SpeedDataModuleMixin:
       once per epoch across ranks).
     - Pass a :class:`~lightning_speedkit.data.PackingCollate` as ``collate_fn`` to
       pack sequences instead of padding them.
+    - ``cache=True`` (or a byte budget) keeps decoded samples in memory after their
+      first read (:class:`~lightning_speedkit.data.SampleCache`); the same cache
+      serves every loader built from that dataset, so it survives reloads.
 
     Example::
 
@@ -50,6 +54,7 @@ class SpeedDataModuleMixin:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         lengths: Sequence[int] | None = None,
         seed: int = 0,
+        cache: bool | int = False,
         **kwargs: Any,
     ) -> DataLoader[Any]:
         """A DataLoader with the tuned worker settings (taking precedence over ``kwargs``).
@@ -62,9 +67,14 @@ class SpeedDataModuleMixin:
             collate_fn: e.g. a padding collate, or a ``PackingCollate``.
             lengths: per-sample lengths; turns on length bucketing.
             seed: bucketing's base seed (the same on every rank).
+            cache: keep samples in memory after their first read: True, or the most
+                bytes of sample tensors per process (see :class:`SampleCache` for
+                what the dataset must promise).
             **kwargs: other DataLoader arguments (``num_workers`` etc.), used until
                 the tuner has chosen.
         """
+        if cache is not False:
+            dataset = self._sample_cache(dataset, None if cache is True else cache)
         tuned = dict(getattr(self, "speed_loader_kwargs", None) or {})
         options = {**kwargs, **tuned}
         if options.get("num_workers", 0) == 0:
@@ -84,3 +94,13 @@ class SpeedDataModuleMixin:
             dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
             collate_fn=collate_fn, **options,
         )  # fmt: skip
+
+    def _sample_cache(self, dataset: Dataset[Any], max_bytes: int | None) -> SampleCache:
+        """The one cache of ``dataset``, made on first use (so reloaded loaders reuse it)."""
+        if isinstance(dataset, SampleCache):
+            return dataset
+        caches: dict[int, SampleCache] = self.__dict__.setdefault("_speed_sample_caches", {})
+        cached = caches.get(id(dataset))
+        if cached is None or cached.dataset is not dataset or cached.max_bytes != max_bytes:
+            cached = caches[id(dataset)] = SampleCache(dataset, max_bytes=max_bytes)
+        return cached

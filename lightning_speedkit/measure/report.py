@@ -305,8 +305,10 @@ _ALREADY_ON = {
     "data": (
         "NumWorkersTuner",
         "NumWorkersTuner is already on and this is what it could do: the loader has no "
-        "spare cores for more workers here. Make each sample cheaper (decode once and "
-        "cache, smaller images) or give the loader cores",
+        "spare cores for more workers here. Make each sample cheaper: decode it once "
+        "(SpeedDataModuleMixin's speed_dataloader(..., cache=True), for a dataset that "
+        "fits in memory and augments after loading), smaller images; or give the loader "
+        "cores",
     ),
     "attention": (
         "AttentionSwap",

@@ -1,0 +1,164 @@
+"""SampleCache and the mixin's ``cache=``: the same samples, read from the dataset once."""
+
+from __future__ import annotations
+
+import pickle
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+
+from lightning_speedkit.data import SampleCache, SpeedDataModuleMixin
+from lightning_speedkit.data.cache import sample_nbytes
+from lightning_speedkit.errors import SpeedkitConfigError
+from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VLMTask
+
+from ..conftest import SMALL_CORPUS
+
+
+class Counting(Dataset[dict[str, torch.Tensor]]):
+    """Deterministic samples of 16 float32 values (64 bytes), counting reads."""
+
+    def __init__(self, n: int = 10) -> None:
+        self.n = n
+        self.reads = 0
+        self.label = "counting"
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        self.reads += 1
+        return {"x": torch.full((16,), float(i)), "y": torch.tensor(i)}
+
+
+def _epoch(loader: torch.utils.data.DataLoader[Any]) -> list[torch.Tensor]:
+    return [batch["x"] for batch in loader]
+
+
+def test_samples_come_back_equal_and_are_read_once() -> None:
+    data = Counting()
+    cached = SampleCache(data)
+    loader = torch.utils.data.DataLoader(cached, batch_size=3)
+    plain = _epoch(torch.utils.data.DataLoader(Counting(), batch_size=3))
+    first, second = _epoch(loader), _epoch(loader)
+    for a, b, c in zip(plain, first, second, strict=True):
+        assert torch.equal(a, b)
+        assert torch.equal(a, c)
+    assert data.reads == 10
+    assert (cached.hits, cached.misses) == (10, 10)
+    assert cached.nbytes == 10 * (16 * 4 + 8)
+
+
+def test_max_bytes_bounds_what_is_kept() -> None:
+    data = Counting()
+    cached = SampleCache(data, max_bytes=3 * 72)  # room for three samples
+    for _ in range(2):
+        for i in range(10):
+            assert int(cached[i]["y"]) == i
+    assert cached.nbytes == 3 * 72
+    assert data.reads == 10 + 7  # the seven that did not fit are read again
+    cached.clear()
+    assert cached.nbytes == 0
+    cached[5]
+    assert data.reads == 18
+
+
+def test_pickling_for_spawned_workers_leaves_the_cache_behind() -> None:
+    cached = SampleCache(Counting())
+    for i in range(10):
+        cached[i]
+    copy = pickle.loads(pickle.dumps(cached))
+    assert (copy.nbytes, copy.hits, copy.misses, len(copy._samples)) == (0, 0, 0, 0)
+    assert int(copy[4]["y"]) == 4
+    assert copy.label == "counting"  # the dataset's own attributes stay reachable
+
+
+def test_bad_input_is_refused_clearly() -> None:
+    class Stream(IterableDataset[int]):
+        def __iter__(self) -> Any:
+            yield 1
+
+    with pytest.raises(SpeedkitConfigError, match="map-style"):
+        SampleCache(Stream())
+    for bad in (-1, 1.5, True):
+        with pytest.raises(SpeedkitConfigError, match="max_bytes"):
+            SampleCache(Counting(), max_bytes=bad)  # type: ignore[arg-type]
+
+
+def test_sample_nbytes_counts_nested_tensors_and_bytes() -> None:
+    sample = {"a": torch.zeros(4, dtype=torch.float16), "b": [torch.zeros(2), b"abc"], "c": "t"}
+    assert sample_nbytes(sample) == 8 + 8 + 3
+
+
+class Data(SpeedDataModuleMixin, L.LightningDataModule):
+    def __init__(self, cache: bool | int) -> None:
+        super().__init__()
+        self.data = Counting()
+        self.cache = cache
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        return self.speed_dataloader(self.data, batch_size=4, shuffle=True, cache=self.cache)
+
+
+def test_the_mixin_keeps_one_cache_across_reloaded_loaders() -> None:
+    dm = Data(cache=True)
+    first, second = dm.train_dataloader(), dm.train_dataloader()
+    assert isinstance(first.dataset, SampleCache)
+    assert first.dataset is second.dataset
+    _epoch(first)
+    _epoch(second)
+    assert dm.data.reads == 10
+    # shuffled epochs see every sample once each, whatever the order
+    firsts = torch.cat(_epoch(dm.train_dataloader()))[:, 0]
+    assert sorted(firsts.tolist()) == [float(i) for i in range(10)]
+
+
+def test_the_mixin_without_cache_reads_every_time() -> None:
+    dm = Data(cache=False)
+    loader = dm.train_dataloader()
+    assert not isinstance(loader.dataset, SampleCache)
+    _epoch(loader)
+    _epoch(loader)
+    assert dm.data.reads == 20
+
+
+class CachedVLMData(SpeedDataModuleMixin, VLMDataModule):
+    def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        return self.speed_dataloader(
+            self.datasets["train"], batch_size=self.batch_size, shuffle=True, drop_last=True,
+            collate_fn=self.collate, cache=True,
+        )  # fmt: skip
+
+
+class Losses(L.Callback):
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_train_batch_end(self, trainer: L.Trainer, module: Any, outputs: Any, *args: Any) -> None:
+        self.losses.append(float(outputs["loss"]))
+
+
+def _fit(data_class: type[VLMDataModule], data_dir: Path) -> tuple[list[float], VLMDataModule]:
+    L.seed_everything(0, verbose=False)
+    tokenizer = CaptionTokenizer()
+    config = VLMConfig.preset("tiny", tokenizer.vocab_size)
+    data = data_class(data_dir, batch_size=8, corpus=SMALL_CORPUS, progress=False)
+    losses = Losses()
+    trainer = L.Trainer(accelerator="cpu", max_epochs=2, limit_val_batches=0, logger=False,
+                        callbacks=[losses], enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)  # fmt: skip
+    trainer.fit(VLMTask(config, pad_id=tokenizer.pad_id), datamodule=data)
+    return losses.losses, data
+
+
+def test_training_on_cached_samples_follows_the_same_trajectory(small_corpus: Path) -> None:
+    plain, _ = _fit(VLMDataModule, small_corpus)
+    cached, data = _fit(CachedVLMData, small_corpus)
+    assert len(plain) == 2 * SMALL_CORPUS.train_samples // 8
+    assert cached == plain  # bitwise: the same samples in the same order
+    (cache,) = data.__dict__["_speed_sample_caches"].values()
+    assert (cache.misses, cache.hits) == (SMALL_CORPUS.train_samples,) * 2
