@@ -9,7 +9,11 @@ from pathlib import Path
 import pytest
 
 from lightning_speedkit import __version__
+from lightning_speedkit._demo import _KitVLMData
 from lightning_speedkit.cli import build_parser, main
+from lightning_speedkit.data import SampleCache
+
+from .conftest import SMALL_CORPUS
 
 
 def _subcommands() -> list[str]:
@@ -132,3 +136,14 @@ def test_demo_unwritable_data_dir_is_a_clean_error(
     assert err.startswith("speedkit demo: error: Cannot write the example corpus")
     assert str(blocker / "data") in err
     assert "--data-dir" in err
+
+
+def test_the_demo_kit_caches_only_where_loading_runs_in_process(small_corpus: Path) -> None:
+    data = _KitVLMData(small_corpus, batch_size=8, corpus=SMALL_CORPUS, progress=False)
+    data.setup("fit")
+    assert isinstance(data.train_dataloader().dataset, SampleCache)
+    data.speed_loader_kwargs = {"num_workers": 2, "persistent_workers": True}  # as tuned
+    loader = data.train_dataloader()
+    assert loader.num_workers == 2
+    assert not isinstance(loader.dataset, SampleCache)
+    assert data.sample_cache is None
