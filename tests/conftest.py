@@ -52,6 +52,19 @@ def _private_cache(tmp_path_factory: pytest.TempPathFactory) -> None:
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path(sys.prefix) / "torch_extensions"))
 
 
+@pytest.fixture(autouse=True)
+def _torch_threads() -> Iterator[None]:
+    """Each test starts with the process's torch thread count, whatever the last one set.
+
+    Benchmarks run in-process by their tests set it (``--threads``); a later test whose
+    behaviour depends on it (NumWorkersTuner gives loader workers the cores torch's
+    threads leave free) would otherwise see a different machine.
+    """
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def small_corpus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     """Directory holding :data:`SMALL_CORPUS`: pass it as ``data_dir``, with that ``corpus=``.
