@@ -503,6 +503,8 @@ def analyze_trace(
     launches = {e.args.get("correlation"): e for e in events if e.cat == "cuda_runtime"}
     ops_by_external = {e.args.get("External id"): e for e in host if e.cat == "cpu_op"}
 
+    # Each kernel's category, once: the breakdown and the top-operators table share it.
+    kinds = {id(k): _kernel_category(k, ops_by_external) for k in device_events}
     totals = np.zeros(len(CATEGORIES))
     op_self: dict[str, float] = defaultdict(float)
     op_category: dict[str, str] = {}
@@ -512,7 +514,7 @@ def analyze_trace(
         step_time += step.dur
         mine = _inside(host, host_starts, step.start, step.end)
         if on_device:
-            _paint_device(timeline, device_events, mine, launches, ops_by_external)
+            _paint_device(timeline, device_events, mine, kinds)
         else:
             _paint_host(timeline, mine, comm_other)
         for region in mine:
@@ -526,8 +528,7 @@ def analyze_trace(
         totals += np.bincount(labels, minlength=len(CATEGORIES))[: len(CATEGORIES)] * (
             timeline.width
         )
-        self_times = _self_times(mine, device_events, step, on_device, launches, ops_by_external)
-        for name, seconds, category in self_times:
+        for name, seconds, category in _self_times(mine, device_events, step, on_device, kinds):
             op_self[name] += seconds
             op_category[name] = category
 
@@ -607,9 +608,7 @@ def _paint_host(timeline: _Timeline, ops: list[_Event], comm_other: list[_Event]
 _DEVICE_ORDER = ("memory_copy", "communication", "elementwise", "matmul", "attention")
 
 
-def _kernel_category(
-    kernel: _Event, launches: Mapping[Any, _Event], ops: Mapping[Any, _Event]
-) -> str:
+def _kernel_category(kernel: _Event, ops: Mapping[Any, _Event]) -> str:
     if kernel.cat != "kernel":
         return "memory_copy"
     category = _category(kernel.name) or "elementwise"
@@ -629,11 +628,10 @@ def _paint_device(
     timeline: _Timeline,
     kernels: list[_Event],
     host: list[_Event],
-    launches: Mapping[Any, _Event],
-    ops: Mapping[Any, _Event],
+    kinds: Mapping[int, str],
 ) -> None:
     mine = [k for k in kernels if k.end > timeline.start and k.start < timeline.end]
-    labelled = [(k, _kernel_category(k, launches, ops)) for k in mine]
+    labelled = [(k, kinds[id(k)]) for k in mine]
     for category in _DEVICE_ORDER:  # compute painted last wins over overlapped communication
         for kernel, kind in labelled:
             if kind == category:
@@ -654,6 +652,7 @@ _KERNEL_NOISE = re.compile(
 _PLAIN_TEMPLATE_ARG = re.compile(r"[\d\s]+u?l?|true|false|unsigned int|int|long|char\*|bool")
 
 
+@functools.lru_cache(maxsize=4096)  # a trace repeats a few hundred names thousands of times
 def _short_kernel_name(name: str, limit: int = 100) -> str:
     """A CUDA kernel's demangled name, short enough to read: what it computes, not how.
 
@@ -711,12 +710,11 @@ def _self_times(
     kernels: list[_Event],
     step: _Event,
     on_device: bool,
-    launches: Mapping[Any, _Event],
-    ops_by_external: Mapping[Any, _Event],
+    kinds: Mapping[int, str],
 ) -> list[tuple[str, float, str]]:
     if on_device:  # categories as in the breakdown
         return [
-            (_short_kernel_name(k.name), k.dur, _kernel_category(k, launches, ops_by_external))
+            (_short_kernel_name(k.name), k.dur, kinds[id(k)])
             for k in kernels
             if step.start <= k.start < step.end
         ]
