@@ -15,8 +15,10 @@ __all__ = ["MemoryEstimate", "MemoryPlan", "count_parameters", "plan_memory"]
 
 OptimizerName = Literal["adam", "adamw", "sgd"]
 PrecisionName = Literal["mixed", "fp32"]
+DeviceName = Literal["cuda", "cpu"]
 _STATES = {"adam": 2, "adamw": 2, "sgd": 1}  # fp32 tensors per parameter (SGD: momentum)
 _PRECISIONS = ("mixed", "fp32")
+_DEVICES = ("cuda", "cpu")
 _GIB = 2**30
 
 #: The ZeRO paper's stages (Rajbhandari et al. 2020, Figure 1), then what the presets
@@ -29,7 +31,14 @@ _PREFERENCE = ("ddp", "fsdp_zero2", "deepspeed_zero2", "zero1", "deepspeed_zero2
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one device holds; ``host`` is the host memory offload needs (DeepSpeed's estimate)."""
+    """Bytes one device holds; ``host`` is the host memory offload needs (DeepSpeed's estimate).
+
+    A training step has two peaks that never meet: forward and backward, while the
+    activations are alive, and the optimizer step, after they are freed. Some model
+    states live in only one of them (``step_only``, ``compute_only``), and each has
+    its own temporaries (``transient`` in the step, ``compute_transient`` with the
+    activations). ``total`` is the higher of the two.
+    """
 
     params: int
     grads: int
@@ -37,7 +46,16 @@ class MemoryEstimate:
     activations: int
     host: int = 0
     transient: int = 0
-    """Temporaries of the optimizer step (torch's foreach Adam keeps a sqrt(v) copy)."""
+    """Temporaries of the optimizer step (foreach Adam's ``sqrt(exp_avg_sq)``)."""
+    compute_transient: int = 0
+    """Temporaries alive with the activations (DDP's gradient buckets, rebuilt at the
+    second step while the first ones are still referenced)."""
+    step_only: int = 0
+    """Model states that exist only during the optimizer step (the fp32 copy of the
+    gradient partition DeepSpeed's step makes)."""
+    compute_only: int = 0
+    """Model states that exist only from forward to the end of backward (the unsharded
+    weights FSDP's ``SHARD_GRAD_OP`` keeps)."""
 
     @property
     def model_states(self) -> int:
@@ -45,9 +63,19 @@ class MemoryEstimate:
         return self.params + self.grads + self.optimizer
 
     @property
+    def compute_peak(self) -> int:
+        """Forward and backward: model states, activations, their temporaries."""
+        return self.model_states - self.step_only + self.activations + self.compute_transient
+
+    @property
+    def step_peak(self) -> int:
+        """The optimizer step: model states and the step's temporaries."""
+        return self.model_states - self.compute_only + self.transient
+
+    @property
     def total(self) -> int:
-        """The peak: model states, activations and the optimizer step's temporaries."""
-        return self.model_states + self.activations + self.transient
+        """The peak: the higher of :attr:`compute_peak` and :attr:`step_peak`."""
+        return max(self.compute_peak, self.step_peak)
 
 
 @dataclass(frozen=True)
@@ -64,6 +92,8 @@ class MemoryPlan:
     activations_checkpointed: int | None
     """The same with every transformer layer recomputed (only its input kept)."""
     estimates: dict[str, MemoryEstimate] = field(repr=False)
+    device: str = "cuda"
+    """Where the optimizer steps (``"cuda"``: any accelerator; ``"cpu"``)."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -145,7 +175,8 @@ class MemoryPlan:
         lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
                            enumerate(zip(r, widths, strict=True))) for r in rows]  # fmt: skip
         host = self.estimates["deepspeed_zero2_offload"].host
-        lines.append(f"(GiB per device; step tmp: the optimizer step's temporaries; "
+        lines.append(f"(GiB per device; step tmp: the optimizer step's temporaries; total: the "
+                     f"higher of the forward/backward and the optimizer step's peaks; "
                      f"deepspeed_zero2_offload also needs {_gib(host)} GiB of host memory, "
                      f"DeepSpeed's estimate)")  # fmt: skip
         return "\n".join(lines)
@@ -201,6 +232,7 @@ def plan_memory(
     n_layers: int | None = None,
     n_heads: int | None = None,
     fused_attention: bool = False,
+    device: DeviceName = "cuda",
 ) -> MemoryPlan:
     """Per-device memory of DDP, ZeRO-1/2/3 and the kit's ZeRO-2 presets.
 
@@ -224,11 +256,27 @@ def plan_memory(
 
     Frozen parameters hold weights only: no gradients, no optimizer state.
 
-    ``total`` also counts the optimizer step's temporaries (``transient``): torch's
-    default foreach Adam and AdamW allocate ``sqrt(exp_avg_sq)`` for all the
-    parameters they update, 4 bytes each (on the device's shard; none with offload,
-    none for SGD). ``benchmarks/memory.py`` measured it: without it the plan fell
-    short of DDP's peak by a quarter.
+    ``total`` is the higher of two peaks that never meet (see :class:`MemoryEstimate`):
+    forward/backward, with the activations, and the optimizer step, after them.
+
+    - The step's temporaries (``transient``): on an accelerator torch's Adam and AdamW
+      run their foreach path and allocate ``sqrt(exp_avg_sq)`` for all the parameters
+      they update at once, 4 bytes each on the device's shard. On CPU they run the
+      single-tensor path, one tensor at a time, whose ``exp_avg_sq.sqrt() /
+      bias_correction`` holds two temporaries of that tensor: negligible for DDP's
+      and FSDP's many tensors (two copies of the largest one, which the plan does not
+      know), 8 bytes per parameter of the flat partition that DeepSpeed and the
+      ``zero*`` rows hand the optimizer. None when the step is offloaded, none for SGD.
+    - DDP's ``compute_transient``: one more copy of the gradients alive with the
+      activations. DDP rebuilds its gradient buckets at the second step's forward,
+      while the gradients (views of the first buckets with
+      ``gradient_as_bucket_view=True``) are still referenced, since Lightning zeroes
+      them after forward. Without ``gradient_as_bucket_view`` (Lightning's default)
+      the buckets sit beside the gradients at every step, the same bytes for good.
+    - DeepSpeed's fp32 gradient partition (``step_only``) exists only in the step;
+      FSDP's unsharded weights (``compute_only``) only in forward and backward.
+
+    ``benchmarks/memory.py`` checks these against torch's own allocation records.
 
     Args:
         n_params: all parameters (e.g. ``7e9``).
@@ -244,6 +292,8 @@ def plan_memory(
         n_layers: transformer layers.
         n_heads: attention heads (default: hidden_size / 64).
         fused_attention: attention by a fused kernel (no ``s^2`` matrices kept).
+        device: where the optimizer steps: ``"cuda"`` (any accelerator; foreach Adam)
+            or ``"cpu"`` (single-tensor Adam).
 
     Example::
 
@@ -279,38 +329,54 @@ def plan_memory(
         )
     for name, value in given.items():
         _positive(value, name)
+    if device not in _DEVICES:
+        raise SpeedkitConfigError(
+            f"`device` must be one of {', '.join(_DEVICES)} (where the optimizer steps), "
+            f"got {device!r}."
+        )
     states = _STATES[optimizer]
     mixed = precision == "mixed"
     weight = 2 if mixed else 4  # bytes of the weights (and gradients) compute uses
     master = 4 if mixed else 0  # the fp32 copy of the trainable weights mixed precision keeps
     moments = 4 * states  # fp32 optimizer state
-    # torch's default (foreach) Adam/AdamW allocates sqrt(exp_avg_sq) for the whole
-    # parameter group during the step: 4 more bytes per parameter it updates.
-    step_temp = 4 if states == 2 else 0
+    # The optimizer step's temporaries, per parameter it updates. Foreach Adam/AdamW
+    # (accelerators) allocates sqrt(exp_avg_sq) for the whole group at once; the
+    # single-tensor path (CPU) sqrt(v) / bias_correction, two temporaries of one tensor
+    # at a time: only a flat partition (DeepSpeed, the zero* rows) makes that large.
+    foreach = device != "cpu"
+    step_temp = (4 if foreach else 0) if states == 2 else 0
+    flat_step_temp = (4 if foreach else 8) if states == 2 else 0
     n = devices
 
     def stage(level: int) -> MemoryEstimate:
         k = master + moments  # the paper's K (12 for mixed-precision Adam)
+        step = _div(flat_step_temp * trainable, n) if level >= 1 else step_temp * trainable
         return MemoryEstimate(
             params=_div(weight * total, n) if level >= 3 else weight * total,
             grads=_div(weight * trainable, n) if level >= 2 else weight * trainable,
             optimizer=_div(k * trainable, n) if level >= 1 else k * trainable,
             activations=0,
-            transient=_div(step_temp * trainable, n) if level >= 1 else step_temp * trainable,
+            transient=step,
         )
 
     estimates = {name: stage(level) for level, name in enumerate(PAPER)}
+    # DDP's bucket rebuild at the second step: one more gradient copy with the activations.
+    # fp32 in either precision: torch autocast (Lightning's "*-mixed") keeps fp32 weights
+    # and gradients, the same 16 bytes as the paper's split of 2 + 2 + 12.
+    estimates["ddp"] = replace(estimates["ddp"], compute_transient=4 * trainable)
     # DeepSpeed ZeRO-2 keeps a 16-bit and an fp32 gradient partition in mixed precision,
     # and an fp32 copy of its weight partition in any precision (a clone even in fp32).
     # In fp32 its step still flattens the reduced partition into a new tensor beside it
     # (the cast to fp32 that makes the second partition in mixed precision is then a
-    # no-op, the flattening is not): two fp32 gradient partitions.
+    # no-op, the flattening is not): two fp32 gradient partitions. The fp32 one exists
+    # only in the step.
     estimates["deepspeed_zero2"] = MemoryEstimate(
         params=weight * total + _div(4 * trainable, n),
         grads=_div((2 + 4 if mixed else 4 + 4) * trainable, n),
         optimizer=_div(moments * trainable, n),
         activations=0,
-        transient=_div(step_temp * trainable, n),
+        transient=_div(flat_step_temp * trainable, n),
+        step_only=_div(4 * trainable, n),
     )
     estimates["deepspeed_zero2_offload"] = MemoryEstimate(
         params=weight * total,
@@ -328,6 +394,7 @@ def plan_memory(
         optimizer=_div(moments * trainable, n),
         activations=0,
         transient=_div(step_temp * trainable, n),
+        compute_only=weight * total,
     )
 
     activations = checkpointed = None
@@ -341,7 +408,7 @@ def plan_memory(
         checkpointed = activation_bytes(*shape_args, bytes_per_value=act_bytes, recompute=True)
         estimates = {name: replace(e, activations=activations) for name, e in estimates.items()}
     return MemoryPlan(total, trainable, devices, optimizer, precision, activations,
-                      checkpointed, estimates)  # fmt: skip
+                      checkpointed, estimates, device)  # fmt: skip
 
 
 def _div(value: int, n: int) -> int:
