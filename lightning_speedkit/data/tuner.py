@@ -194,6 +194,7 @@ def _measure(
         loader = rebuild_dataloader(loader, timeout=timeout)
     with _main_process_deadline(timeout + max_seconds + warmup * timeout):
         iterator = iter(loader)
+        finished = False
         try:
             for _ in range(warmup):
                 next(iterator)  # includes worker start-up: not timed
@@ -209,9 +210,13 @@ def _measure(
                 if (seen >= batches and elapsed >= min_seconds) or elapsed > max_seconds:
                     break
             elapsed = time.perf_counter() - start
+            finished = True
         finally:
-            # A hung worker would make the orderly shutdown wait for it: end workers first.
-            for worker in getattr(iterator, "_workers", []):
+            # After a failure a worker may hang, and the orderly shutdown would wait for it:
+            # end the workers first. After a clean run the orderly shutdown comes first: it
+            # stops the pin-memory thread before the workers, which, terminated under it,
+            # leave it a traceback (ConnectionResetError) for a batch still in flight.
+            for worker in [] if finished else getattr(iterator, "_workers", []):
                 if worker.is_alive():
                     worker.terminate()
             shutdown = getattr(iterator, "_shutdown_workers", None)

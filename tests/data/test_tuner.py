@@ -311,3 +311,24 @@ def test_callback_refuses_bad_tuning_arguments_at_construction(
 ) -> None:
     with pytest.raises(SpeedkitConfigError, match=f"`{argument}`"):
         NumWorkersTuner(**kwargs)
+
+
+def test_a_clean_measurement_shuts_its_workers_down_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workers terminated under a live pin-memory thread leave it a ConnectionResetError
+    traceback (seen on a GPU); after a clean run the workers get the orderly shutdown."""
+    import multiprocessing.process
+
+    terminated: list[str] = []
+    real = multiprocessing.process.BaseProcess.terminate
+
+    def terminate(self: multiprocessing.process.BaseProcess) -> None:
+        terminated.append(self.name)
+        real(self)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "terminate", terminate)
+    rate = tuner_mod._measure(_user_loader(num_workers=2), warmup=1, batches=4,
+                              max_seconds=30, timeout=10)  # fmt: skip
+    assert rate > 0
+    assert terminated == []
