@@ -281,8 +281,8 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
         )
     if tuner is not None and on_cuda:
         notes.append(
-            "kit: AttentionSwap left out on CUDA until a bf16 training gap found on an H100 "
-            "is understood (docs/attention.md, 'Known problem')"
+            "kit: AttentionSwap left out on CUDA: the published GPU numbers were measured "
+            "without it (docs/attention.md, 'bf16 training on CUDA')"
         )
     if strategy == "ddp_powersgd":
         notes.append("kit: gradients all-reduced with PowerSGD (strategy='ddp_powersgd')")
