@@ -232,6 +232,13 @@ def _add_plan(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -
     plan.add_argument("--gpu-mem", type=_positive_float, default=None, help="GiB per device")
     plan.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
     plan.add_argument("--precision", choices=("mixed", "fp32"), default="mixed")
+    plan.add_argument(
+        "--device",
+        choices=("cuda", "cpu"),
+        default="cuda",
+        help="where the optimizer steps: torch's Adam takes every tensor at once on cuda "
+        "(foreach), one at a time on cpu; it sets the step's temporaries (default: %(default)s)",
+    )
     plan.add_argument("--batch", type=_positive_int, default=None, help="micro-batch per device")
     plan.add_argument("--seq", type=_positive_int, default=None, help="sequence length")
     plan.add_argument("--hidden", type=_positive_int, default=None, help="hidden size")
@@ -264,7 +271,7 @@ def _plan(args: argparse.Namespace) -> int:
             params, args.gpus, trainable_params=trainable, optimizer=args.optimizer,
             precision=args.precision, batch_size=args.batch, seq_len=args.seq,
             hidden_size=args.hidden, n_layers=args.layers, n_heads=args.heads,
-            fused_attention=args.fused_attention,
+            fused_attention=args.fused_attention, device=args.device,
         )  # fmt: skip
     except SpeedkitConfigError as exc:
         print(f"speedkit plan: error: {exc}", file=sys.stderr)

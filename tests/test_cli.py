@@ -57,6 +57,30 @@ def test_plan_counts_a_real_model_and_says_what_to_do(capsys: pytest.CaptureFixt
     assert "nothing fits" in capsys.readouterr().out
 
 
+def test_plan_on_cpu_counts_single_tensor_adams_temporaries(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lightning_speedkit.distributed import plan_memory
+
+    args = ["plan", "--params", "1e9", "--gpus", "2", "--precision", "fp32"]
+    totals = {}
+    for device in ("cuda", "cpu"):
+        assert main([*args, "--device", device]) == 0
+        out = capsys.readouterr().out
+        row = next(line for line in out.splitlines() if line.startswith("deepspeed_zero2 "))
+        totals[device] = float(row.split()[6])
+        planned = plan_memory(1e9, 2, precision="fp32", device=device)
+        assert totals[device] == pytest.approx(
+            planned.per_device("deepspeed_zero2").total / 2**30, abs=0.01
+        )
+    # One flat partition of 5e8 fp32 parameters: two whole-partition temporaries on CPU
+    # (8 bytes each), one on CUDA (4 bytes): 2 GB apart, 1.86 GiB.
+    assert totals["cpu"] - totals["cuda"] == pytest.approx(2e9 / 2**30, abs=0.02)
+    with pytest.raises(SystemExit):
+        main([*args, "--device", "gpu"])
+    assert "invalid choice: 'gpu'" in capsys.readouterr().err
+
+
 def test_console_script_is_installed() -> None:
     exe = shutil.which("speedkit", path=str(Path(sys.executable).parent))
     assert exe is not None
