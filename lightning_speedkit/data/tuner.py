@@ -244,6 +244,23 @@ def _describe_failure(exc: BaseException) -> str:
 # --- the cache ---------------------------------------------------------------------------
 
 
+def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:
+    """The random generators that trial loaders share with ``loader`` and would advance.
+
+    Trial loaders reuse the loader's generator and its sampler objects, so a sampler
+    with its own generator (``RandomSampler(ds, generator=g)``) would be drawn from by
+    every trial iteration and shuffle the real first epoch differently.
+    """
+    holders = [loader, loader.sampler, loader.batch_sampler,
+               getattr(loader.batch_sampler, "sampler", None)]  # fmt: skip
+    found: list[torch.Generator] = []
+    for holder in holders:
+        generator = getattr(holder, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found
+
+
 def _fingerprint(loader: DataLoader[Any], local_world_size: int, budget: int) -> str:
     dataset = loader.dataset
     custom = getattr(dataset, "fingerprint", None)
@@ -392,7 +409,8 @@ def tune_num_workers(
             return cached
 
     torch_state = torch.get_rng_state()
-    generator_state = dataloader.generator.get_state() if dataloader.generator is not None else None
+    generators = _generators(dataloader)
+    generator_states = [g.get_state() for g in generators]
     pin = torch.cuda.is_available()
     start = time.perf_counter()
     table: list[dict[str, Any]] = []
@@ -459,8 +477,8 @@ def tune_num_workers(
     finally:
         bar.close()
         torch.set_rng_state(torch_state)
-        if generator_state is not None and dataloader.generator is not None:
-            dataloader.generator.set_state(generator_state)
+        for generator, state in zip(generators, generator_states, strict=True):
+            generator.set_state(state)
 
     if not best:
         best = {

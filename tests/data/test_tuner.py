@@ -9,7 +9,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from lightning_speedkit import NumWorkersTuner, SpeedkitConfigError, tune_num_workers
 from lightning_speedkit.data import tuner as tuner_mod
@@ -74,6 +74,22 @@ def test_tuning_consumes_no_randomness_the_user_would_see(tmp_path: Path) -> Non
     global_state = torch.get_rng_state()
     result = tune_num_workers(original, max_workers=1, batches=3, cache=False, progress=False)
     assert torch.equal(torch.get_rng_state(), global_state)
+    assert result.dataloader is not None
+    got = _xs(result.dataloader)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_tuning_leaves_a_samplers_own_generator_where_it_was() -> None:
+    """A sampler seeded apart from the loader (``RandomSampler(ds, generator=g)``) is
+    shared with the trial loaders; its first real epoch must be the one it would have had."""
+
+    def user_loader() -> DataLoader[Any]:
+        dataset = SlowDataset(n=60)
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(3))
+        return DataLoader(dataset, batch_size=4, sampler=sampler, collate_fn=_collate)
+
+    expected = _xs(user_loader())
+    result = tune_num_workers(user_loader(), max_workers=1, batches=3, cache=False, progress=False)
     assert result.dataloader is not None
     got = _xs(result.dataloader)
     assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
