@@ -156,13 +156,15 @@ class _KitVLMData(SpeedDataModuleMixin, VLMDataModule):
     def train_dataloader(self) -> DataLoader[Batch]:
         tuned = getattr(self, "speed_loader_kwargs", None) or {}
         in_process = tuned.get("num_workers", self.num_workers) == 0
+        dataset = self.datasets["train"]
         loader = self.speed_dataloader(
-            self.datasets["train"], batch_size=self.batch_size, shuffle=True, drop_last=True,
-            collate_fn=self.collate, cache=self.cache_bytes if in_process else False,
+            dataset, batch_size=self.batch_size, sampler=self.shuffle_sampler(dataset),
+            drop_last=True, collate_fn=self.collate,
+            cache=self.cache_bytes if in_process else False,
             num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
         )  # fmt: skip
-        dataset = loader.dataset
-        self.sample_cache = dataset if isinstance(dataset, SampleCache) else None
+        cached = loader.dataset
+        self.sample_cache = cached if isinstance(cached, SampleCache) else None
         return loader
 
 

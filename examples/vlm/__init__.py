@@ -5,7 +5,7 @@ repository it lives in ``examples/vlm``; installed, it is ``speedkit_examples.vl
 """
 
 from .corpus import CorpusConfig, DataDirectoryError, ensure_corpus, write_corpus
-from .data import CaptionCollate, CaptionShardDataset, VLMDataModule
+from .data import CaptionCollate, CaptionShardDataset, EpochShuffle, VLMDataModule
 from .model import VLM, VLMConfig
 from .task import VLMTask
 from .tokenizer import CaptionTokenizer
@@ -17,6 +17,7 @@ __all__ = [
     "CaptionTokenizer",
     "CorpusConfig",
     "DataDirectoryError",
+    "EpochShuffle",
     "VLMConfig",
     "VLMDataModule",
     "VLMTask",

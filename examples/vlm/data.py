@@ -17,7 +17,7 @@ import io
 import logging
 import os
 import tarfile
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from PIL import Image
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from .corpus import CorpusConfig, ensure_corpus
 from .tokenizer import CaptionTokenizer
@@ -202,6 +202,32 @@ class CaptionCollate:
         }
 
 
+class EpochShuffle(RandomSampler):
+    """A shuffle that depends only on ``seed`` and the epoch (Lightning calls ``set_epoch``).
+
+    torch's ``RandomSampler`` draws a fresh seed from torch's global generator every
+    epoch, at a moment that depends on the loader: one with persistent workers keeps
+    its iterator and draws one number fewer per epoch. Two runs of one seed that differ
+    only in ``num_workers`` would see the same first epoch and different ones after.
+    Here the order is a function of (seed, epoch), whatever loads the data, and a run
+    resumed at an epoch boundary sees the epochs it would have seen. It is still a
+    ``RandomSampler``, so under DDP Lightning replaces it with a shuffling
+    ``DistributedSampler``.
+    """
+
+    def __init__(self, data_source: Sized, seed: int) -> None:
+        super().__init__(data_source)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed((self.seed + self.epoch) % 2**63)
+        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
+
+
 class VLMDataModule(L.LightningDataModule):
     """The example corpus as train and held-out loaders.
 
@@ -264,11 +290,16 @@ class VLMDataModule(L.LightningDataModule):
                 )
             self.datasets[split] = ds
 
+    def shuffle_sampler(self, dataset: Sized) -> EpochShuffle:
+        """The training order: by the run's seed (``torch.initial_seed()``) and the epoch."""
+        return EpochShuffle(dataset, seed=torch.initial_seed())
+
     def _loader(self, split: str, shuffle: bool) -> DataLoader[Any]:
+        dataset = self.datasets[split]
         return DataLoader(
-            self.datasets[split],
+            dataset,
             batch_size=self.batch_size,
-            shuffle=shuffle,
+            sampler=self.shuffle_sampler(dataset) if shuffle else None,
             drop_last=shuffle,
             num_workers=self.num_workers,
             collate_fn=self.collate,

@@ -128,9 +128,10 @@ def test_the_mixin_without_cache_reads_every_time() -> None:
 
 class CachedVLMData(SpeedDataModuleMixin, VLMDataModule):
     def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        dataset = self.datasets["train"]
         return self.speed_dataloader(
-            self.datasets["train"], batch_size=self.batch_size, shuffle=True, drop_last=True,
-            collate_fn=self.collate, cache=True,
+            dataset, batch_size=self.batch_size, sampler=self.shuffle_sampler(dataset),
+            drop_last=True, collate_fn=self.collate, cache=True,
         )  # fmt: skip
 
 

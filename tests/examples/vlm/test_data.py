@@ -166,3 +166,42 @@ def test_a_batch_with_no_decodable_sample_is_skipped_by_the_task() -> None:
 def test_bad_loader_settings_are_refused(kwarg: str, value: int) -> None:
     with pytest.raises(ValueError, match=kwarg):
         VLMDataModule(**{kwarg: value})  # type: ignore[arg-type]
+
+
+class _Order(L.LightningModule):
+    """Records each training batch's caption ids; trains nothing that matters."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.seen.append(batch["input_ids"][:, 1].tolist())
+        return self.weight * 0.0 + self.weight.square()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _epochs_seen(data_dir: Path, num_workers: int) -> list[list[int]]:
+    L.seed_everything(0, verbose=False)
+    module = _Order()
+    dm = VLMDataModule(data_dir, batch_size=8, num_workers=num_workers, corpus=SMALL_CORPUS,
+                       progress=False)  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", max_epochs=3, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        limit_val_batches=0)  # fmt: skip
+    trainer.fit(module, datamodule=dm)
+    return module.seen
+
+
+def test_training_order_is_the_seeds_whatever_loads_the_data(small_corpus: Path) -> None:
+    """With torch's RandomSampler, persistent loader workers shuffle the second epoch on in
+    another order than loading in the training process (the loader keeps its iterator and
+    draws from torch's generator once less per epoch). The example's order is (seed, epoch)'s."""
+    in_process = _epochs_seen(small_corpus, num_workers=0)
+    workers = _epochs_seen(small_corpus, num_workers=2)
+    assert len(in_process) == 3 * 12
+    assert workers == in_process
+    assert in_process[:12] != in_process[12:24]  # every epoch shuffled anew
