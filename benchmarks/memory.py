@@ -25,6 +25,7 @@ Prints tables and writes JSON (``--out``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import platform
 import statistics
@@ -149,18 +150,16 @@ def worker(args: argparse.Namespace) -> None:
     )  # fmt: skip
     # On CPU torch keeps no allocation statistics; its profiler records every allocation
     # and free of a CPU tensor (a few percent on the step time, the same for all rows).
-    tracker = None if cuda else torch.profiler.profile(
+    tracker = torch.profiler.profile(
         activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True
-    )  # fmt: skip
-    if tracker is not None:
-        tracker.__enter__()
-    task = VLMTask(config, pad_id=0)
-    trainer.fit(task, DataLoader(Synthetic(), batch_size=args.batch))
+    )
+    with contextlib.nullcontext() if cuda else tracker:
+        task = VLMTask(config, pad_id=0)
+        trainer.fit(task, DataLoader(Synthetic(), batch_size=args.batch))
     result: dict[str, Any] = {"rank": trainer.global_rank, "step_s": statistics.median(steps)}
-    if tracker is None:
+    if cuda:
         result["peak_bytes"] = torch.cuda.max_memory_allocated()
     else:
-        tracker.__exit__(None, None, None)
         result["peak_bytes"] = _peak_tensor_bytes(tracker)
         result["rss_peak_bytes"] = (_status_kib("VmHWM") - baseline_kib) * 1024
     out = Path(args.out)

@@ -216,9 +216,10 @@ def _measure(
             # end the workers first. After a clean run the orderly shutdown comes first: it
             # stops the pin-memory thread before the workers, which, terminated under it,
             # leave it a traceback (ConnectionResetError) for a batch still in flight.
-            for worker in [] if finished else getattr(iterator, "_workers", []):
-                if worker.is_alive():
-                    worker.terminate()
+            if not finished:
+                for worker in getattr(iterator, "_workers", []):
+                    if worker.is_alive():
+                        worker.terminate()
             shutdown = getattr(iterator, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
