@@ -112,9 +112,33 @@ def comparison_table(results: list[DemoResult]) -> str:
         lines.append(
             "(the runs follow each other; on a shared machine identical runs differ by up to 10%)"
         )
+        splits = {r.run: time_per_sample(r) for r in results}
+        if all(split is not None for split in splits.values()):
+            lines.append("where a sample's time went (µs per sample = data wait + compute):")
+            for run, split in splits.items():
+                assert split is not None
+                total, data, compute = split
+                lines.append(f"  {run:<6} {total:>7,.0f} = {data:>6,.0f} + {compute:>7,.0f}")
+            lines.append(
+                "(compute: forward, backward, optimizer step and the loop; a loader can "
+                "only remove the data wait)"
+            )
     for r in results:
         lines += r.notes
     return "\n".join(lines)
+
+
+def time_per_sample(result: DemoResult) -> tuple[float, float, float] | None:
+    """A run's time per sample in µs, split as (total, data wait, the rest).
+
+    The rest is the model's compute (forward, backward, optimizer step) and the loop's
+    own time: what no loader can take away. None when a figure is missing.
+    """
+    speed, wait = result.samples_per_sec, result.data_wait_frac
+    if not speed or wait is None:
+        return None
+    total = 1e6 / speed
+    return total, total * wait, total * (1 - wait)
 
 
 def _fmt(value: float | None, spec: str) -> str:

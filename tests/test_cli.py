@@ -5,11 +5,12 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from lightning_speedkit import __version__
-from lightning_speedkit._demo import _KitVLMData
+from lightning_speedkit._demo import DemoResult, _KitVLMData, time_per_sample
 from lightning_speedkit.cli import build_parser, main
 from lightning_speedkit.data import SampleCache
 
@@ -127,6 +128,22 @@ def test_demo_trains_plain_and_kit_and_prints_them_side_by_side(
     assert f"{plain['samples_per_sec']:,.1f}" in out
     ratio = kit["samples_per_sec"] / plain["samples_per_sec"]
     assert f"kit / plain samples/s: {ratio:.2f}x" in out
+    for result in (plain, kit):  # µs per sample: data wait + compute
+        total = 1e6 / result["samples_per_sec"]
+        data = total * result["data_wait_frac"]
+        assert f"{total:>7,.0f} = {data:>6,.0f} + {total - data:>7,.0f}" in out
+
+
+def test_time_per_sample_splits_data_wait_from_compute() -> None:
+    figures: dict[str, Any] = dict(
+        run="plain", notes=[], size="tiny", params=1, devices=1, steps=1, mfu=None,
+        step_ms_p50=None, step_ms_p90=None, step_ms_p99=None, mem_peak_gib=None,
+        loss_start=1.0, loss_end=1.0, val_loss=1.0, val_acc=0.5, wall_sec=1.0,
+    )  # fmt: skip
+    run = DemoResult(samples_per_sec=800.0, data_wait_frac=0.25, **figures)
+    assert time_per_sample(run) == pytest.approx((1250.0, 312.5, 937.5))
+    unknown = DemoResult(samples_per_sec=800.0, data_wait_frac=None, **figures)
+    assert time_per_sample(unknown) is None
 
 
 def test_demo_global_batch_accumulates_in_both_runs(
