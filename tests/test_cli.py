@@ -134,6 +134,30 @@ def test_demo_trains_plain_and_kit_and_prints_them_side_by_side(
         assert f"{total:>7,.0f} = {data:>6,.0f} + {total - data:>7,.0f}" in out
 
 
+def test_demo_on_two_processes_compresses_the_kits_gradients_with_powersgd(
+    demo_corpus: Path, tmp_path: Path
+) -> None:
+    # Lightning's launcher re-runs the command line in the second process: a subprocess.
+    exe = shutil.which("speedkit", path=str(Path(sys.executable).parent))
+    assert exe is not None
+    steps = 110  # PowerSGD compresses from step 100 (start_iter)
+    proc = subprocess.run(
+        [exe, "demo", "--devices", "2", "--steps", str(steps), "--batch-size", "8",
+         "--data-dir", str(demo_corpus), "--output-dir", str(tmp_path),
+         "--accelerator", "cpu"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain, kit = json.loads((tmp_path / "demo.json").read_text())
+    assert (plain["devices"], kit["devices"]) == (2, 2)
+    assert plain["steps"] == kit["steps"] == steps
+    note = next(n for n in kit["notes"] if "PowerSGD" in n)
+    assert "at rank 4" in note
+    ratio = float(note.split(", ")[1].split("x fewer elements sent")[0])
+    assert ratio > 2  # the tiny VLM's matrices (64 x 64 and up) really were compressed
+    assert not any("PowerSGD" in n for n in plain["notes"])  # plain DDP, uncompressed
+
+
 def test_time_per_sample_splits_data_wait_from_compute() -> None:
     figures: dict[str, Any] = dict(
         run="plain", notes=[], size="tiny", params=1, devices=1, steps=1, mfu=None,

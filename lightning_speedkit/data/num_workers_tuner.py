@@ -162,11 +162,16 @@ class NumWorkersTuner(L.Callback):
                 f"workers."
             )
         budget = max(0, cores - torch.get_num_threads())
-        if budget == 0:
+        if budget == 0 and cores == 1:
+            rank_zero_info(
+                "NumWorkersTuner: training on CPU with one core for this rank, which torch "
+                "computes on: a loader worker would only take turns with the model."
+            )
+        elif budget == 0:
             rank_zero_info(
                 f"NumWorkersTuner: training on CPU, torch's {torch.get_num_threads()} threads use "
-                f"all {cores} cores, so no loader worker would get a core of its own; pass "
-                f"`compute_threads` to share them."
+                f"all {cores} of this rank's cores, so no loader worker would get a core of its "
+                f"own; pass `compute_threads` (fewer than {cores}) to leave some to workers."
             )
         return budget
 
