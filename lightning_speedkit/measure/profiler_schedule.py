@@ -51,12 +51,24 @@ class _Region:
 
 def _top_level(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
     """The modules whose shares the report gives: the LightningModule's children, or, when
-    it holds a single model (``self.model``), that model's children (``model.vision``...)."""
+    it holds a single model (``self.model``), that model's children (``model.vision``...).
+
+    Only children with parameters decide "single": metrics (torchmetrics are modules)
+    and parameterless helpers beside ``self.model`` would otherwise stop the descent
+    and leave the report one row, ``model``, at 100%.
+    """
     prefix, children = "", list(module.named_children())
-    while len(children) == 1 and list(children[0][1].children()):
-        prefix += children[0][0] + "."
-        children = list(children[0][1].named_children())
-    return [(prefix + name, child) for name, child in children]
+    while True:
+        holding = [(name, child) for name, child in children if _has_parameters(child)]
+        if len(holding) != 1 or not list(holding[0][1].children()):
+            return [(prefix + name, child) for name, child in children]
+        name, only = holding[0]
+        prefix += name + "."
+        children = list(only.named_children())
+
+
+def _has_parameters(module: torch.nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
 
 
 class ProfilerSchedule(L.Callback):

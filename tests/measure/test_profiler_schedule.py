@@ -10,8 +10,10 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_speedkit import ProfilerSchedule, SpeedkitConfigError
+from lightning_speedkit.measure.profiler_schedule import _top_level
 from tests.helpers.models import MLP, loader
 
 
@@ -123,3 +125,19 @@ def test_each_rank_writes_its_own_trace_with_its_all_reduces(tmp_path: Path) -> 
         trace = events(path)
         assert count(trace, "speedkit/backward") == 2
         assert count(trace, "gloo:all_reduce") >= 2  # DDP's gradient all-reduce, each step
+
+
+def test_the_report_descends_past_a_single_model_beside_metrics() -> None:
+    class Task(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = torch.nn.ModuleDict(
+                {"encoder": torch.nn.Linear(4, 4), "head": torch.nn.Linear(4, 2)}
+            )
+            self.val_acc = MulticlassAccuracy(2)  # a module, without parameters
+            self.loss_fn = torch.nn.CrossEntropyLoss()
+
+    assert [name for name, _ in _top_level(Task())] == ["model.encoder", "model.head"]
+    # Two models with parameters: their shares are the report's rows.
+    two = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
+    assert [name for name, _ in _top_level(two)] == ["a", "b"]
