@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import statistics
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -360,6 +364,34 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
     return result
 
 
+class _DropLightningTip(logging.Filter):
+    """Lightning's advertisement for its cloud logger, printed at every Trainer's start."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("💡 Tip:")
+
+
+@contextlib.contextmanager
+def _quiet_third_party() -> Iterator[None]:
+    """Leave out of the demo's output what its user cannot act on: Lightning's tip, and
+    the FutureWarning that Lightning's own code draws from torch about ``LeafSpec``."""
+    tip = _DropLightningTip()
+    loggers = [
+        logging.getLogger(f"lightning.{p}.utilities.rank_zero") for p in ("pytorch", "fabric")
+    ]
+    for logger in loggers:
+        logger.addFilter(tip)
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated"
+            )
+            yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(tip)
+
+
 def run_demo(config: DemoConfig) -> list[DemoResult] | None:
     """Train the example VLM once per run in ``config.runs``; the results on rank 0, else None.
 
@@ -371,7 +403,8 @@ def run_demo(config: DemoConfig) -> list[DemoResult] | None:
     # One CPU peak for both runs, timed once and longer than SpeedMonitor's default, so
     # that the runs' MFU share a denominator.
     peak: PeakSetting = measure_matmul_peak("cpu", torch.float32, seconds=1.0) if on_cpu else "auto"
-    results = [_train(config, run, peak) for run in config.runs]
+    with _quiet_third_party():
+        results = [_train(config, run, peak) for run in config.runs]
     if any(r is None for r in results):
         return None
     done = [r for r in results if r is not None]

@@ -1,16 +1,20 @@
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import shutil
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 
 from lightning_speedkit import __version__
-from lightning_speedkit._demo import DemoResult, _KitVLMData, time_per_sample
+from lightning_speedkit._demo import DemoResult, _KitVLMData, _quiet_third_party, time_per_sample
 from lightning_speedkit.cli import build_parser, main
 from lightning_speedkit.data import SampleCache
 
@@ -156,6 +160,34 @@ def test_demo_on_two_processes_compresses_the_kits_gradients_with_powersgd(
     ratio = float(note.split(", ")[1].split("x fewer elements sent")[0])
     assert ratio > 2  # the tiny VLM's matrices (64 x 64 and up) really were compressed
     assert not any("PowerSGD" in n for n in plain["notes"])  # plain DDP, uncompressed
+
+
+def test_demo_output_leaves_out_what_its_user_cannot_act_on(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from torch.utils._pytree import LeafSpec
+
+    def trainer_start() -> list[str]:
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False)
+        return [record.getMessage() for record in caplog.records]
+
+    def leaf_spec_warnings(quiet: bool) -> list[str]:
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            with _quiet_third_party() if quiet else contextlib.nullcontext():
+                LeafSpec()  # what Lightning's tree flattening does, and torch deprecates
+        return [str(w.message) for w in seen if "LeafSpec" in str(w.message)]
+
+    assert any("litlogger" in message for message in trainer_start())  # Lightning's tip
+    assert leaf_spec_warnings(quiet=False)
+    assert not leaf_spec_warnings(quiet=True)
+    with _quiet_third_party():
+        messages = trainer_start()
+        assert not any("litlogger" in message for message in messages)
+        assert any("GPU available" in message for message in messages)  # the rest stays
+    assert any("litlogger" in message for message in trainer_start())  # filter removed
 
 
 def test_time_per_sample_splits_data_wait_from_compute() -> None:
