@@ -52,8 +52,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parser.parse_args(argv)
 
     cfg = VLMConfig.preset(args.size, vocab_size=35)
-    dm = VLMDataModule(args.data_dir, image_size=cfg.image_size, max_text_len=cfg.max_text_len,
-                       batch_size=args.batch_size, progress=False)  # fmt: skip
+    dm = VLMDataModule.for_model(cfg, args.data_dir, batch_size=args.batch_size, progress=False)
     dm.setup("fit")
     loader = dm.train_dataloader()
     budget = cpu_budget()

@@ -105,10 +105,7 @@ class TimedSpeedMonitor(SpeedMonitor):
 
 
 def _batches(args: argparse.Namespace, cfg: VLMConfig) -> list[dict[str, torch.Tensor]]:
-    dm = VLMDataModule(
-        args.data_dir, image_size=cfg.image_size, max_text_len=cfg.max_text_len,
-        batch_size=args.batch_size, progress=False,
-    )  # fmt: skip
+    dm = VLMDataModule.for_model(cfg, args.data_dir, batch_size=args.batch_size, progress=False)
     dm.setup("fit")
     out = []
     for batch in dm.train_dataloader():

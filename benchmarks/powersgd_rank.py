@@ -40,12 +40,8 @@ def _train(variant: str, rank: int | None, seed: int, args: argparse.Namespace) 
     L.seed_everything(seed, workers=True, verbose=False)
     tokenizer = CaptionTokenizer()
     cfg = VLMConfig.preset(args.size, tokenizer.vocab_size)  # type: ignore[arg-type]
-    datamodule = VLMDataModule(
-        args.data_dir,
-        image_size=cfg.image_size,
-        max_text_len=cfg.max_text_len,
-        batch_size=args.batch_size,
-        progress=False,
+    datamodule = VLMDataModule.for_model(
+        cfg, args.data_dir, batch_size=args.batch_size, progress=False
     )
     task = VLMTask(cfg, pad_id=tokenizer.pad_id)
     strategy: Any = "ddp" if rank is None else DDPPowerSGDStrategy(rank=rank)

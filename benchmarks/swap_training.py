@@ -197,13 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     L.seed_everything(args.seed, verbose=False)
     tokenizer = CaptionTokenizer()
     cfg = VLMConfig.preset(size, tokenizer.vocab_size)  # type: ignore[arg-type]
-    dm = VLMDataModule(
-        args.data_dir,
-        image_size=cfg.image_size,
-        max_text_len=cfg.max_text_len,
-        batch_size=args.batch_size,
-        progress=False,
-    )
+    dm = VLMDataModule.for_model(cfg, args.data_dir, batch_size=args.batch_size, progress=False)
     dm.prepare_data()
     dm.setup("fit")
     train = _batches(dm, "train", args.batches, device)

@@ -123,12 +123,10 @@ def comparison_table(results: list[DemoResult]) -> str:
         lines.append(
             "(the runs follow each other; on a shared machine identical runs differ by up to 10%)"
         )
-        splits = {r.run: time_per_sample(r) for r in results}
-        if all(split is not None for split in splits.values()):
+        splits = [(r.run, split) for r in results if (split := time_per_sample(r)) is not None]
+        if len(splits) == len(results):
             lines.append("where a sample's time went (µs per sample = data wait + compute):")
-            for run, split in splits.items():
-                assert split is not None
-                total, data, compute = split
+            for run, (total, data, compute) in splits:
                 lines.append(f"  {run:<6} {total:>7,.0f} = {data:>6,.0f} + {compute:>7,.0f}")
             lines.append(
                 "(compute: forward, backward, optimizer step and the loop; a loader can "
@@ -209,12 +207,8 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
     tokenizer = CaptionTokenizer()
     model_cfg = VLMConfig.preset(config.size, tokenizer.vocab_size)  # type: ignore[arg-type]
     data_class = _KitVLMData if run == "kit" else VLMDataModule
-    datamodule = data_class(
-        data_dir=config.data_dir,
-        image_size=model_cfg.image_size,
-        max_text_len=model_cfg.max_text_len,
-        batch_size=config.batch_size,
-        num_workers=config.num_workers,
+    datamodule = data_class.for_model(
+        model_cfg, config.data_dir, batch_size=config.batch_size, num_workers=config.num_workers
     )
     task = VLMTask(model_cfg, pad_id=tokenizer.pad_id)
     trace = _LossTrace()

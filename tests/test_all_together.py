@@ -78,9 +78,8 @@ def fit(small_corpus: Path, tmp_path: Path, steps: int, ckpt: Path | None = None
     torch.manual_seed(0)
     tokenizer = CaptionTokenizer()
     config = VLMConfig.preset("tiny", tokenizer.vocab_size)
-    data = InOrder(data_dir=str(small_corpus), image_size=config.image_size,
-                   max_text_len=config.max_text_len, batch_size=MICRO,
-                   corpus=SMALL_CORPUS, progress=False)  # fmt: skip
+    data = InOrder.for_model(config, str(small_corpus), batch_size=MICRO,
+                             corpus=SMALL_CORPUS, progress=False)  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", max_steps=steps, limit_train_batches=EPOCH_BATCHES,
         limit_val_batches=0, logger=False, callbacks=callbacks(tmp_path),

@@ -20,7 +20,7 @@ import tarfile
 from collections.abc import Iterator, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import lightning as L
 import torch
@@ -30,6 +30,11 @@ from torch.utils.data import DataLoader, Dataset, RandomSampler
 
 from .corpus import CorpusConfig, ensure_corpus
 from .tokenizer import CaptionTokenizer
+
+if TYPE_CHECKING:
+    from .model import VLMConfig
+
+_DataModule = TypeVar("_DataModule", bound="VLMDataModule")
 
 log = logging.getLogger(__name__)
 Batch = dict[str, Any]
@@ -268,6 +273,21 @@ class VLMDataModule(L.LightningDataModule):
         self.collate = CaptionCollate(self.tokenizer.pad_id)
         self.datasets: dict[str, CaptionShardDataset] = {}
         self.skipped_in_batches = 0
+
+    @classmethod
+    def for_model(
+        cls: type[_DataModule],
+        config: VLMConfig,
+        data_dir: str | os.PathLike[str] | None = None,
+        **kwargs: Any,
+    ) -> _DataModule:
+        """The loaders a model of ``config`` takes: its image size and caption length.
+
+        ``kwargs`` are the other arguments (``batch_size``, ``num_workers``, ...).
+        """
+        return cls(
+            data_dir, image_size=config.image_size, max_text_len=config.max_text_len, **kwargs
+        )
 
     def prepare_data(self) -> None:
         ensure_corpus(self.data_dir, self.corpus, progress=self.progress)

@@ -133,8 +133,7 @@ def test_callback_trains_the_example_vlm_like_the_plain_run(demo_corpus: Any) ->
         L.seed_everything(0, verbose=False)
         tokenizer = CaptionTokenizer()
         config = VLMConfig.preset("tiny", tokenizer.vocab_size)
-        data = VLMDataModule(data_dir=demo_corpus, image_size=config.image_size,
-                             max_text_len=config.max_text_len, batch_size=8)  # fmt: skip
+        data = VLMDataModule.for_model(config, demo_corpus, batch_size=8)
         task = VLMTask(config, pad_id=tokenizer.pad_id)
         losses: list[float] = []
 

@@ -205,3 +205,21 @@ def test_training_order_is_the_seeds_whatever_loads_the_data(small_corpus: Path)
     assert len(in_process) == 3 * 12
     assert workers == in_process
     assert in_process[:12] != in_process[12:24]  # every epoch shuffled anew
+
+
+def test_for_model_fits_the_loaders_to_the_model(small_corpus: Path) -> None:
+    class Mine(VLMDataModule):
+        pass
+
+    config = VLMConfig.preset("small", CaptionTokenizer().vocab_size)  # not the defaults
+    dm = Mine.for_model(config, small_corpus, batch_size=4, corpus=SMALL_CORPUS, progress=False)
+    assert type(dm) is Mine
+    assert (dm.image_size, dm.max_text_len) == (config.image_size, config.max_text_len)
+    assert (dm.image_size, dm.max_text_len) != (
+        VLMDataModule().image_size,
+        VLMDataModule().max_text_len,
+    )
+    dm.setup("fit")
+    batch = next(iter(dm.train_dataloader()))
+    assert batch["images"].shape == (4, 3, config.image_size, config.image_size)
+    assert batch["input_ids"].shape[1] <= config.max_text_len
