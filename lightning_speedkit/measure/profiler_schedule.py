@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gzip
+import re
 import shutil
 import statistics
 import time
@@ -13,6 +15,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.profilers import PyTorchProfiler
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction, ProfilerActivity
@@ -71,6 +74,23 @@ def _has_parameters(module: torch.nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
+def _why_not_written(directory: Path, error: BaseException | None) -> str:
+    """What a failed trace write means for the user: a vanished directory, a full disk."""
+    if not directory.is_dir():
+        return f"the directory {directory} no longer exists"
+    full = isinstance(error, OSError) and error.errno == errno.ENOSPC
+    try:
+        free = shutil.disk_usage(directory).free
+    except OSError:
+        free = None
+    if full or free == 0:
+        left = "" if free is None else f", {free / 2**10:.0f} KiB free"
+        return f"no space left on the device of {directory}{left}"
+    if error is None:  # torch's profiler logs its own error and writes nothing
+        return f"torch's profiler wrote no trace file in {directory} (its log above says why)"
+    return f"{type(error).__name__}: {error}"
+
+
 class ProfilerSchedule(L.Callback):
     """Profiles chosen training steps with torch.profiler; writes a trace per window.
 
@@ -95,12 +115,23 @@ class ProfilerSchedule(L.Callback):
     Lightning runs forward and backward inside the optimizer's closure. Outside the
     windows nothing is marked and the profiler records nothing.
 
-    Profiling never stops training: a directory that cannot be written, a full disk,
-    a trace over ``max_trace_mb`` or a profiler error is said once (rank 0) and
-    training goes on without it.
+    Profiling never stops training: a directory that cannot be written or that
+    disappears, a full disk (partial files are removed), a trace over ``max_trace_mb``
+    (dropped before it is analysed) or a profiler error is said once (rank 0) and
+    training goes on without it. torch has one profiling session per process, so with
+    ``Trainer(profiler="pytorch")``, or inside a ``torch.profiler.profile`` block,
+    ProfilerSchedule stands down with a warning that says which to keep. Traces are
+    numbered on from the highest window already in the directory: a second ``fit``, or
+    another run writing there, never overwrites earlier traces.
 
     Args:
-        skip_first: steps before the first cycle (start-up, compilation, tuning).
+        skip_first: steps before the first cycle. 0 by default, as in torch's
+            ``schedule``, so that ``ProfilerSchedule(wait=1, warmup=1, active=3)`` records
+            the steps torch's own schedule would (the third to the fifth); the first
+            cycle's ``wait`` (5 by default) already leaves out the start-up steps. Raise
+            it past compilation or tuning that lasts longer. A run that ends before its
+            first window is complete says so, with the steps it ran and the steps the
+            window needed.
         wait: idle steps at the start of each cycle.
         warmup: steps profiled but not kept, before each window.
         active: steps recorded per window (3 is plenty; each one adds to the trace).
@@ -116,13 +147,13 @@ class ProfilerSchedule(L.Callback):
     Example::
 
         >>> import lightning as L
-        >>> trainer = L.Trainer(callbacks=[ProfilerSchedule(skip_first=10, active=3)],
+        >>> trainer = L.Trainer(callbacks=[ProfilerSchedule(wait=5, active=3)],
         ...                     logger=False)
     """
 
     def __init__(
         self,
-        skip_first: int = 10,
+        skip_first: int = 0,
         wait: int = 5,
         warmup: int = 1,
         active: int = 3,
@@ -172,27 +203,41 @@ class ProfilerSchedule(L.Callback):
         self._steps = 0
         self._resumed: tuple[int, int] | None = None
         self._warned: set[str] = set()
+        self._failure: tuple[str, str] | None = None
+        self._disabled = False
+        self._start_step = 0
+        self._written = 0
 
     # -- failure handling: say it once, go on -------------------------------------------------
 
-    def _give_up(self, what: str, error: BaseException) -> None:
+    def _give_up(self, what: str, why: str, *, stop: bool = True) -> None:
+        """Say once why profiling ends, and end it. Never call from inside ``_write_trace``:
+        that runs within torch's own ``profiler.step()``, and stopping the profiler there
+        re-enters torch's state machine mid-transition (the process then segfaults)."""
         if what not in self._warned:
             self._warned.add(what)
-            rank_zero_warn(
-                f"ProfilerSchedule: {what} failed ({type(error).__name__}: {error}); "
-                f"training goes on without profiling."
-            )
-        self._stop_quietly()
+            rank_zero_warn(f"ProfilerSchedule: {what} failed ({why}); training goes on without "
+                           f"profiling.")  # fmt: skip
+        self._stop_quietly(stop=stop)
 
-    def _stop_quietly(self) -> None:
+    def _stop_quietly(self, *, stop: bool = True) -> None:
         self._regions.exit_all()
         profiler, self._profiler = self._profiler, None
-        if profiler is not None:
+        if profiler is not None and stop:
             with contextlib.suppress(Exception):  # already giving up on the profiler
-                profiler.stop()
+                profiler.stop()  # a window cut short is written here, unless disabled
+        self._disabled = True
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+
+    def _raise_pending(self) -> None:
+        """Give up on a trace write that failed inside torch's ``step()``/``stop()``, now
+        that it has returned."""
+        if self._failure is not None:
+            what, why = self._failure
+            self._failure = None
+            self._give_up(what, why)
 
     # -- set-up ----------------------------------------------------------------------------------
 
@@ -203,11 +248,26 @@ class ProfilerSchedule(L.Callback):
         self.traces = []
         self.report, self.report_files = None, []
         self._batch_end = self._batch_start = None
+        self._failure, self._disabled, self._written = None, False, 0
+        self._warned.clear()  # a new fit says its own troubles
         for timings in self._unprofiled:
             timings.clear()
         # A resumed run goes on with its schedule: the windows it took are not taken again.
         self._steps, self._windows = self._resumed or (0, 0)
+        self._start_step = self._steps
         self._resumed = None
+        other = self._other_profiler(trainer)
+        if other:
+            # torch has one profiling session per process: two profilers share it, and
+            # whichever stops first pulls it from under the other (a segfault, not an error).
+            self._disabled = True
+            rank_zero_warn(
+                f"ProfilerSchedule stands down: {other} already runs torch.profiler, and two "
+                f"profilers in one process crash it. Keep one: remove `profiler=` from the "
+                f"Trainer (ProfilerSchedule writes traces and a report per window), or remove "
+                f"ProfilerSchedule (`speedkit report TRACE` reads Lightning's traces too)."
+            )
+            return
         root = trainer.log_dir or trainer.default_root_dir
         directory = self.dirpath or Path(root) / "profiler"
         try:
@@ -216,7 +276,7 @@ class ProfilerSchedule(L.Callback):
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as error:
-            self._give_up(f"writing to {directory}", error)
+            self._give_up(f"writing to {directory}", _why_not_written(directory, error))
             return
         self._directory = directory
         activities = [ProfilerActivity.CPU]
@@ -241,12 +301,23 @@ class ProfilerSchedule(L.Callback):
             self._profiler.current_action = self._profiler.schedule(self._steps)
             self._profiler.start()
         except Exception as error:  # profiling must never stop training
-            self._give_up("starting the profiler", error)
+            # A profiler that did not start owns no session: stopping it could end another's.
+            self._give_up("starting the profiler", f"{type(error).__name__}: {error}", stop=False)
             return
         for name, child in _top_level(pl_module):
             self._hooks.append(child.register_forward_pre_hook(self._module_enter(name)))
             self._hooks.append(child.register_forward_hook(self._module_exit(name)))
         rank_zero_info(f"ProfilerSchedule: traces go to {directory}")
+
+    @staticmethod
+    def _other_profiler(trainer: L.Trainer) -> str | None:
+        """Who else runs torch.profiler in this process, if anyone."""
+        profiler = getattr(trainer, "profiler", None)
+        if isinstance(profiler, PyTorchProfiler):
+            return "the Trainer's `profiler=` (Lightning's PyTorchProfiler)"
+        if torch.autograd._profiler_enabled():
+            return "a torch.profiler session opened around `fit()`"
+        return None
 
     def _recording(self) -> bool:
         profiler = self._profiler
@@ -313,7 +384,13 @@ class ProfilerSchedule(L.Callback):
         try:
             self._profiler.step()  # may end a window: _write_trace runs here
         except Exception as error:  # profiling must never stop training
-            self._give_up("profiling a step", error)
+            # "Profiler is already enabled": another profiler owns torch's session; stopping
+            # ours would end theirs under them.
+            self._give_up("profiling a step", f"{type(error).__name__}: {error}",
+                          stop="already enabled" not in str(error))  # fmt: skip
+            return
+        self._raise_pending()
+        if self._profiler is None:
             return
         if self._recording():
             self._regions.enter("data_fetch")  # closed when the next batch arrives
@@ -322,7 +399,36 @@ class ProfilerSchedule(L.Callback):
         self._regions.exit("data_fetch")  # validation is not data wait
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        running = self._profiler is not None
         self._stop_quietly()  # a window cut short by the end of training is written here
+        if self._failure is not None:
+            self._raise_pending()
+        elif running and not self._written:
+            self._say_nothing_recorded()
+
+    def _say_nothing_recorded(self) -> None:
+        """A run that ended before its first window: say so, with the arithmetic."""
+        taken = self._windows
+        if self.repeat and taken >= self.repeat:
+            return  # a resumed run whose windows were all taken before
+        ran = self._steps - self._start_step
+        schedule = torch.profiler.schedule(skip_first=self.skip_first, wait=self.wait,
+                                           warmup=self.warmup, active=self.active,
+                                           repeat=self.repeat)  # fmt: skip
+        step = self._start_step
+        horizon = self._start_step + self.skip_first + self.wait + self.warmup + self.active
+        while step < horizon and schedule(step) != ProfilerAction.RECORD_AND_SAVE:
+            step += 1
+        needed = step + 1 - self._start_step
+        if self._start_step == 0:
+            arithmetic = (f"skip_first + wait + warmup + active = {self.skip_first} + "
+                          f"{self.wait} + {self.warmup} + {self.active} = {needed}")  # fmt: skip
+        else:
+            arithmetic = f"{needed} more, resuming at step {self._start_step}"
+        rank_zero_warn(
+            f"ProfilerSchedule recorded nothing: training ran {ran} steps, and its first "
+            f"window needed {arithmetic} steps. Lower `skip_first` or `wait`, or train longer."
+        )
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
@@ -375,33 +481,65 @@ class ProfilerSchedule(L.Callback):
             kinds = ", ".join(report.kinds) or "nothing stands out"
             rank_zero_info(f"ProfilerSchedule: {kinds}; report in {self.report_files[0]}")
 
+    def _next_window_path(self) -> Path:
+        """A name no earlier window in the directory has: a second ``fit`` with the same
+        callback, or another run logging to the same directory, keeps the earlier traces."""
+        pattern = re.compile(rf"rank{self._rank}-window(\d+)\.pt\.trace\.json\.gz$")
+        taken = [int(m.group(1)) for p in self._directory.iterdir() if (m := pattern.match(p.name))]
+        index = max(taken, default=-1) + 1
+        return self._directory / f"rank{self._rank}-window{index}.pt.trace.json.gz"
+
     def _write_trace(self, profiler: Any) -> None:
-        path = self._directory / f"rank{self._rank}-window{self._windows}.pt.trace.json.gz"
+        # Runs inside torch's profiler.step() or stop(): a failure is recorded for the hook
+        # that called them (see _give_up), never acted on here.
+        if self._disabled or self._failure is not None:
+            return
         self._windows += 1
-        raw = path.with_suffix("")  # .pt.trace.json
+        try:
+            path = self._next_window_path()
+        except OSError as error:
+            self._failure = ("writing a trace", _why_not_written(self._directory, error))
+            return
+        raw = path.with_suffix("")  # .pt.trace.json; torch writes <raw>.tmp, then renames it
+        partial = (raw, raw.with_name(raw.name + ".tmp"), path)
         try:
             profiler.export_chrome_trace(str(raw))
+            if not raw.is_file():  # torch logged its own error and wrote nothing usable
+                raise _NotWrittenError
             with raw.open("rb") as source, gzip.open(path, "wb", compresslevel=6) as target:
                 shutil.copyfileobj(source, target)
+            size_mb = path.stat().st_size / 2**20
+        except Exception as error:  # a full disk must not stop training, nor stay full
+            cause = None if isinstance(error, _NotWrittenError) else error
+            why = _why_not_written(self._directory, cause)
+            for leftover in partial:
+                with contextlib.suppress(OSError):
+                    leftover.unlink(missing_ok=True)
+            self._failure = (f"writing the trace {path.name}", why)
+            return
+        try:
+            # The cap first: analysing a trace takes about 13 bytes of memory per byte.
+            if size_mb > self.max_trace_mb:
+                path.unlink()
+                if "cap" not in self._warned:
+                    self._warned.add("cap")
+                    rank_zero_warn(
+                        f"ProfilerSchedule: a trace of {size_mb:.1f} MB is over max_trace_mb="
+                        f"{self.max_trace_mb:g} and was neither kept nor analysed. Profile "
+                        f"fewer steps (active={self.active}), or drop with_stack / "
+                        f"record_shapes / profile_memory."
+                    )
+                return
+            self._written += 1
             self._analyse(raw, path)
-        except Exception as error:  # a full disk must not stop training
-            for leftover in (raw, path):
-                leftover.unlink(missing_ok=True)
-            self._give_up(f"writing the trace {path.name}", error)
-            return
         finally:
-            raw.unlink(missing_ok=True)
-        size_mb = path.stat().st_size / 2**20
-        if size_mb > self.max_trace_mb:
-            path.unlink()
-            if "cap" not in self._warned:
-                self._warned.add("cap")
-                rank_zero_warn(
-                    f"ProfilerSchedule: a trace of {size_mb:.1f} MB is over max_trace_mb="
-                    f"{self.max_trace_mb:g} and was not kept. Profile fewer steps (active="
-                    f"{self.active}), or drop with_stack / record_shapes / profile_memory."
-                )
-            return
+            with contextlib.suppress(OSError):
+                raw.unlink(missing_ok=True)
         self.traces.append(path)
         while len(self.traces) > self.num_traces_to_keep:
-            self.traces.pop(0).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                self.traces.pop(0).unlink(missing_ok=True)
+
+
+class _NotWrittenError(Exception):
+    """torch's profiler returned without writing the trace file."""

@@ -141,3 +141,152 @@ def test_the_report_descends_past_a_single_model_beside_metrics() -> None:
     # Two models with parameters: their shares are the report's rows.
     two = torch.nn.ModuleDict({"a": torch.nn.Linear(2, 2), "b": torch.nn.Linear(2, 2)})
     assert [name for name, _ in _top_level(two)] == ["a", "b"]
+
+
+# -- faults that once killed the process: run in a child, whose exit code is the verdict ------
+
+SHAPES = ["0w0r", "0w2r", "1w0r", "1w1r"]  # <wait>w<repeat>r; 0w0r: windows back to back
+
+
+def _tmpfs(path: Path) -> bool:
+    """Mount a 64 KiB filesystem at ``path`` (root only); False where that is not allowed."""
+    import shutil
+    import subprocess
+
+    path.mkdir()
+    mount = shutil.which("mount")
+    if mount is None:
+        return False
+    done = subprocess.run([mount, "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(path)],
+                          capture_output=True, check=False)  # fmt: skip
+    return done.returncode == 0
+
+
+def _run_faults(tmp_path: Path, specs: list[str]) -> dict[str, Any]:
+    import subprocess
+    import sys
+
+    from tests.helpers.multiprocess import SCRIPTS, clean_env
+
+    out = tmp_path / "faults.json"
+    done = subprocess.run(
+        [sys.executable, str(SCRIPTS / "profiler_faults.py"), str(out), *specs],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, (done.returncode, done.stderr[-3000:])
+    results: dict[str, Any] = json.loads(out.read_text())
+    return results
+
+
+@pytest.mark.slow
+def test_a_trace_directory_that_vanishes_never_stops_training(tmp_path: Path) -> None:
+    results = _run_faults(tmp_path, [f"vanish-{s}:{tmp_path / s}" for s in SHAPES])
+    for shape in SHAPES:
+        vanished = results[f"vanish-{shape}"]
+        assert vanished["steps"] == 10, shape
+        assert vanished["traces"] == [], shape
+        (warning,) = vanished["warnings"]
+        assert "no longer exists" in warning, warning
+        assert "training goes on" in warning, warning
+
+
+@pytest.mark.slow
+def test_a_full_filesystem_never_stops_training_nor_stays_full(tmp_path: Path) -> None:
+    import subprocess
+
+    full = {shape: tmp_path / shape for shape in SHAPES}
+    if not all(_tmpfs(path) for path in full.values()):
+        subprocess.run(["umount", *map(str, full.values())], capture_output=True, check=False)
+        pytest.skip(
+            "a 64 KiB tmpfs cannot be mounted here (needs root); a simulated full disk is "
+            "tested by test_a_full_disk_is_named_and_partial_files_removed"
+        )
+    try:
+        results = _run_faults(tmp_path, [f"full-{s}:{path}" for s, path in full.items()])
+    finally:
+        subprocess.run(["umount", *map(str, full.values())], check=False)
+    for shape in SHAPES:
+        filled = results[f"full-{shape}"]
+        assert filled["steps"] == 10, shape
+        (warning,) = filled["warnings"]
+        assert "no space left" in warning, warning
+        assert filled["left"] == [], filled["left"]  # torch's .tmp trace removed too
+
+
+@pytest.mark.slow
+def test_it_stands_down_beside_another_profiler(tmp_path: Path) -> None:
+    results = _run_faults(tmp_path, [f"lightning:{tmp_path / 'a'}", f"outer:{tmp_path / 'b'}"])
+    for case, who in (("lightning", "Trainer's `profiler=`"), ("outer", "torch.profiler session")):
+        result = results[case]
+        assert result["steps"] == 10
+        assert result["traces"] == []
+        (warning,) = result["warnings"]
+        assert "stands down" in warning, warning
+        assert who in warning, warning
+
+
+def test_a_full_disk_is_named_and_partial_files_removed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import lightning_speedkit.measure.profiler_schedule as module
+
+    def full_disk(path: Any, mode: str = "rb", **kwargs: Any) -> Any:
+        Path(path).write_bytes(b"partial")  # what a write cut short leaves
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(module.gzip, "open", full_disk)
+    callback = ProfilerSchedule(wait=0, warmup=0, active=1, repeat=0, dirpath=tmp_path)
+    with pytest.warns(UserWarning, match="no space left on the device") as record:
+        trainer = fit(callback, steps=6)
+    assert sum("ProfilerSchedule" in str(w.message) for w in record) == 1
+    assert trainer.global_step == 6
+    assert sorted(tmp_path.iterdir()) == []
+
+
+def test_torchs_default_schedule_records_steps_three_to_five(tmp_path: Path) -> None:
+    callback = ProfilerSchedule(wait=1, warmup=1, active=3, dirpath=tmp_path)
+    fit(callback, steps=8)
+    (path,) = callback.traces
+    steps = {e["name"] for e in events(path) if e.get("name", "").startswith("ProfilerStep#")}
+    assert steps == {"ProfilerStep#2", "ProfilerStep#3", "ProfilerStep#4"}  # 0-based
+
+
+def test_a_run_that_ends_before_its_window_says_so_with_the_arithmetic(tmp_path: Path) -> None:
+    callback = ProfilerSchedule(skip_first=10, wait=1, warmup=1, active=3, dirpath=tmp_path)
+    with pytest.warns(UserWarning, match="recorded nothing") as record:
+        fit(callback, steps=8)
+    (message,) = [str(w.message) for w in record if "recorded nothing" in str(w.message)]
+    assert "training ran 8 steps" in message
+    assert "skip_first + wait + warmup + active = 10 + 1 + 1 + 3 = 15" in message
+    assert callback.traces == []
+
+
+def test_a_second_fit_keeps_the_first_fits_traces(tmp_path: Path) -> None:
+    callback = ProfilerSchedule(wait=0, warmup=1, active=1, dirpath=tmp_path)
+    fit(callback, steps=3)
+    first = callback.traces[0].read_bytes()
+    fit(callback, steps=3)
+    names = sorted(p.name for p in tmp_path.glob("*.pt.trace.json.gz"))
+    assert names == ["rank0-window0.pt.trace.json.gz", "rank0-window1.pt.trace.json.gz"]
+    assert (tmp_path / names[0]).read_bytes() == first
+    assert [p.name for p in callback.traces] == [names[1]]
+
+
+def test_a_trace_over_the_cap_is_not_analysed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import lightning_speedkit.measure.profiler_schedule as module
+
+    analysed: list[Path] = []
+    monkeypatch.setattr(module, "analyze_trace", lambda raw, **kw: analysed.append(raw))
+    callback = ProfilerSchedule(wait=0, warmup=0, active=1, repeat=2, dirpath=tmp_path,
+                                max_trace_mb=1e-6)  # fmt: skip
+    with pytest.warns(UserWarning, match="neither kept nor analysed"):
+        fit(callback, steps=4)
+    assert analysed == []
