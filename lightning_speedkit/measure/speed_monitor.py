@@ -30,12 +30,13 @@ logged as 0.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import resource
 import statistics
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, Literal
@@ -79,14 +80,20 @@ _GIB = 2**30
 
 
 def _tensors(batch: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in the batch, in order, through what Lightning's ``apply_to_collection``
+    walks: mappings (``dict``, Hugging Face's ``BatchEncoding``, a ``UserDict``), lists and
+    tuples (named ones too), and dataclass instances."""
     if isinstance(batch, torch.Tensor):
         yield batch
-    elif isinstance(batch, dict):
+    elif isinstance(batch, Mapping):
         for value in batch.values():
             yield from _tensors(value)
     elif isinstance(batch, (list, tuple)):
         for value in batch:
             yield from _tensors(value)
+    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
+        for each in dataclasses.fields(batch):
+            yield from _tensors(getattr(batch, each.name, None))
 
 
 @dataclass(frozen=True)
@@ -281,7 +288,9 @@ class SpeedMonitor(L.Callback):
             tensor in the batch counts (e.g. ``input_ids``, padding included);
             with none, ``tokens_per_sec`` is not logged.
         samples_per_batch: ``batch -> samples``; by default the first dimension
-            of the first tensor in the batch.
+            of the first tensor in the batch, found through mappings (``dict``, Hugging
+            Face's ``BatchEncoding``), lists, tuples and dataclasses. A batch with no
+            tensor counts as one sample, and that is said once.
         peak_flops: dense peak FLOP/s of one device for MFU. ``"auto"`` (default)
             looks the device up in :data:`~lightning_speedkit.measure.peak.PEAK_TABLE`
             and, on CPU, times a matmul; ``"measure"`` always times a matmul; a
@@ -358,6 +367,7 @@ class SpeedMonitor(L.Callback):
 
     def _reset_fit_state(self) -> None:
         self._batches = 0
+        self._said_samples = False
         self._interval = dict.fromkeys(_FIELDS, 0.0)
         self._info: _BatchInfo | None = None
         self._session: _FlopSession | None = None
@@ -417,8 +427,19 @@ class SpeedMonitor(L.Callback):
         signature = tuple((tuple(t.shape), str(t.dtype)) for t in tensors)
         if self.samples_per_batch is not None:
             samples = int(_number(self.samples_per_batch(batch), "samples_per_batch"))
+        elif tensors and tensors[0].ndim:
+            samples = int(tensors[0].shape[0])
         else:
-            samples = int(tensors[0].shape[0]) if tensors and tensors[0].ndim else 1
+            samples = 1
+            if not self._said_samples:
+                self._said_samples = True
+                found = "holds no tensor" if not tensors else "starts with a 0-d tensor"
+                rank_zero_warn(
+                    f"SpeedMonitor cannot tell how many samples a batch of type "
+                    f"`{type(batch).__name__}` holds (it {found}), so it counts one per batch: "
+                    f"samples/s and FLOPs per sample are off by the batch size. Pass "
+                    f"`SpeedMonitor(samples_per_batch=lambda batch: ...)`."
+                )
         tokens: int | None
         if self.tokens_per_batch is not None:
             tokens = int(_number(self.tokens_per_batch(batch), "tokens_per_batch"))

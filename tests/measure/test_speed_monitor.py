@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import collections
+import dataclasses
 import warnings
 from pathlib import Path
 from typing import Any
@@ -260,3 +262,60 @@ def test_gpu_util_is_read_from_nvml_by_device_uuid(monkeypatch: pytest.MonkeyPat
     assert sm._gpu_util(torch.device("cuda", 1)) == pytest.approx(0.87)
     assert calls == ["GPU-1234-abcd"]
     assert sm._gpu_util(torch.device("cpu")) is None
+
+
+# -- batches of every container a user's collate returns --------------------------------------
+
+
+@dataclasses.dataclass
+class _DataclassBatch:
+    note: str
+    x: torch.Tensor
+
+
+def _batch_encoding(x: torch.Tensor) -> Any:
+    from transformers import BatchEncoding  # what Hugging Face's collators return
+
+    return BatchEncoding({"x": x})
+
+
+_CONTAINERS: dict[str, tuple[Any, Any]] = {
+    "BatchEncoding": (_batch_encoding, lambda b: b["x"]),
+    "UserDict": (lambda x: collections.UserDict(x=x), lambda b: b["x"]),
+    "dataclass": (lambda x: _DataclassBatch("meta", x), lambda b: b.x),
+    "namedtuple": (lambda x: _Pair(x.shape[0], x), lambda b: b.x),
+}
+_Pair = collections.namedtuple("_Pair", ["n", "x"])
+
+
+@pytest.mark.parametrize("container", sorted(_CONTAINERS))
+def test_samples_are_found_in_mappings_dataclasses_and_named_tuples(container: str) -> None:
+    wrap, unwrap = _CONTAINERS[container]
+
+    class Model(MLP):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            return super().training_step(unwrap(batch), batch_idx)
+
+    model, monitor = Model(dim=32, hidden=64), SpeedMonitor(peak_flops=1e12)
+    assert monitor._describe(wrap(torch.zeros(8, 32))).samples == 8
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, callbacks=[monitor],
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    data = torch.utils.data.DataLoader(SlowDataset(64, 32), batch_size=8,
+                                       collate_fn=lambda rows: wrap(torch.stack(rows)))  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)  # and no "cannot tell" warning
+        warnings.filterwarnings("ignore", message=".*(workers|log_every_n_steps|smaller).*")
+        trainer.fit(model, data)
+    # FLOPs per sample exact: the batch really counted 8 samples, not 1
+    assert monitor.summary["flops_per_sample"] == model.flops_per_sample()
+
+
+def test_a_batch_without_a_sample_count_is_said_once_naming_the_override() -> None:
+    monitor = SpeedMonitor()
+    with pytest.warns(UserWarning, match="samples_per_batch=") as record:
+        counts = [monitor._describe(b).samples for b in ({"ids": [1, 2, 3]}, torch.tensor(3.0))]
+    assert counts == [1, 1]
+    assert len(record) == 1
+    assert "`dict`" in str(record[0].message)
+    assert SpeedMonitor(samples_per_batch=lambda b: 3)._describe({"a": [1]}).samples == 3
