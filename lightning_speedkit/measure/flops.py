@@ -308,25 +308,37 @@ class _Counter(TorchDispatchMode):
         return out
 
 
+def _children(by_path: dict[str, int], node: str) -> dict[str, int]:
+    """FLOPs of ``node``'s direct children, by name.
+
+    A container (``nn.ModuleList``, ``nn.ModuleDict``) is never called, so it has no
+    entry of its own: its FLOPs are those of its shallowest called descendants (a
+    nanoGPT's ``transformer`` ModuleDict gathers ``wte``, ``h.0``..``h.11``, ``ln_f``).
+    """
+    prefix = node + "."
+    below = {p[len(prefix) :]: f for p, f in by_path.items() if p.startswith(prefix)}
+    children: dict[str, int] = defaultdict(int)
+    for path, flops in below.items():
+        parts = path.split(".")
+        if any(".".join(parts[:depth]) in below for depth in range(1, len(parts))):
+            continue  # counted in a called ancestor below the node
+        children[parts[0]] += flops
+    return dict(children)
+
+
 def _top_level(by_path: dict[str, int]) -> dict[str, int]:
     """Children of the first node that does not hand (nearly) all its FLOPs to one child."""
     roots = {p: f for p, f in by_path.items() if p != "Global" and "." not in p}
     if len(roots) != 1:
         return dict(sorted(roots.items(), key=lambda kv: -kv[1]))
-    (node,) = roots
+    ((node, total),) = roots.items()
     while True:
-        prefix = node + "."
-        children = {
-            p[len(prefix) :]: f
-            for p, f in by_path.items()
-            if p.startswith(prefix) and "." not in p[len(prefix) :]
-        }
-        if len(children) == 1 and math.isclose(
-            next(iter(children.values())), by_path[node], rel_tol=0.01
-        ):
-            node = prefix + next(iter(children))
+        children = _children(by_path, node)
+        if len(children) == 1 and math.isclose(next(iter(children.values())), total, rel_tol=0.01):
+            ((name, total),) = children.items()
+            node = f"{node}.{name}"
             continue
-        rest = by_path[node] - sum(children.values())
+        rest = total - sum(children.values())
         if rest > 0:
             children["(own operators)"] = rest
         return dict(sorted(children.items(), key=lambda kv: -kv[1]))

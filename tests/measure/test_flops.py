@@ -152,3 +152,62 @@ def test_xformers_kernels_are_priced_dense_and_variable_length() -> None:
     cu = torch.tensor([0, 20, 50], dtype=torch.int32)
     assert forward(packed, packed, packed, None, cu, cu, 30) == 4 * H * D * (20**2 + 30**2)
     assert backward(packed, packed, packed, packed, None, cu, cu) == 10 * H * D * (20**2 + 30**2)
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc(x)
+
+
+class _NanoGPTLike(torch.nn.Module):
+    """nanoGPT's layout: the blocks in a ModuleList inside a ModuleDict, neither ever called."""
+
+    def __init__(self, d: int = 16, vocab: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        self.transformer = torch.nn.ModuleDict(
+            {"wte": torch.nn.Embedding(vocab, d),
+             "h": torch.nn.ModuleList(_Block(d) for _ in range(layers)),
+             "ln_f": torch.nn.LayerNorm(d)}
+        )  # fmt: skip
+        self.lm_head = torch.nn.Linear(d, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.transformer["wte"](ids)
+        for block in self.transformer["h"]:
+            x = block(x)
+        return self.lm_head(self.transformer["ln_f"](x))
+
+
+def test_by_module_descends_into_containers_that_are_never_called() -> None:
+    d, vocab, layers, tokens = 16, 32, 3, 2 * 10
+    model = _NanoGPTLike(d, vocab, layers)
+    ids = torch.randint(0, vocab, (2, 10))
+    result = count_flops(lambda: model(ids).sum().backward())
+    assert "(own operators)" not in result.by_module  # was 90% of the model
+    assert set(result.by_module) == {"transformer", "lm_head"}
+    assert result.by_module["lm_head"] == 6 * d * vocab * tokens
+    blocks = sum(result.by_path[f"_NanoGPTLike.transformer.h.{i}"] for i in range(layers))
+    assert blocks == layers * 6 * d * d * tokens
+    assert result.by_module["transformer"] == result.model - result.by_module["lm_head"]
+    # a bare ModuleList of blocks beside a layer gives one row for all the blocks
+    stack = _Stack(d, layers)
+    x = torch.randn(tokens, d, requires_grad=True)
+    rows = count_flops(lambda: stack(x).sum().backward()).by_module
+    assert rows == {"blocks": layers * 6 * d * d * tokens, "stem": 6 * d * d * tokens}
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, d: int, layers: int) -> None:
+        super().__init__()
+        self.stem = torch.nn.Linear(d, d, bias=False)
+        self.blocks = torch.nn.ModuleList(_Block(d) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        for block in self.blocks:
+            x = block(x)
+        return x
