@@ -3,6 +3,7 @@
 from lightning_speedkit.distributed.activation_checkpointing import (
     ActivationCheckpointing,
     checkpoint_blocks,
+    checkpointed_blocks,
     saved_tensor_bytes,
     uncheckpoint_blocks,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "MemoryEstimate",
     "MemoryPlan",
     "checkpoint_blocks",
+    "checkpointed_blocks",
     "plan_memory",
     "saved_tensor_bytes",
     "uncheckpoint_blocks",

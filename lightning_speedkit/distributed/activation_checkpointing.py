@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import math
 from collections.abc import Callable, Sequence
 from functools import partial
@@ -13,13 +14,13 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_speedkit import _surgery
+from lightning_speedkit import _surgery, _validation
 from lightning_speedkit._blocks import block_instances, repeated_block_types
-from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = [
     "ActivationCheckpointing",
     "checkpoint_blocks",
+    "checkpointed_blocks",
     "saved_tensor_bytes",
     "uncheckpoint_blocks",
 ]
@@ -33,33 +34,90 @@ def _checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any, **
     return checkpoint(forward, *args, use_reentrant=False, **kwargs)
 
 
-def _check_fraction(fraction: float) -> None:
-    if isinstance(fraction, bool) or not 0 < fraction <= 1:
-        raise SpeedkitConfigError(f"`fraction` must be in (0, 1], got {fraction!r}.")
+def _check_fraction(fraction: Any) -> float:
+    return _validation.probability("fraction", fraction, low_open=True, example=0.5)
 
 
-def _resolve(model: nn.Module, blocks: BlockChoice) -> list[type[nn.Module]]:
+def _import_class(path: str) -> type[nn.Module]:
+    module_name, _, attribute = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        _validation.fail(
+            "blocks", path, "names a class that cannot be imported",
+            f"give an importable `module.Class` path or the class itself ({type(exc).__name__}: "
+            f"{exc})",
+        )  # fmt: skip
+    if not (isinstance(found, type) and issubclass(found, nn.Module)):
+        fix = "give the class of the model's blocks (e.g. a transformer layer)"
+        _validation.fail("blocks", path, "names something that is not an nn.Module class", fix)
+    return found
+
+
+_BLOCKS = 'must be "auto" or a list of module classes (or class names)'
+
+
+def _check_blocks(blocks: Any) -> list[type[nn.Module] | str] | None:
+    """What can be known of ``blocks`` without the model; None means ``"auto"``.
+
+    Classes and dotted ``module.Class`` paths are resolved now; plain class names are
+    looked up in the model when it is there (:func:`_resolve`).
+    """
     if isinstance(blocks, str):
-        if blocks != "auto":
-            raise SpeedkitConfigError(
-                f'`blocks` must be "auto" or a list of module classes (or class names), '
-                f"got {blocks!r}."
-            )
+        if blocks == "auto":
+            return None
+        fix = f"to name one class, pass a list: `blocks=[{blocks!r}]`"
+        _validation.fail("blocks", blocks, _BLOCKS, fix)
+    if isinstance(blocks, type) and issubclass(blocks, nn.Module):
+        _validation.fail("blocks", blocks, "must be a list of module classes",
+                         f"pass `blocks=[{blocks.__name__}]`")  # fmt: skip
+    if not isinstance(blocks, (list, tuple, set, frozenset)):
+        _validation.fail("blocks", blocks, _BLOCKS,
+                         "pass e.g. `blocks=[MyBlock]` or `blocks=['MyBlock']`")  # fmt: skip
+    if not blocks:
+        _validation.fail("blocks", blocks, "names no block (nothing would be checkpointed)",
+                         'pass `blocks="auto"` or at least one module class')  # fmt: skip
+    checked: list[type[nn.Module] | str] = []
+    for block in blocks:
+        if isinstance(block, type) and issubclass(block, nn.Module):
+            checked.append(block)
+        elif isinstance(block, str) and "." in block:
+            checked.append(_import_class(block))
+        elif isinstance(block, str) and block.isidentifier():
+            checked.append(block)
+        else:
+            _validation.fail("blocks", block, "holds an entry that is not a module class",
+                             "give module classes or names, e.g. `blocks=[MyBlock]` or "
+                             "`blocks=['MyBlock']`")  # fmt: skip
+    return checked
+
+
+def _resolve(model: nn.Module, blocks: list[type[nn.Module] | str] | None) -> list[type[nn.Module]]:
+    if blocks is None:
         return repeated_block_types(model)
-    by_name = {type(m).__name__: type(m) for m in model.modules()}
+    present = [type(m) for m in model.modules()]
     kinds: list[type[nn.Module]] = []
     for block in blocks:
         if isinstance(block, str):
-            if block not in by_name:
-                raise SpeedkitConfigError(
-                    f"`blocks` names {block!r}, which is not a module class of this model."
-                )
-            kinds.append(by_name[block])
-        elif isinstance(block, type) and issubclass(block, nn.Module):
-            kinds.append(block)
+            named = [kind for kind in dict.fromkeys(present) if kind.__name__ == block]
+            if not named:
+                _validation.fail("blocks", block, "is not a module class of this model",
+                                 _offer(model))  # fmt: skip
+            kinds += named
         else:
-            raise SpeedkitConfigError(f"`blocks` holds {block!r}: give module classes or names.")
+            kinds.append(block)
+    if not any(kind in kinds for kind in present):
+        _validation.fail("blocks", [kind.__name__ for kind in kinds],
+                         "holds no module class of this model", _offer(model))  # fmt: skip
     return kinds
+
+
+def _offer(model: nn.Module) -> str:
+    found = [kind.__name__ for kind in repeated_block_types(model)]
+    if found:
+        return f'its repeated blocks are {", ".join(found)}; name those, or pass "auto"'
+    names = [kind.__name__ for kind in dict.fromkeys(type(m) for m in model.modules())]
+    return f"it has no repeated blocks; its module classes are {', '.join(names[:12])}"
 
 
 def checkpoint_blocks(
@@ -78,9 +136,13 @@ def checkpoint_blocks(
     Args:
         model: the module, before DDP/FSDP/DeepSpeed wrap it.
         blocks: ``"auto"`` finds the repeated blocks (as ``fsdp_zero2``'s wrap policy
-            does: transformer layers, ViT blocks); or module classes or class names.
+            does: transformer layers, ViT blocks); or a list of module classes, class
+            names (``"Block"``, looked up in the model) or import paths
+            (``"my_package.model.Block"``, for YAML configs).
         fraction: the share of the blocks to checkpoint, spread evenly over the
             model (1.0: all). Lower it to trade back memory for speed.
+
+    Blocks already checkpointed are left as they are (and not counted again).
 
     Returns:
         The qualified names of the checkpointed modules.
@@ -99,8 +161,9 @@ def checkpoint_blocks(
         ['0', '2']
     """
     _surgery.refuse_wrapped(model, "checkpoint_blocks")
-    _check_fraction(fraction)
-    instances = block_instances(model, _resolve(model, blocks))
+    fraction = _check_fraction(fraction)
+    instances = block_instances(model, _resolve(model, _check_blocks(blocks)))
+    instances = [(name, m) for name, m in instances if not _is_checkpointed(m)]
     if not instances:
         return []
     count = max(1, math.floor(fraction * len(instances) + 0.5))
@@ -138,14 +201,21 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int
     return total
 
 
+def _is_checkpointed(module: nn.Module) -> bool:
+    forward = _surgery.replaced_forward(module)
+    return isinstance(forward, partial) and forward.func is _checkpointed
+
+
+def checkpointed_blocks(model: nn.Module) -> list[str]:
+    """The qualified names of the modules :func:`checkpoint_blocks` wrapped in ``model``."""
+    return [name for name, module in model.named_modules() if _is_checkpointed(module)]
+
+
 def uncheckpoint_blocks(model: nn.Module) -> list[str]:
     """Undo :func:`checkpoint_blocks`; returns the names restored."""
-    restored = []
-    for name, module in model.named_modules():
-        forward = _surgery.replaced_forward(module)
-        if isinstance(forward, partial) and forward.func is _checkpointed:
-            _surgery.restore_forward(module)
-            restored.append(name)
+    restored = checkpointed_blocks(model)
+    for name in restored:
+        _surgery.restore_forward(model.get_submodule(name))
     return restored
 
 
@@ -154,11 +224,14 @@ class ActivationCheckpointing(L.Callback):
 
     Before the strategy wraps the model, so it works the same under DDP, the ZeRO-2
     presets and DeepSpeed: each wrapped unit sees a block whose forward recomputes in
-    backward. The blocks checkpointed are printed (rank 0) and kept on a later
-    ``fit``.
+    backward. The blocks checkpointed are printed (rank 0). A later ``fit`` of the same
+    module keeps them; a ``fit`` of another module checkpoints that one's blocks.
 
     Args:
-        blocks: ``"auto"`` (the model's repeated blocks) or module classes or names.
+        blocks: ``"auto"`` (the model's repeated blocks) or a list of module classes,
+            class names or import paths (see :func:`checkpoint_blocks`). What can be
+            checked without the model is checked here; class names are looked up in
+            ``setup``.
         fraction: share of the blocks to checkpoint, spread evenly (default all).
         verbose: print what was checkpointed.
 
@@ -171,16 +244,22 @@ class ActivationCheckpointing(L.Callback):
     def __init__(
         self, blocks: BlockChoice = "auto", fraction: float = 1.0, *, verbose: bool = True
     ) -> None:
-        _check_fraction(fraction)
+        self._blocks = _check_blocks(blocks)
         self.blocks = blocks
-        self.fraction = fraction
-        self.verbose = verbose
+        self.fraction = _check_fraction(fraction)
+        self.verbose = _validation.boolean("verbose", verbose)
         self.checkpointed: list[str] = []
+        """The blocks checkpointed in the module of the latest ``fit``."""
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if self.checkpointed or stage != "fit":
+        if stage != "fit":
             return
-        self.checkpointed = checkpoint_blocks(pl_module, self.blocks, self.fraction)
+        already = checkpointed_blocks(pl_module)
+        if already:  # a later fit() of the same module: its blocks stay as they are
+            self.checkpointed = already
+            return
+        blocks = "auto" if self._blocks is None else self._blocks
+        self.checkpointed = checkpoint_blocks(pl_module, blocks, self.fraction)
         if not self.verbose:
             return
         if self.checkpointed:

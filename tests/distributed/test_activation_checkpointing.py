@@ -12,6 +12,7 @@ from torch import nn
 from lightning_speedkit import ActivationCheckpointing, SpeedkitConfigError
 from lightning_speedkit.distributed import (
     checkpoint_blocks,
+    checkpointed_blocks,
     saved_tensor_bytes,
     uncheckpoint_blocks,
 )
@@ -117,13 +118,75 @@ def test_eval_and_no_grad_run_the_blocks_as_they_are(monkeypatch: pytest.MonkeyP
         ({"fraction": 0}, "fraction"),
         ({"fraction": 1.5}, "fraction"),
         ({"blocks": "everything"}, '"auto"'),
-        ({"blocks": ["Nope"]}, "not a module class"),
+        ({"blocks": ["Nope"]}, r"not a module class of this model.*repeated blocks are Block"),
+        ({"blocks": [nn.Conv2d]}, r"no module class of this model.*repeated blocks are Block"),
         ({"blocks": [3]}, "module classes or names"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(SpeedkitConfigError, match=match):
         checkpoint_blocks(Net(), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("blocks", "match"),
+    [
+        ("nonexistent", r"pass a list: `blocks=\['nonexistent'\]`"),
+        ([], "names no block"),
+        (Block, r"`blocks=\[Block\]`"),
+        (["not a name"], "module classes or names"),
+        (["no_such_package_xyz.Block"], "cannot be imported"),
+        (["torch.nn.functional.relu"], "not an nn.Module class"),
+    ],
+)
+def test_what_needs_no_model_is_refused_at_construction(blocks: Any, match: str) -> None:
+    with pytest.raises(SpeedkitConfigError, match=match):
+        ActivationCheckpointing(blocks=blocks)
+
+
+def test_blocks_by_import_path() -> None:
+    path = f"{__name__}.Block"
+    assert checkpoint_blocks(Net(depth=2), blocks=[path]) == ["blocks.0", "blocks.1"]
+
+
+def test_checkpointing_twice_wraps_each_block_once() -> None:
+    model = Net(depth=2)
+    assert checkpoint_blocks(model) == ["blocks.0", "blocks.1"]
+    assert checkpoint_blocks(model) == []  # already done: not wrapped a second time
+    assert uncheckpoint_blocks(model) == ["blocks.0", "blocks.1"]
+    assert checkpointed_blocks(model) == []
+
+
+class _Task(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net(depth=2)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.net(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+def test_one_callback_serves_two_fits_of_two_models() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    callback = ActivationCheckpointing(verbose=False)
+    data = DataLoader(TensorDataset(torch.randn(4, 3, 64)), batch_size=2)
+    tasks = [_Task(), _Task()]
+    for task in tasks:
+        trainer = L.Trainer(
+            accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+        )  # fmt: skip
+        trainer.fit(task, data)
+        assert callback.checkpointed == ["net.blocks.0", "net.blocks.1"]
+    for task in tasks:  # the second model too, not only the first
+        assert checkpointed_blocks(task) == ["net.blocks.0", "net.blocks.1"]
+    trainer.fit(tasks[1], data)  # a later fit of the same model: kept, wrapped once
+    assert uncheckpoint_blocks(tasks[1]) == ["net.blocks.0", "net.blocks.1"]
+    assert checkpointed_blocks(tasks[1]) == []
 
 
 def test_callback_trains_the_example_vlm_like_the_plain_run(demo_corpus: Any) -> None:
