@@ -9,6 +9,7 @@ from typing import Literal
 
 import torch
 
+from lightning_speedkit import _validation
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["MemoryEstimate", "MemoryPlan", "count_parameters", "plan_memory"]
@@ -105,10 +106,8 @@ class MemoryPlan:
         With ``checkpointing=True`` the activations are those of full activation
         checkpointing (what :class:`ActivationCheckpointing` does).
         """
-        if name not in self.estimates:
-            raise SpeedkitConfigError(
-                f"`{name}` is not a planned strategy; choose one of {', '.join(self.names)}."
-            )
+        _validation.choice("name", name, self.names, why="is not a planned strategy")
+        _validation.boolean("checkpointing", checkpointing)
         estimate = self.estimates[name]
         if checkpointing and self.activations_checkpointed is not None:
             return replace(estimate, activations=self.activations_checkpointed)
@@ -121,7 +120,7 @@ class MemoryPlan:
         fragmentation, communication buffers and kernels' workspaces (0.9 is a common
         margin; lower it for long-sequence runs with irregular shapes).
         """
-        budget = device_memory * headroom
+        budget = _budget(device_memory, headroom)
         found = []
         for name in self.names:
             for checkpointing in (False, True) if self.activations else (False,):
@@ -154,6 +153,7 @@ class MemoryPlan:
         if device_memory is not None:
             head += ["fits"]
         fitting = set(self.fits(device_memory, headroom)) if device_memory is not None else set()
+        _validation.positive_number("headroom", headroom, example=0.9)
         rows = [head]
         for name in self.names:
             est = self.per_device(name)
@@ -186,10 +186,10 @@ def _gib(value: int) -> str:
     return f"{value / _GIB:,.2f}"
 
 
-def _positive(value: float, argument: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 1:
-        raise SpeedkitConfigError(f"`{argument}` must be a number >= 1, got {value!r}.")
-    return int(value)
+def _budget(device_memory: float, headroom: float) -> float:
+    memory = _validation.positive_number("device_memory", device_memory, example=80 * _GIB,
+                                         hint="bytes, e.g. 80 * 2**30 for 80 GiB")  # fmt: skip
+    return memory * _validation.positive_number("headroom", headroom, example=0.9)
 
 
 def activation_bytes(
@@ -303,22 +303,16 @@ def plan_memory(
         >>> round(plan.per_device("zero2").model_states / 2**30, 1)  # 2 + 14 / 8
         24.4
     """
-    total = _positive(n_params, "n_params")
-    devices = _positive(n_devices, "n_devices")
-    trainable = total if trainable_params is None else int(trainable_params)
-    if isinstance(trainable_params, bool) or not 0 <= trainable <= total:
-        raise SpeedkitConfigError(
-            f"`trainable_params` must be between 0 and n_params ({total:,}), got "
-            f"{trainable_params!r}."
-        )
-    if optimizer not in _STATES:
-        raise SpeedkitConfigError(
-            f"`optimizer` must be one of {', '.join(_STATES)}, got {optimizer!r}."
-        )
-    if precision not in _PRECISIONS:
-        raise SpeedkitConfigError(
-            f"`precision` must be one of {', '.join(_PRECISIONS)}, got {precision!r}."
-        )
+    total = int(_validation.number("n_params", n_params, low=1, example=7e9))
+    devices = _validation.positive_int("n_devices", n_devices, example=8)
+    trainable = total
+    if trainable_params is not None:
+        trainable = int(_validation.number(
+            "trainable_params", trainable_params, low=0, high=total, example=total,
+            hint=f"all parameters that train, at most `n_params` ({total:,})",
+        ))  # fmt: skip
+    _validation.choice("optimizer", optimizer, tuple(_STATES))
+    _validation.choice("precision", precision, _PRECISIONS)
     shape = {"batch_size": batch_size, "seq_len": seq_len, "hidden_size": hidden_size,
              "n_layers": n_layers}  # fmt: skip
     given = {k: v for k, v in shape.items() if v is not None}
@@ -328,12 +322,10 @@ def plan_memory(
             f"Activations need all of the model's shape; also give {missing}."
         )
     for name, value in given.items():
-        _positive(value, name)
-    if device not in _DEVICES:
-        raise SpeedkitConfigError(
-            f"`device` must be one of {', '.join(_DEVICES)} (where the optimizer steps), "
-            f"got {device!r}."
-        )
+        _validation.positive_int(name, value)
+    _validation.optional(_validation.positive_int, "n_heads", n_heads)
+    _validation.boolean("fused_attention", fused_attention)
+    _validation.choice("device", device, _DEVICES, hint="where the optimizer steps")
     states = _STATES[optimizer]
     mixed = precision == "mixed"
     weight = 2 if mixed else 4  # bytes of the weights (and gradients) compute uses
