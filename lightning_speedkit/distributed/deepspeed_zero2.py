@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_speedkit import _imports
+from lightning_speedkit import _imports, _validation
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["DeepSpeedZeRO2Strategy", "zero2_bucket_size"]
@@ -76,13 +76,17 @@ class DeepSpeedZeRO2Strategy(DeepSpeedStrategy):
     def __init__(
         self, offload_optimizer: bool = False, bucket_size: int | None = None, **kwargs: Any
     ) -> None:
+        offload_optimizer = _validation.boolean("offload_optimizer", offload_optimizer)
+        bucket_size = _validation.optional(
+            _validation.positive_int, "bucket_size", bucket_size, example=50_000_000
+        )
+        accepted = _validation.accepted_keywords(DeepSpeedStrategy.__init__)
+        _validation.check_keywords("DeepSpeedZeRO2Strategy", kwargs, accepted)
         if not _imports.DEEPSPEED_AVAILABLE:
             raise SpeedkitConfigError(
                 "The `deepspeed_zero2` strategies need DeepSpeed: "
                 "pip install 'lightning_speedkit[deepspeed]'"
             )
-        if bucket_size is not None and (isinstance(bucket_size, bool) or bucket_size < 1):
-            raise SpeedkitConfigError(f"`bucket_size` must be a positive int, got {bucket_size!r}.")
         for fixed in ("stage", "zero_optimization"):
             if fixed in kwargs:
                 raise SpeedkitConfigError(

@@ -13,11 +13,13 @@ from torch.distributed.fsdp import (
     FullStateDictConfig,
     FullyShardedDataParallel,
     OptimStateKeyType,
+    ShardingStrategy,
     StateDictType,
 )
 from torch.distributed.fsdp.api import FullOptimStateDictConfig
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+from lightning_speedkit import _validation
 from lightning_speedkit._blocks import repeated_block_types
 
 __all__ = ["FSDPZeRO2Strategy"]
@@ -60,6 +62,20 @@ class FSDPZeRO2Strategy(FSDPStrategy):
         sharding_strategy: Any = "SHARD_GRAD_OP",
         **kwargs: Any,
     ) -> None:
+        if isinstance(auto_wrap_policy, str) and auto_wrap_policy != "auto":
+            why = 'must be "auto" or a wrap policy (a set of module classes, a callable)'
+            fix = 'pass `auto_wrap_policy="auto"` or e.g. `{MyBlock}`'
+            _validation.fail("auto_wrap_policy", auto_wrap_policy, why, fix)
+        if isinstance(sharding_strategy, str):
+            names = [s.name for s in ShardingStrategy]
+            if sharding_strategy.upper() not in names:
+                _validation.choice("sharding_strategy", sharding_strategy, names)
+        accepted = _validation.accepted_keywords(
+            FSDPStrategy.__init__,
+            FullyShardedDataParallel.__init__,
+            exclude=("module", "device_id"),  # Lightning passes these itself
+        )
+        _validation.check_keywords("FSDPZeRO2Strategy", kwargs, accepted)
         self._find_blocks = isinstance(auto_wrap_policy, str) and auto_wrap_policy == "auto"
         super().__init__(
             auto_wrap_policy=None if self._find_blocks else auto_wrap_policy,

@@ -63,7 +63,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     powerSGD_hook,
 )
 
-from lightning_speedkit import _compat
+from lightning_speedkit import _compat, _validation
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["DDPPowerSGDStrategy"]
@@ -335,6 +335,20 @@ class _PowerSGDCheckpoint(L.Callback):
 # --- the strategy --------------------------------------------------------------------------
 
 
+def check_ddp_kwargs(owner: str, ddp_kwargs: dict[str, Any]) -> None:
+    """Refuse at construction a keyword that neither DDPStrategy nor torch's DDP takes.
+
+    Lightning's ``DDPStrategy`` keeps unknown keywords for ``DistributedDataParallel``,
+    which would refuse them only when ``fit`` wraps the model.
+    """
+    accepted = _validation.accepted_keywords(
+        DDPStrategy.__init__,
+        torch.nn.parallel.DistributedDataParallel.__init__,
+        exclude=("module", "device_ids"),  # Lightning passes these itself
+    )
+    _validation.check_keywords(owner, ddp_kwargs, accepted)
+
+
 class DDPPowerSGDStrategy(DDPStrategy):
     """DDP with PowerSGD gradient compression, on every device and launcher, resumable.
 
@@ -371,25 +385,20 @@ class DDPPowerSGDStrategy(DDPStrategy):
         seed: int = 0,
         **ddp_kwargs: Any,
     ) -> None:
-        if not isinstance(rank, int) or rank < 1:
-            raise SpeedkitConfigError(
-                f"`rank` must be an integer >= 1, got {rank!r}; start with 1."
-            )
-        if not isinstance(start_iter, int) or start_iter < 0:
-            raise SpeedkitConfigError(f"`start_iter` must be an integer >= 0, got {start_iter!r}.")
+        rank = _validation.positive_int("rank", rank, hint="start with 1")
+        start_iter = _validation.non_negative_int("start_iter", start_iter, example=100)
+        min_compression_rate = _validation.number(
+            "min_compression_rate", min_compression_rate, low=1, example=2
+        )
+        error_feedback = _validation.boolean("error_feedback", error_feedback)
+        warm_start = _validation.boolean("warm_start", warm_start)
+        _validation.choice("compress_dtype", compress_dtype, (None, "fp16", "bf16"))
+        seed = _validation.integer("seed", seed, at_least=0, at_most=2**32 - 1)
         if start_iter <= 1 and (error_feedback or warm_start):
             raise SpeedkitConfigError(
                 f"`start_iter`={start_iter} is too early: with error feedback or warm start, "
                 f"PowerSGD can only begin after DDP's first two iterations (it re-lays its "
                 f"gradient buckets after the first). Use `start_iter=2` or more."
-            )
-        if min_compression_rate < 1:
-            raise SpeedkitConfigError(
-                f"`min_compression_rate` must be >= 1, got {min_compression_rate!r}."
-            )
-        if compress_dtype not in (None, "fp16", "bf16"):
-            raise SpeedkitConfigError(
-                f"`compress_dtype` must be None, 'fp16' or 'bf16', got {compress_dtype!r}."
             )
         for key in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
             if key in ddp_kwargs:
@@ -397,6 +406,7 @@ class DDPPowerSGDStrategy(DDPStrategy):
                     f"`{key}` cannot be combined with DDPPowerSGDStrategy, which registers its "
                     f"own hook; use `DDPStrategy({key}=...)` for a hook of your own."
                 )
+        check_ddp_kwargs("DDPPowerSGDStrategy", ddp_kwargs)
         super().__init__(**ddp_kwargs)
         self.rank = rank
         self.start_iter = start_iter
@@ -474,10 +484,8 @@ class DDPHalfPrecisionStrategy(DDPStrategy):
     """
 
     def __init__(self, compress_dtype: Literal["fp16", "bf16"] = "fp16", **ddp_kwargs: Any) -> None:
-        if compress_dtype not in ("fp16", "bf16"):
-            raise SpeedkitConfigError(
-                f"`compress_dtype` must be 'fp16' or 'bf16', got {compress_dtype!r}."
-            )
+        _validation.choice("compress_dtype", compress_dtype, ("fp16", "bf16"))
+        check_ddp_kwargs("DDPHalfPrecisionStrategy", ddp_kwargs)
         super().__init__(**ddp_kwargs)
         self.compress_dtype: Literal["fp16", "bf16"] = compress_dtype
         self.hook_calls = 0
