@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import resource
 import statistics
 import time
 from collections import deque
@@ -50,6 +49,7 @@ from lightning_speedkit import _compat
 from lightning_speedkit._imports import NVML_AVAILABLE
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure import peak as _peak
+from lightning_speedkit.measure._host_memory import host_memory_bytes
 from lightning_speedkit.measure.flops import _Counter
 
 __all__ = ["SUMMARY_KEYS", "SpeedMonitor"]
@@ -615,14 +615,10 @@ def _compute_dtype(precision: str) -> torch.dtype:
 def _memory_peak_gib(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / _GIB  # allocator counter: no sync
-    # CPU: the resident set now (sampled at each log; the run keeps the largest). The
-    # process-wide peak (ru_maxrss) would carry over from earlier fits in this process.
-    try:
-        with open("/proc/self/statm") as statm:
-            resident_pages = int(statm.read().split()[1])
-        return resident_pages * resource.getpagesize() / _GIB
-    except (OSError, ValueError, IndexError):  # not Linux
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / _GIB
+    # CPU: the host memory now (sampled at each log; the run keeps the largest), read as
+    # each platform allows. 0 where it tells nothing: the figure is then left out.
+    held = host_memory_bytes()
+    return held / _GIB if held is not None else 0.0
 
 
 def _gpu_util(device: torch.device) -> float | None:
