@@ -5,6 +5,11 @@ Importing the package registers its strategy names with Lightning
 (``Trainer(strategy="ddp_powersgd")``).
 """
 
+from functools import partial
+from types import SimpleNamespace
+
+# First: a torch or Lightning older than the floor is refused, with the upgrade to make.
+from lightning_speedkit import _versions  # noqa: F401
 from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.attention import AttentionSwap, register_adapter, swap_attention
 from lightning_speedkit.data import NumWorkersTuner, SpeedDataModuleMixin, tune_num_workers
@@ -51,15 +56,23 @@ __all__ = [
 
 
 def _register_strategies() -> None:
+    """Put the kit's strategy names in Lightning's ``StrategyRegistry``; again is harmless.
+
+    Lightning's ``register`` raises on a name already present unless told
+    ``override=True``, so a second import of this package (``importlib.reload``, a
+    notebook re-running its cells) would fail. Each name is registered with
+    ``override=True``: the entry is replaced by the same one, never duplicated.
+    """
     from lightning.pytorch.strategies import StrategyRegistry
 
+    registry = SimpleNamespace(register=partial(StrategyRegistry.register, override=True))
     for strategy in (
         DDPPowerSGDStrategy,
         DDPHalfPrecisionStrategy,
         DeepSpeedZeRO2Strategy,
         FSDPZeRO2Strategy,
     ):
-        strategy.register_strategies(StrategyRegistry)
+        strategy.register_strategies(registry)
 
 
 _register_strategies()
