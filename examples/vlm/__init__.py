@@ -1,6 +1,7 @@
 """The example VLM that lightning_speedkit's features are measured on.
 
-Plain PyTorch and Lightning only: no lightning_speedkit code inside. In the
+Plain PyTorch and Lightning only: no lightning_speedkit code inside (the command-line
+script ``cli.py`` imports it, for its strategy names alone). In the
 repository it lives in ``examples/vlm``; installed, it is ``speedkit_examples.vlm``.
 """
 

@@ -87,8 +87,9 @@ class DeepSpeedZeRO2Strategy(DeepSpeedStrategy):
                 "The `deepspeed_zero2` strategies need DeepSpeed: "
                 "pip install 'lightning_speedkit[deepspeed]'"
             )
-        for fixed in ("stage", "zero_optimization"):
-            if fixed in kwargs:
+        # LightningCLI passes DeepSpeedStrategy's defaults (stage=2, zero_optimization=True).
+        for fixed, preset in (("stage", 2), ("zero_optimization", True)):
+            if kwargs.pop(fixed, preset) != preset:
                 raise SpeedkitConfigError(
                     f"`{fixed}` is fixed by the ZeRO-2 preset; use Lightning's "
                     f"`DeepSpeedStrategy({fixed}=...)` for another stage."

@@ -401,7 +401,7 @@ class DDPPowerSGDStrategy(DDPStrategy):
                 f"gradient buckets after the first). Use `start_iter=2` or more."
             )
         for key in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
-            if key in ddp_kwargs:
+            if ddp_kwargs.get(key) is not None:  # LightningCLI passes DDPStrategy's None
                 raise SpeedkitConfigError(
                     f"`{key}` cannot be combined with DDPPowerSGDStrategy, which registers its "
                     f"own hook; use `DDPStrategy({key}=...)` for a hook of your own."
