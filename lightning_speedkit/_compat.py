@@ -30,6 +30,20 @@ def replace_train_loader(trainer: L.Trainer, loader: Any) -> None:
     source.name = "train_dataloader"
 
 
+def reload_train_loader_next_epoch(trainer: L.Trainer) -> None:
+    """Make the fit loop request its train loader again when the next epoch starts.
+
+    Call it at an epoch's end (``on_train_epoch_end``): the epoch's loader iterator is
+    shut down (its workers with it) and the loop, finding no loader, asks its source
+    again, as ``reload_dataloaders_every_n_epochs`` would have it do.
+    """
+    loop = trainer.fit_loop
+    if loop._data_fetcher is not None:
+        loop._data_fetcher.teardown()
+        loop._data_fetcher = None
+    loop._combined_loader = None
+
+
 def datamodule(trainer: L.Trainer) -> Any:
     """The Trainer's DataModule or None (a property Lightning's stubs do not declare)."""
     return getattr(trainer, "datamodule", None)

@@ -18,6 +18,7 @@ from lightning_speedkit.data.tuner import (
     check_tune_arguments,
     cpu_budget,
     rebuild_dataloader,
+    spare_cores,
     tune_num_workers,
 )
 from lightning_speedkit.errors import SpeedkitConfigError
@@ -40,6 +41,13 @@ class NumWorkersTuner(L.Callback):
     is the bottleneck, and logs ``data/loader_batches_per_sec``,
     ``data/model_batches_per_sec`` and ``data/num_workers``.
 
+    Training on CPU, the search at ``fit`` start leaves torch's threads their
+    cores. When the verdict is that data loading holds the model back so far that
+    the compute leaves cores idle (:func:`~lightning_speedkit.data.tuner.spare_cores`),
+    it measures the loader again with workers on those cores, pausing training for
+    the search, and the train loader uses the best from the next epoch on (not when
+    ``max_workers`` is given: that is the most it tries).
+
     Args:
         max_workers: most workers tried; default: the cores the training process
             leaves free (below).
@@ -58,7 +66,8 @@ class NumWorkersTuner(L.Callback):
         compute_threads: training on CPU, give torch this many threads for the
             model and the rest of the rank's cores to loader workers (restored when
             fit ends). By default torch keeps its threads and workers get only the
-            cores left over; on accelerators one core per rank is kept for
+            cores left over (until the verdict finds the compute leaving cores
+            idle, above); on accelerators one core per rank is kept for
             driving the device. Whether the split pays depends on the model: on a
             shared 2-core machine, one thread plus one worker ran the example VLM
             between 0.8x and 1.15x as fast as two threads and no worker, so it is
@@ -111,6 +120,9 @@ class NumWorkersTuner(L.Callback):
         self._step_times: list[float] = []
         self._t = 0.0
         self._batches = 0
+        self._loader: DataLoader[Any] | None = None  # the train loader as tuned at setup
+        self._searched = 0  # the most workers the search at setup tried
+        self._reload = False  # a loader chosen after the verdict waits for the next epoch
 
     # -- tuning, before Lightning builds the loader --------------------------------------------
 
@@ -118,6 +130,7 @@ class NumWorkersTuner(L.Callback):
         if stage != "fit":
             return
         self._step_times, self._batches, self.bottleneck = [], 0, None
+        self._loader, self._reload = None, False
         source = _compat.train_loader_source(trainer)
         loader = source.dataloader()
         if not isinstance(loader, DataLoader):
@@ -131,13 +144,9 @@ class NumWorkersTuner(L.Callback):
             kwargs["max_workers"] = self._worker_budget(trainer)
         # On a resume the cache answers at once (same dataset, machine and torch).
         self.result = tune_num_workers(loader, local_world_size=trainer.num_devices, **kwargs)
+        self._loader, self._searched = loader, kwargs["max_workers"]
         best = trainer.strategy.broadcast(self.result.best, src=0)
-        datamodule = _compat.datamodule(trainer)
-        if isinstance(datamodule, SpeedDataModuleMixin):
-            datamodule.speed_loader_kwargs = dict(best)
-        else:
-            _compat.replace_train_loader(trainer, rebuild_dataloader(loader, **best))
-        self._best = dict(best)
+        self._use(trainer, loader, best)
         r = self.result
         gain = ""
         if r.given_batches_per_sec:
@@ -147,6 +156,15 @@ class NumWorkersTuner(L.Callback):
             f"NumWorkersTuner: {_describe(best)}: {r.best_batches_per_sec:.1f} batches/s"
             f"{gain} ({how})."
         )
+
+    def _use(self, trainer: L.Trainer, loader: DataLoader[Any], best: dict[str, Any]) -> None:
+        """Make ``best`` the settings the fit loop's next train loader is built with."""
+        datamodule = _compat.datamodule(trainer)
+        if isinstance(datamodule, SpeedDataModuleMixin):
+            datamodule.speed_loader_kwargs = dict(best)
+        else:
+            _compat.replace_train_loader(trainer, rebuild_dataloader(loader, **best))
+        self._best = dict(best)
 
     def _worker_budget(self, trainer: L.Trainer) -> int:
         """Cores this rank can give to loader workers without starving the training process."""
@@ -171,7 +189,8 @@ class NumWorkersTuner(L.Callback):
             rank_zero_info(
                 f"NumWorkersTuner: training on CPU, torch's {torch.get_num_threads()} threads use "
                 f"all {cores} of this rank's cores, so no loader worker would get a core of its "
-                f"own; pass `compute_threads` (fewer than {cores}) to leave some to workers."
+                f"own, unless the verdict finds the model leaving cores idle; pass "
+                f"`compute_threads` (fewer than {cores}) to leave some to workers from the start."
             )
         return budget
 
@@ -192,14 +211,14 @@ class NumWorkersTuner(L.Callback):
     # -- the verdict: loader rate against the model's consumption rate -------------------------
 
     def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
-        self._t = time.perf_counter()
+        self._t = _clock()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self.verdict_steps == 0 or self.bottleneck is not None or self.result is None:
             return
         self._batches += 1
         if self._batches > 3:  # host time of the step; on CUDA, the pace the host keeps
-            self._step_times.append(time.perf_counter() - self._t)
+            self._step_times.append(_clock() - self._t)
         if len(self._step_times) >= self.verdict_steps:
             model_rate = 1.0 / statistics.median(self._step_times)
             loader_rate = self.result.best_batches_per_sec
@@ -209,16 +228,87 @@ class NumWorkersTuner(L.Callback):
                 "loader_batches_per_sec": loader_rate,
                 "model_batches_per_sec": model_rate,
             }
+            margin = f" ({model_rate / loader_rate:.1f}x)" if bound and loader_rate > 0 else ""
             rank_zero_info(
                 "NumWorkersTuner: data loading "
                 + ("IS the bottleneck" if bound else "is not the bottleneck")
                 + f": the loader delivers {loader_rate:.1f} batches/s, the model consumes "
-                f"{model_rate:.1f}." + (_ADVICE if bound else "")
+                f"{model_rate:.1f}{margin}." + (_ADVICE if bound else "")
             )
             for logger in trainer.loggers:
                 logger.log_metrics(
                     {"data/model_batches_per_sec": model_rate}, step=trainer.global_step
                 )
+            best = self._spare_cores_search(trainer, model_rate) if bound else None
+            if trainer.world_size > 1:
+                # One collective, once per fit, on every rank at the same batch: rank 0's
+                # choice (or None) for all, as at setup.
+                best = trainer.strategy.broadcast(best, src=0)
+            if best is not None and self._loader is not None:
+                self._use(trainer, self._loader, best)
+                self._reload = True
+                for logger in trainer.loggers:
+                    logger.log_metrics(
+                        {"data/num_workers": float(best["num_workers"])}, step=trainer.global_step
+                    )
+
+    def _spare_cores_search(self, trainer: L.Trainer, model_rate: float) -> dict[str, Any] | None:
+        """Measure workers on the cores the compute leaves idle; the new best, or None.
+
+        Training on CPU, the search at setup left torch's threads their cores. Data
+        loading far behind the model means the compute needs fewer: measure what giving
+        the rest to workers is worth (rank 0 measures; training waits for it).
+        """
+        if (
+            trainer.global_rank != 0
+            or self._loader is None
+            or self.result is None
+            or self.tune_kwargs["max_workers"] is not None  # the user's ceiling
+            or trainer.strategy.root_device.type != "cpu"
+        ):
+            return None
+        cores = cpu_budget(trainer.num_devices)
+        threads = torch.get_num_threads()
+        per_process = self.result.best_batches_per_sec / max(1, self._best.get("num_workers", 0))
+        spare = spare_cores(cores, threads, model_rate, per_process)
+        if spare <= self._searched:
+            return None
+        rank_zero_info(
+            f"NumWorkersTuner: at the loader's pace the model needs about "
+            f"{threads * min(1.0, cores * per_process / model_rate):.1f} of this rank's {cores} "
+            f"cores, not the {min(threads, cores)} its threads were left; measuring loader "
+            f"workers on {spare} cores (training waits)."
+        )
+        kwargs = {**self.tune_kwargs, "max_workers": spare}
+        result = tune_num_workers(self._loader, local_world_size=trainer.num_devices, **kwargs)
+        if result.best == self._best or result.best_batches_per_sec <= 0:
+            rank_zero_info(
+                f"NumWorkersTuner: no setting beat {_describe(self._best)}; the loader stays."
+            )
+            return None
+        gain = f"{result.best_batches_per_sec / self.result.best_batches_per_sec:.2f}x"
+        rank_zero_info(
+            f"NumWorkersTuner: {_describe(result.best)}: {result.best_batches_per_sec:.1f} "
+            f"batches/s, {gain} the loader in use; the train loader switches to it at the "
+            f"next epoch."
+        )
+        self.result = result
+        return dict(result.best)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self._reload:
+            return
+        self._reload = False
+        max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
+        last = (max_epochs is not None and max_epochs >= 0
+                and trainer.current_epoch + 1 >= max_epochs) or (
+                max_steps >= 0 and trainer.global_step >= max_steps)  # fmt: skip
+        if not last:  # the next fit tunes at setup anyway
+            _compat.reload_train_loader_next_epoch(trainer)
+
+
+#: The clock the verdict times training steps with (a test can set its own).
+_clock = time.perf_counter
 
 
 _ADVICE = " Consider more CPU for decoding, lighter transforms, or pre-decoded data."

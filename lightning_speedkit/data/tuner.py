@@ -14,7 +14,14 @@ Measured alone, one worker is no faster than loading in the training process
 trains, so a step costs the longer of the two rather than their sum. So any
 worker count beats ``num_workers=0`` unless its hand-off (pickling batches
 between processes) makes it deliver less than half the in-process rate; among
-worker counts, more must be ``min_gain`` faster to win.
+worker counts, more must be ``min_gain`` faster to win. That gain is real only
+when the model's step takes time of its own, which the loader alone cannot
+show: so whatever the search prefers, a setting measured slower than the loader
+as given by more than the noise band (``min_gain``) is never chosen, and the
+loader as given is kept instead.
+
+Only a measured result is cached: when a candidate failed, the next run measures
+again (the dataset may have been fixed in between).
 
 A candidate whose workers crash, hang (past ``timeout``) or cannot receive the
 dataset (pickling, under spawn) is skipped with a warning saying why. The
@@ -30,30 +37,33 @@ import contextlib
 import hashlib
 import json
 import logging
+import math
 import os
 import platform
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
 from lightning_speedkit.errors import SpeedkitConfigError
 
-__all__ = ["TuneResult", "cpu_budget", "rebuild_dataloader", "tune_num_workers"]
+__all__ = ["TuneResult", "cpu_budget", "rebuild_dataloader", "spare_cores", "tune_num_workers"]
 
 log = logging.getLogger(__name__)
 
 #: Settings the tuner owns; everything else of a loader is kept as it is.
 TUNED_KEYS = ("num_workers", "pin_memory", "persistent_workers", "prefetch_factor")
-_CACHE_VERSION = 2
+# 3: results chosen against the loader as given, and only measured ones cached (entries
+# of version 2 may hold a num_workers=0 that every candidate failing had forced).
+_CACHE_VERSION = 3
 
 
 @dataclass
@@ -93,6 +103,44 @@ def cpu_budget(local_world_size: int = 1) -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return max(1, cores // max(1, local_world_size))
+
+
+def spare_cores(
+    cores: int,
+    compute_threads: int,
+    model_batches_per_sec: float,
+    process_batches_per_sec: float,
+) -> int:
+    """Cores the training compute leaves idle when data loading holds it back, for workers.
+
+    Run back to back, the compute consumes ``model_batches_per_sec`` on
+    ``compute_threads`` cores. Fed at a pace R it computes a share R / model rate of
+    the time, so it needs ``compute_threads * R / model_batches_per_sec`` cores. R is
+    at most what the model consumes and at most what ``cores`` loading processes
+    deliver at ``process_batches_per_sec`` each (one process's rate: the loader's rate
+    over its workers, or its rate with none). The other cores, to the nearest whole
+    core, are the ones the compute does not need.
+
+    Args:
+        cores: this rank's cores (:func:`cpu_budget`).
+        compute_threads: torch's threads for the model (``torch.get_num_threads()``).
+        model_batches_per_sec: the rate the model consumes batches at when it never
+            waits for data.
+        process_batches_per_sec: the rate one loading process delivers batches at.
+
+    Example::
+
+        >>> spare_cores(2, 2, model_batches_per_sec=731.0, process_batches_per_sec=10.3)
+        2
+        >>> spare_cores(2, 2, model_batches_per_sec=34.0, process_batches_per_sec=94.0)
+        0
+    """
+    if model_batches_per_sec <= 0 or process_batches_per_sec <= 0:
+        return 0
+    threads = min(max(1, compute_threads), cores)
+    pace = min(model_batches_per_sec, cores * process_batches_per_sec)
+    needed = threads * pace / model_batches_per_sec
+    return max(0, cores - math.floor(needed + 0.5))
 
 
 def _settings(loader: DataLoader[Any]) -> dict[str, Any]:
@@ -292,9 +340,12 @@ def _read_cache(path: Path) -> TuneResult | None:
     try:
         data = json.loads(path.read_text())
         data.update(cached=True, seconds=0.0)
-        return TuneResult(**data)
+        result = TuneResult(**data)
     except (OSError, ValueError, TypeError):  # missing or unreadable: measure again
         return None
+    if any(row.get("skipped") for row in result.table):  # reached by failures: measure again
+        return None
+    return result
 
 
 def _write_cache(path: Path, result: TuneResult) -> None:
@@ -362,8 +413,14 @@ def tune_num_workers(
     cache_dir: str | os.PathLike[str] | None = None,
     force: bool = False,
     progress: bool = True,
+    measure: Callable[[DataLoader[Any]], float] | None = None,
 ) -> TuneResult:
     """Measure worker settings for ``dataloader`` and return the best, with the rebuilt loader.
+
+    The choice is never a setting measured slower than ``dataloader`` as given by
+    more than ``min_gain`` (the noise band): then the loader as given is kept. A
+    result is cached only when every candidate was measured; one reached because
+    candidates failed (crash, hang, pickling) is measured again next time.
 
     Args:
         dataloader: the loader to tune; it is not modified.
@@ -375,13 +432,22 @@ def tune_num_workers(
         min_seconds: time each candidate for at least this long, however many
             batches that takes: a longer window evens out a busy machine.
         min_gain: more workers must be this much faster (0.05 = 5%) to count as
-            better; the search stops at the first count that is not.
+            better; the search stops at the first count that is not. Also the
+            noise band: a setting this much slower than the loader as given
+            loses to it. Raise it (0.1-0.2) on a busy shared machine.
         time_budget: seconds for the whole search; it stops early when spent.
         timeout: seconds a batch may take before a candidate counts as hung.
         cache: read and write results kept per dataset, machine and torch version.
         cache_dir: where (default ``~/.cache/lightning_speedkit/num_workers``).
         force: measure even when a cached result exists (and overwrite it).
         progress: show a progress bar.
+        measure: what times one candidate: called with the trial loader (``dataloader``
+            rebuilt with the candidate's settings), it returns batches/s, or raises
+            if loading fails (the candidate is then skipped with the reason). By
+            default, ``batches`` batches after ``warmup_batches`` and worker start-up,
+            within ``timeout`` and what is left of ``time_budget``. Pass your own to
+            time something else (the batches' copy to the device, say) or to check
+            the choice against set figures.
 
     Example::
 
@@ -391,6 +457,15 @@ def tune_num_workers(
         >>> result = tune_num_workers(loader, max_workers=0, batches=2, progress=False, cache=False)
         >>> result.best["num_workers"], len(result.table)
         (0, 1)
+
+        With set figures instead of timings (batches/s by worker count): one worker
+        measured 16% slower than the loader as given is not chosen.
+
+        >>> rates = {0: 10.0, 1: 8.4}
+        >>> result = tune_num_workers(loader, max_workers=1, cache=False, progress=False,
+        ...                           measure=lambda trial: rates[trial.num_workers])
+        >>> result.best["num_workers"], result.best_batches_per_sec
+        (0, 10.0)
     """
     check_tune_arguments(
         max_workers=max_workers, batches=batches, warmup_batches=warmup_batches,
@@ -416,13 +491,15 @@ def tune_num_workers(
     start = time.perf_counter()
     table: list[dict[str, Any]] = []
 
+    def timed(trial: DataLoader[Any]) -> float:
+        remaining = time_budget - (time.perf_counter() - start)
+        return _measure(trial, warmup_batches, batches, max(1.0, remaining), timeout, min_seconds)
+
     def attempt(settings: dict[str, Any]) -> float | None:
         row: dict[str, Any] = {**settings, "batches_per_sec": None, "skipped": None, "given": False}
         table.append(row)
-        remaining = time_budget - (time.perf_counter() - start)
         try:
-            rate = _measure(rebuild_dataloader(dataloader, **settings), warmup_batches, batches,
-                            max(1.0, remaining), timeout, min_seconds)  # fmt: skip
+            rate = (measure or timed)(rebuild_dataloader(dataloader, **settings))
         except Exception as exc:
             row["skipped"] = _describe_failure(exc)
             rank_zero_warn(f"NumWorkersTuner: skipped {settings}: {row['skipped']}.")
@@ -475,6 +552,15 @@ def tune_num_workers(
         # hand-off costs so much that they deliver less than half the in-process rate.
         if in_process and (not best or best_rate < 0.5 * in_process_rate):
             best, best_rate = in_process, in_process_rate
+        # That overlap pays only when the model's step takes time of its own, which the
+        # loader alone does not show. Measured slower than the loader as given beyond the
+        # noise band, a setting would make training slower than doing nothing: keep the
+        # loader as given.
+        if given_rate is not None and (not best or best_rate * (1 + min_gain) < given_rate):
+            if best:
+                log.info("num_workers: %s measured %.2fx the loader as given; keeping it as given",
+                         best, best_rate / given_rate)  # fmt: skip
+            best, best_rate = given, given_rate
     finally:
         bar.close()
         torch.set_rng_state(torch_state)
@@ -490,7 +576,14 @@ def tune_num_workers(
         }
         rank_zero_warn("NumWorkersTuner: every candidate failed; keeping num_workers=0.")
     result = TuneResult(best, table, best_rate, given_rate, seconds=time.perf_counter() - start)
-    if cache:
+    failed = sum(1 for row in table if row["skipped"])
+    if cache and not failed:
         _write_cache(cache_path, result)
+    elif cache:
+        # A choice that failures forced would outlive their cause (a dataset fixed since).
+        rank_zero_info(
+            f"NumWorkersTuner: {failed} of {len(table)} candidates failed, so this result is "
+            f"not cached; the next run measures again."
+        )
     result.dataloader = rebuild_dataloader(dataloader, **best)
     return result

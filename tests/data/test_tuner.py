@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import json
 import os
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,8 +14,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
 
 from lightning_speedkit import NumWorkersTuner, SpeedkitConfigError, tune_num_workers
+from lightning_speedkit.data import num_workers_tuner as callback_mod
 from lightning_speedkit.data import tuner as tuner_mod
-from lightning_speedkit.data.tuner import rebuild_dataloader
+from lightning_speedkit.data.tuner import rebuild_dataloader, spare_cores
 
 from ..helpers.models import MLP, SlowDataset, loader
 from ..helpers.multiprocess import run_script
@@ -37,6 +40,48 @@ def _user_loader(delay: float = 0.0, **kwargs: Any) -> DataLoader[Any]:
 
 def _xs(dl: DataLoader[Any]) -> list[torch.Tensor]:
     return [b["x"] for b in dl]
+
+
+class _Figures:
+    """Set batches/s per candidate in place of timing it: keyed by ``num_workers`` or by
+    ``(num_workers, prefetch_factor)``; a candidate with no figure fails as a crashed
+    worker does. Usable as ``measure=`` and in place of the tuner's ``_measure``."""
+
+    def __init__(self, rates: dict[Any, float]) -> None:
+        self.rates = rates
+        self.seen: list[tuple[int, int | None]] = []
+
+    def __call__(self, trial: DataLoader[Any], *timing: Any, **kw: Any) -> float:
+        key = (trial.num_workers, trial.prefetch_factor if trial.num_workers else None)
+        self.seen.append(key)
+        rate = self.rates.get(key, self.rates.get(trial.num_workers))
+        if rate is None:
+            raise RuntimeError("DataLoader worker (pid 4242) exited unexpectedly")
+        return rate
+
+
+class _Clock:
+    """Each reading is ``step_s`` after the last: every training step lasts exactly that."""
+
+    def __init__(self, step_s: float) -> None:
+        self.t, self.step_s = 0.0, step_s
+
+    def __call__(self) -> float:
+        self.t += self.step_s
+        return self.t
+
+
+@pytest.fixture
+def figures(monkeypatch: pytest.MonkeyPatch) -> Callable[..., _Figures]:
+    """In-Trainer tests: candidates get set figures and steps a set duration (no wall clock)."""
+
+    def install(rates: dict[Any, float], step_s: float = 0.001) -> _Figures:
+        fake = _Figures(rates)
+        monkeypatch.setattr(tuner_mod, "_measure", fake)
+        monkeypatch.setattr(callback_mod, "_clock", _Clock(step_s))
+        return fake
+
+    return install
 
 
 def test_rebuilt_loader_keeps_everything_but_the_worker_settings() -> None:
@@ -180,6 +225,63 @@ def test_results_are_cached_and_force_retunes(
     assert not forced.cached
 
 
+class _Fixable(SlowDataset):
+    """A dataset whose workers crash until it is fixed; its fingerprint does not change."""
+
+    fingerprint = "captions-v1"
+    broken = True
+
+
+@pytest.mark.parametrize("in_process_works", [False, True], ids=["all-fail", "workers-fail"])
+def test_a_result_forced_by_failures_is_not_cached(tmp_path: Path, in_process_works: bool) -> None:
+    """Issue 21: once the dataset is fixed, the next run tunes for real, not from a cache
+    holding the num_workers=0 that the failures forced."""
+    dl = DataLoader(_Fixable(n=64), batch_size=8)
+
+    def measure(trial: DataLoader[Any]) -> float:
+        if _Fixable.broken and (trial.num_workers > 0 or not in_process_works):
+            raise RuntimeError("DataLoader worker (pid 4242) exited unexpectedly")
+        return {0: 10.0, 1: 11.0, 2: 25.0}[trial.num_workers]
+
+    kw: dict[str, Any] = {"max_workers": 2, "cache_dir": tmp_path, "progress": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one warning per failed candidate
+        failed = tune_num_workers(dl, measure=measure, **kw)
+    assert failed.best["num_workers"] == 0
+    assert any(row["skipped"] for row in failed.table)
+    assert list(tmp_path.iterdir()) == []  # nothing cached
+
+    _Fixable.broken = False
+    try:
+        fixed = tune_num_workers(dl, measure=measure, **kw)
+    finally:
+        _Fixable.broken = True
+    assert not fixed.cached
+    assert fixed.best["num_workers"] == 2
+    assert fixed.best_batches_per_sec == 25.0
+    (entry,) = tmp_path.glob("*.json")  # the measured result is cached
+    assert json.loads(entry.read_text())["best"]["num_workers"] == 2
+    again = tune_num_workers(dl, measure=measure, **kw)
+    assert again.cached
+    assert again.best == fixed.best
+
+
+def test_a_cache_entry_holding_failures_is_measured_again(tmp_path: Path) -> None:
+    """An entry written by an earlier release, with a candidate that failed, is not trusted."""
+    dl = DataLoader(SlowDataset(n=64), batch_size=8)
+    measure = _Figures({0: 10.0, 1: 11.0, (1, 4): 11.0})
+    first = tune_num_workers(dl, max_workers=1, cache_dir=tmp_path, progress=False,
+                             measure=measure)  # fmt: skip
+    (entry,) = tmp_path.glob("*.json")
+    data = json.loads(entry.read_text())
+    data["table"][1]["skipped"] = "a worker crashed (RuntimeError: ...)"
+    entry.write_text(json.dumps(data))
+    second = tune_num_workers(dl, max_workers=1, cache_dir=tmp_path, progress=False,
+                              measure=measure)  # fmt: skip
+    assert not second.cached
+    assert len(measure.seen) == 2 * len(first.table)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "argument"),
     [({"batches": 0}, "batches"), ({"max_workers": -1}, "max_workers"),
@@ -213,39 +315,44 @@ def _fit_with_tuner(
     return trainer, tuner, recorder
 
 
-def test_callback_rebuilds_a_plain_loader_and_finds_the_data_bottleneck(tmp_path: Path) -> None:
-    trainer, tuner, recorder = _fit_with_tuner(
-        MLP(), loader(n=600, batch_size=4, delay=0.004), tmp_path
-    )
+def test_callback_rebuilds_a_plain_loader_and_finds_the_data_bottleneck(
+    tmp_path: Path, figures: Callable[..., _Figures]
+) -> None:
+    figures({0: 60.0, 1: 58.0, 2: 110.0, (2, 4): 100.0}, step_s=0.001)
+    trainer, tuner, recorder = _fit_with_tuner(MLP(), loader(n=600, batch_size=4), tmp_path)
     assert tuner.result is not None
     assert tuner.result.best["num_workers"] == 2
     assert trainer.train_dataloader.num_workers == 2  # type: ignore[union-attr]
     assert recorder.seen["data/num_workers"] == 2.0
-    assert recorder.seen["data/loader_batches_per_sec"] == tuner.result.best_batches_per_sec
+    assert recorder.seen["data/loader_batches_per_sec"] == 110.0
     assert tuner.bottleneck is not None
     assert tuner.bottleneck["data_bound"] is True
+    assert tuner.bottleneck["model_batches_per_sec"] == pytest.approx(1000.0)
 
 
-def test_a_compute_bound_run_is_not_blamed_on_data(tmp_path: Path) -> None:
-    _, tuner, recorder = _fit_with_tuner(
-        MLP(step_delay=0.03), loader(n=600, batch_size=4), tmp_path
-    )
+def test_a_compute_bound_run_is_not_blamed_on_data(
+    tmp_path: Path, figures: Callable[..., _Figures]
+) -> None:
+    figures({0: 300.0, 1: 290.0, 2: 400.0, (2, 4): 380.0}, step_s=0.03)
+    _, tuner, recorder = _fit_with_tuner(MLP(), loader(n=600, batch_size=4), tmp_path)
     assert tuner.bottleneck is not None
     assert tuner.bottleneck["data_bound"] is False
-    assert recorder.seen["data/model_batches_per_sec"] < 40  # 30 ms a step
+    assert recorder.seen["data/model_batches_per_sec"] == pytest.approx(1 / 0.03)  # 30 ms a step
 
 
 @pytest.mark.multiprocess
 def test_ddp_keeps_lightnings_distributed_sampler_and_every_sample(tmp_path: Path) -> None:
+    # Each rank measures its own (a close call can go either way on a busy machine); rank
+    # 0's choice is the one every rank uses.
     ranks = run_script("tuner_ddp.py", tmp_path / "plain", "--mode", "plain")
     for rank in ranks:
         assert rank["sampler"] == "DistributedSampler"
-        assert rank["num_workers"] == rank["tuned_num_workers"]
+        assert rank["num_workers"] == ranks[0]["tuned_num_workers"]
     seen = [set(r["plain_indices"]) for r in ranks]
     assert seen[0].isdisjoint(seen[1])
     assert len(seen[0] | seen[1]) == 64
     ranks = run_script("tuner_ddp.py", tmp_path / "bucketed", "--mode", "bucketed")
-    assert all(r["num_workers"] == r["tuned_num_workers"] for r in ranks)
+    assert all(r["num_workers"] == ranks[0]["tuned_num_workers"] for r in ranks)
     bucketed = [r["bucketed_indices"] for r in ranks]
     assert set(bucketed[0]).isdisjoint(bucketed[1])
     assert sorted(bucketed[0] + bucketed[1]) == list(range(50))  # every sample exactly once
@@ -265,7 +372,9 @@ def test_callback_tunes_a_datamodules_loader(small_corpus: Path, tmp_path: Path)
     assert trainer.train_dataloader.collate_fn is dm.collate  # type: ignore[union-attr]
 
 
-def test_mixin_datamodule_builds_with_the_tuned_settings(tmp_path: Path) -> None:
+def test_mixin_datamodule_builds_with_the_tuned_settings(
+    tmp_path: Path, figures: Callable[..., _Figures]
+) -> None:
     from lightning_speedkit import SpeedDataModuleMixin
 
     class Data(SpeedDataModuleMixin, L.LightningDataModule):
@@ -273,10 +382,9 @@ def test_mixin_datamodule_builds_with_the_tuned_settings(tmp_path: Path) -> None
 
         def train_dataloader(self) -> DataLoader[Any]:
             Data.calls += 1
-            return self.speed_dataloader(
-                SlowDataset(n=600, delay=0.004), batch_size=4, num_workers=0
-            )
+            return self.speed_dataloader(SlowDataset(n=600), batch_size=4, num_workers=0)
 
+    figures({0: 60.0, 1: 58.0, 2: 110.0, (2, 4): 100.0})
     dm = Data()
     trainer, tuner, _ = _fit_with_tuner(MLP(), None, tmp_path, datamodule=dm)
     assert tuner.result is not None
@@ -288,11 +396,123 @@ def test_mixin_datamodule_builds_with_the_tuned_settings(tmp_path: Path) -> None
 
 def test_one_worker_beats_loading_in_the_training_process() -> None:
     """Alone, one worker decodes no faster than the main process; it wins by overlapping
-    with training, so the tuner prefers it unless its hand-off halves the rate."""
-    result = tune_num_workers(loader(n=200, delay=0.002), max_workers=1, batches=8, cache=False,
-                              progress=False)  # fmt: skip
+    with training, so within the noise band (``min_gain``) of the in-process rate the
+    tuner prefers it."""
+    measure = _Figures({0: 10.0, 1: 9.6, (1, 4): 9.7})  # 4% slower: noise
+    result = tune_num_workers(loader(n=200), max_workers=1, cache=False, progress=False,
+                              measure=measure)  # fmt: skip
     assert result.best["num_workers"] == 1
     assert result.best["persistent_workers"] is True
+    assert measure.seen == [(0, None), (1, 2), (1, 4)]  # the given loader is num_workers=0
+
+
+@pytest.mark.parametrize(
+    ("given", "rates", "expected"),
+    [
+        # The issue's case: one worker measured at 0.84x of the loader as given.
+        ({}, {0: 10.3, 1: 8.65, (1, 4): 8.7, 2: 9.0}, {"num_workers": 0, "prefetch_factor": None}),
+        # The loader as given has workers that no candidate beats: it is kept as it is.
+        ({"num_workers": 2, "prefetch_factor": 3},
+         {(2, 3): 20.0, 0: 12.0, 1: 13.0, (1, 4): 13.0, (2, 2): 14.0, (2, 4): 13.5},
+         {"num_workers": 2, "prefetch_factor": 3, "persistent_workers": False}),
+    ],
+    ids=["given-in-process", "given-with-workers"],
+)  # fmt: skip
+def test_a_setting_measured_slower_than_the_loader_as_given_is_not_chosen(
+    given: dict[str, Any], rates: dict[Any, float], expected: dict[str, Any]
+) -> None:
+    dl = DataLoader(SlowDataset(n=64), batch_size=8, **given)
+    result = tune_num_workers(dl, max_workers=2, cache=False, progress=False,
+                              measure=_Figures(rates))  # fmt: skip
+    assert result.given_batches_per_sec == max(rates.values())  # the fastest by far
+    assert result.best_batches_per_sec == result.given_batches_per_sec
+    assert {k: result.best[k] for k in expected} == expected
+    assert result.dataloader is not None
+    assert result.dataloader.num_workers == dl.num_workers
+    measured = [row["num_workers"] for row in result.table if row["batches_per_sec"]]
+    assert len(measured) >= 3  # the candidates were measured, and lost
+
+
+@pytest.mark.parametrize(
+    ("cores", "threads", "model", "process", "spare"),
+    [
+        (2, 2, 731.0, 10.3, 2),  # the issue: the model needs 0.06 cores at the loader's pace
+        (2, 2, 34.0, 94.0, 0),  # the demo: not data-bound, the compute needs both cores
+        (2, 2, 15.0, 10.0, 0),  # data-bound by 1.5x: the compute still needs both cores
+        (2, 1, 40.0, 10.0, 1),  # one thread, busy half the time at two processes' pace
+        (8, 4, 100.0, 10.0, 5),  # 8 cores, 4 threads busy 80% of the time: 3.2 cores
+        (2, 2, 100.0, 0.0, 0),  # no loader rate known: nothing to go on
+    ],
+)
+def test_spare_cores_are_the_ones_the_compute_does_not_need(
+    cores: int, threads: int, model: float, process: float, spare: int
+) -> None:
+    assert spare_cores(cores, threads, model, process) == spare
+
+
+def _fit_on_two_cores(
+    model: L.LightningModule, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> tuple[NumWorkersTuner, _Recorder, list[int]]:
+    """Two epochs on a "2-core" CPU rank where torch computes on both cores (the budget at
+    setup is 0 workers); the workers each epoch's loader had."""
+    monkeypatch.setattr(callback_mod, "cpu_budget", lambda local_world_size=1: 2)
+    torch.set_num_threads(2)  # the test's fixture restores the thread count
+    per_epoch: list[int] = []
+
+    class Workers(L.Callback):
+        def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
+            per_epoch.append(trainer.train_dataloader.num_workers)  # type: ignore[union-attr]
+
+    tuner = NumWorkersTuner(batches=4, cache=False, progress=False, verdict_steps=4)
+    recorder = _Recorder(tmp_path)
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=2, logger=recorder, callbacks=[tuner, Workers()],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(model, DataLoader(SlowDataset(n=48), batch_size=4))  # 12 batches an epoch
+    return tuner, recorder, per_epoch
+
+
+def test_data_far_behind_the_model_gets_the_cores_the_compute_does_not_need(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, figures: Callable[..., _Figures]
+) -> None:
+    """Issue 20: torch's threads held both cores at setup, so no worker was tried; the
+    model then consumed 731 batches/s against the loader's 10.3. The compute needs 0.06
+    of a core: workers on both cores are measured and the best is used next epoch."""
+    fake = figures({0: 10.3, 1: 9.0, 2: 24.0, (2, 4): 23.0}, step_s=1 / 731)
+    tuner, recorder, per_epoch = _fit_on_two_cores(MLP(), monkeypatch, tmp_path)
+    assert fake.seen == [(0, None), (0, None), (1, 2), (2, 2), (2, 4)]  # setup, then 2 cores
+    assert tuner.bottleneck is not None
+    assert tuner.bottleneck["data_bound"] is True
+    assert tuner.result is not None
+    assert tuner.result.best == {"num_workers": 2, "pin_memory": False,
+                                 "persistent_workers": True, "prefetch_factor": 2}  # fmt: skip
+    assert per_epoch == [0, 2]
+    assert recorder.seen["data/num_workers"] == 2.0
+
+
+@pytest.mark.parametrize(
+    ("loader_rate", "model_rate"),
+    [(94.0, 34.0), (10.0, 15.0)],
+    ids=["demo-not-data-bound", "data-bound-compute-needs-both-cores"],
+)
+def test_compute_that_needs_every_core_keeps_loading_in_process(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    figures: Callable[..., _Figures],
+    loader_rate: float,
+    model_rate: float,
+) -> None:
+    """The demo's case: torch's threads need both cores, so nothing more is measured and
+    ``num_workers=0`` stays."""
+    fake = figures({0: loader_rate, 1: loader_rate * 2, 2: loader_rate * 3}, step_s=1 / model_rate)
+    tuner, _, per_epoch = _fit_on_two_cores(MLP(), monkeypatch, tmp_path)
+    assert fake.seen == [(0, None)]  # the loader as given, at setup; nothing after the verdict
+    assert tuner.bottleneck is not None
+    assert tuner.bottleneck["data_bound"] is (model_rate > loader_rate)
+    assert tuner.result is not None
+    assert tuner.result.best["num_workers"] == 0
+    assert per_epoch == [0, 0]
 
 
 def test_compute_threads_share_the_cores_and_are_restored(tmp_path: Path) -> None:
