@@ -48,6 +48,7 @@ __all__ = [
     "non_negative_number",
     "number",
     "optional",
+    "parse_number",
     "path",
     "positive_int",
     "positive_number",
@@ -87,10 +88,13 @@ def _is_bool(value: Any) -> bool:
 
 
 def _fmt(x: float) -> str:
-    return str(int(x)) if float(x).is_integer() and abs(x) < 1e15 else f"{x:g}"
+    if isinstance(x, int):
+        return str(x)
+    return str(int(x)) if x.is_integer() and abs(x) < 1e7 else f"{x:g}"
 
 
-def _parse(text: str) -> float | None:
+def parse_number(text: str) -> float | None:
+    """The finite number a string spells (``"1e-3"``, ``"10_000"``), or None."""
     try:
         parsed = float(text.strip().replace("_", ""))
     except ValueError:
@@ -157,7 +161,7 @@ def number(
         what = f"a number {bounds}" if bounds else "a finite number"
     good = example if example is not None else _example(low, high, low_open, integral=False)
     if isinstance(value, str):
-        parsed = _parse(value)
+        parsed = parse_number(value)
         if parsed is not None and _inside(parsed, low, high, low_open, high_open):
             fail(name, value, f"must be {what}",
                  f"pass a number, e.g. {_fmt(parsed)}, not the string {value!r}")  # fmt: skip
@@ -227,7 +231,7 @@ def integer(
     what = f"an integer {bounds}" if bounds else "an integer"
     good = example if example is not None else int(_example(at_least, at_most, False, True))
     if isinstance(value, str):
-        parsed = _parse(value)
+        parsed = parse_number(value)
         if parsed is not None and parsed.is_integer() and _inside(parsed, at_least, at_most,
                                                                   False, False):  # fmt: skip
             fail(name, value, f"must be {what}",
