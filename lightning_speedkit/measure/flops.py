@@ -40,6 +40,8 @@ from torch.utils import flop_counter as _torch_flops
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
+from lightning_speedkit import _validation
+
 __all__ = ["FlopCount", "count_flops"]
 
 _Formula = Callable[..., int]
@@ -359,6 +361,8 @@ def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> FlopCount:
         >>> count_flops(lambda: layer(x).sum().backward()).total == 6 * 64 * 32 * 8
         True
     """
+    _validation.function("fn", fn, fix="pass a function that runs the step, e.g. "
+                         "`lambda: model(x).sum().backward()`")  # fmt: skip
     tracker = ModuleTracker()
     counter = _Counter(tracker)
     with tracker, counter:

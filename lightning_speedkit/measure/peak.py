@@ -14,9 +14,12 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+
+from lightning_speedkit import _validation
 
 __all__ = ["PEAK_TABLE", "DevicePeak", "measure_matmul_peak", "peak_flops", "resolve_device_name"]
 
@@ -235,10 +238,11 @@ def _dtype_key(dtype: torch.dtype | str) -> object:
             "fp8": _FP8,
         }  # fmt: skip
         if dtype.lower() not in aliases:
-            raise ValueError(
-                f"Unknown `dtype`={dtype!r}; use a torch dtype or one of {sorted(aliases)}."
-            )
+            _validation.choice("dtype", dtype, sorted(aliases), hint="or a torch dtype")
         return aliases[dtype.lower()]
+    if not isinstance(dtype, torch.dtype):
+        _validation.fail("dtype", dtype, "must be a torch dtype or its name",
+                         "pass e.g. `dtype=torch.bfloat16` or `dtype='bf16'`")  # fmt: skip
     if dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         return _FP8
     if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
@@ -305,6 +309,18 @@ def peak_flops(
         >>> peak_flops("Mystery Accelerator 9000") is None
         True
     """
+    fix = "pass e.g. `torch.device('cuda', 0)` or 'NVIDIA H100 80GB HBM3'"
+    _validation.instance(
+        "device", device, (torch.device, str), what="a device or its name", fix=fix
+    )
+    if overrides is not None:
+        fix = "pass e.g. `overrides={'NVIDIA H100 80GB HBM3': 700e12}`"
+        _validation.instance("overrides", overrides, Mapping, what="a dict of FLOP/s", fix=fix)
+    for name, figure in (overrides or {}).items():
+        _validation.text("overrides", name, example="NVIDIA H100 80GB HBM3")
+        _validation.positive_number(f"overrides[{name!r}]", figure, example=989.4e12,
+                                    hint="dense FLOP/s of one device")  # fmt: skip
+    _validation.boolean("measure", measure)
     torch_device: torch.device | None = None
     if isinstance(device, torch.device):
         torch_device = device

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction, ProfilerActivity
 
-from lightning_speedkit.errors import SpeedkitConfigError
+from lightning_speedkit import _validation
 from lightning_speedkit.measure.report import Report, amend_for_callbacks, analyze_trace
 
 __all__ = ["ProfilerSchedule"]
@@ -170,10 +170,12 @@ class ProfilerSchedule(L.Callback):
                                    ("warmup", warmup, 0), ("active", active, 1),
                                    ("repeat", repeat, 0),
                                    ("num_traces_to_keep", num_traces_to_keep, 1)):  # fmt: skip
-            if isinstance(value, bool) or not isinstance(value, int) or value < least:
-                raise SpeedkitConfigError(f"`{name}` must be an int >= {least}, got {value!r}.")
-        if not max_trace_mb > 0:
-            raise SpeedkitConfigError(f"`max_trace_mb` must be positive, got {max_trace_mb!r}.")
+            _validation.integer(name, value, at_least=least)
+        _validation.optional(_validation.path, "dirpath", dirpath)
+        _validation.positive_number("max_trace_mb", max_trace_mb, example=200, hint="megabytes")
+        for name, flag in (("record_shapes", record_shapes), ("with_stack", with_stack),
+                           ("profile_memory", profile_memory)):  # fmt: skip
+            _validation.boolean(name, flag)
         self.skip_first, self.wait, self.warmup = skip_first, wait, warmup
         self.active, self.repeat = active, repeat
         self.dirpath = Path(dirpath) if dirpath is not None else None

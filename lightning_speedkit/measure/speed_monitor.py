@@ -45,7 +45,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.module_tracker import ModuleTracker
 
-from lightning_speedkit import _compat
+from lightning_speedkit import _compat, _validation
 from lightning_speedkit._imports import NVML_AVAILABLE
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure import peak as _peak
@@ -315,35 +315,24 @@ class SpeedMonitor(L.Callback):
         peak_flops: PeakSetting = "auto",
         max_flop_counts: int = 8,
     ) -> None:
-        for name, value, low in (
-            ("log_every_n_steps", log_every_n_steps, 1),
-            ("window", window, 1),
-            ("warmup_steps", warmup_steps, 0),
-            ("max_flop_counts", max_flop_counts, 1),
-        ):
-            if value is not None and (not isinstance(value, int) or value < low):
-                raise SpeedkitConfigError(
-                    f"`{name}` must be an integer of at least {low}, got {value!r}."
-                )
+        _validation.optional(_validation.positive_int, "log_every_n_steps", log_every_n_steps,
+                             example=50)  # fmt: skip
+        _validation.positive_int("window", window, example=200)
+        _validation.non_negative_int("warmup_steps", warmup_steps, example=2)
+        _validation.positive_int("max_flop_counts", max_flop_counts, example=8)
         for name, fn in (
             ("flops_per_batch", flops_per_batch),
             ("tokens_per_batch", tokens_per_batch),
             ("samples_per_batch", samples_per_batch),
         ):
-            if fn is not None and not callable(fn):
-                raise SpeedkitConfigError(
-                    f"`{name}` must be a function of the batch, got {fn!r}. "
-                    f"For a constant, pass `lambda batch: {fn!r}`."
-                )
-        if not (
-            peak_flops is None
-            or peak_flops in ("auto", "measure")
-            or (isinstance(peak_flops, (int, float)) and peak_flops > 0)
-        ):
-            raise SpeedkitConfigError(
-                f"`peak_flops` must be 'auto', 'measure', None or a positive FLOP/s figure, "
-                f"got {peak_flops!r}."
-            )
+            _validation.optional(_validation.function, name, fn,
+                                 fix=f"for a constant, pass `lambda batch: {fn!r}`")  # fmt: skip
+        if isinstance(peak_flops, str) and _validation.parse_number(peak_flops) is None:
+            _validation.choice("peak_flops", peak_flops, ("auto", "measure"),
+                               hint="or None, or a FLOP/s figure")  # fmt: skip
+        elif peak_flops is not None:
+            _validation.positive_number("peak_flops", peak_flops, example=989.4e12,
+                                        hint="dense FLOP/s of one device")  # fmt: skip
         self.log_every_n_steps = log_every_n_steps
         self.window = window
         self.warmup_steps = warmup_steps
