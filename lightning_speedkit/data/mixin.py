@@ -7,6 +7,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_speedkit import _validation
 from lightning_speedkit.data.bucketing import LengthBucketBatchSampler
 from lightning_speedkit.data.cache import SampleCache
 from lightning_speedkit.errors import SpeedkitConfigError
@@ -73,6 +74,15 @@ class SpeedDataModuleMixin:
             **kwargs: other DataLoader arguments (``num_workers`` etc.), used until
                 the tuner has chosen.
         """
+        _validation.positive_int("batch_size", batch_size, example=32)
+        _validation.boolean("shuffle", shuffle)
+        _validation.boolean("drop_last", drop_last)
+        _validation.optional(_validation.function, "collate_fn", collate_fn,
+                             fix="pass a function of a list of samples, or None")  # fmt: skip
+        _validation.integer("seed", seed)
+        if not isinstance(cache, bool):
+            _validation.positive_int("cache", cache, example=2**30,
+                                     hint="True, False, or the most bytes to keep")  # fmt: skip
         if cache is not False:
             dataset = self._sample_cache(dataset, None if cache is True else cache)
         tuned = dict(getattr(self, "speed_loader_kwargs", None) or {})

@@ -11,7 +11,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
-from lightning_speedkit import _compat
+from lightning_speedkit import _compat, _validation
 from lightning_speedkit.data.mixin import SpeedDataModuleMixin
 from lightning_speedkit.data.tuner import (
     TuneResult,
@@ -21,7 +21,6 @@ from lightning_speedkit.data.tuner import (
     spare_cores,
     tune_num_workers,
 )
-from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["NumWorkersTuner"]
 
@@ -94,23 +93,15 @@ class NumWorkersTuner(L.Callback):
         verdict_steps: int = 20,
         compute_threads: int | None = None,
     ) -> None:
-        if not isinstance(verdict_steps, int) or verdict_steps < 0:
-            raise SpeedkitConfigError(f"`verdict_steps` must be 0 or more, got {verdict_steps!r}.")
+        _validation.non_negative_int("verdict_steps", verdict_steps, example=20,
+                                     hint="0 turns the verdict off")  # fmt: skip
         self.tune_kwargs: dict[str, Any] = dict(
             max_workers=max_workers, batches=batches, warmup_batches=warmup_batches,
             min_gain=min_gain, time_budget=time_budget, timeout=timeout, cache=cache,
             cache_dir=cache_dir, force=force, progress=progress,
         )  # fmt: skip
-        check_tune_arguments(
-            max_workers=max_workers, batches=batches, warmup_batches=warmup_batches,
-            time_budget=time_budget, timeout=timeout,
-        )  # fmt: skip
-        if compute_threads is not None and (
-            not isinstance(compute_threads, int) or compute_threads < 1
-        ):
-            raise SpeedkitConfigError(
-                f"`compute_threads` must be at least 1, got {compute_threads!r}."
-            )
+        check_tune_arguments(**self.tune_kwargs)
+        _validation.optional(_validation.positive_int, "compute_threads", compute_threads)
         self.verdict_steps = verdict_steps
         self.compute_threads = compute_threads
         self._threads_before: int | None = None

@@ -53,6 +53,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
+from lightning_speedkit import _validation
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["TuneResult", "cpu_budget", "rebuild_dataloader", "spare_cores", "tune_num_workers"]
@@ -379,23 +380,27 @@ def check_tune_arguments(
     batches: int = 1,
     warmup_batches: int = 0,
     local_world_size: int = 1,
+    min_seconds: float = 0.0,
+    min_gain: float = 0.0,
     time_budget: float = 1.0,
     timeout: float = 1.0,
+    cache: bool = True,
+    cache_dir: str | os.PathLike[str] | None = None,
+    force: bool = False,
+    progress: bool = True,
 ) -> None:
     """Refuse bad tuning arguments, naming the argument (shared by function and callback)."""
-    for name, value, low in (("batches", batches, 1), ("warmup_batches", warmup_batches, 0),
-                             ("local_world_size", local_world_size, 1)):  # fmt: skip
-        if not isinstance(value, int) or value < low:
-            raise SpeedkitConfigError(
-                f"`{name}` must be an integer of at least {low}, got {value!r}."
-            )
-    if max_workers is not None and (not isinstance(max_workers, int) or max_workers < 0):
-        raise SpeedkitConfigError(f"`max_workers` must be 0 or more, got {max_workers!r}.")
-    if time_budget <= 0 or timeout <= 0:
-        raise SpeedkitConfigError(
-            f"`time_budget` and `timeout` must be positive seconds, got {time_budget} "
-            f"and {timeout}."
-        )
+    _validation.optional(_validation.non_negative_int, "max_workers", max_workers, example=2)
+    _validation.positive_int("batches", batches, example=30)
+    _validation.non_negative_int("warmup_batches", warmup_batches, example=3)
+    _validation.positive_int("local_world_size", local_world_size, hint="ranks on this machine")
+    _validation.non_negative_number("min_seconds", min_seconds, example=0.5, hint="seconds")
+    _validation.non_negative_number("min_gain", min_gain, example=0.05, hint="0.05 is 5%")
+    _validation.positive_number("time_budget", time_budget, example=120, hint="seconds")
+    _validation.positive_number("timeout", timeout, example=30, hint="seconds")
+    for name, flag in (("cache", cache), ("force", force), ("progress", progress)):
+        _validation.boolean(name, flag)
+    _validation.optional(_validation.path, "cache_dir", cache_dir)
 
 
 def tune_num_workers(
@@ -467,9 +472,13 @@ def tune_num_workers(
         >>> result.best["num_workers"], result.best_batches_per_sec
         (0, 10.0)
     """
+    fix = "pass the loader to tune, e.g. `datamodule.train_dataloader()`"
+    _validation.instance("dataloader", dataloader, DataLoader, what="a torch DataLoader", fix=fix)
     check_tune_arguments(
         max_workers=max_workers, batches=batches, warmup_batches=warmup_batches,
-        local_world_size=local_world_size, time_budget=time_budget, timeout=timeout,
+        local_world_size=local_world_size, min_seconds=min_seconds, min_gain=min_gain,
+        time_budget=time_budget, timeout=timeout, cache=cache, cache_dir=cache_dir,
+        force=force, progress=progress,
     )  # fmt: skip
 
     budget = cpu_budget(local_world_size) if max_workers is None else max_workers
