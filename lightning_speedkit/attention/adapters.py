@@ -45,7 +45,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_speedkit import _imports
+from lightning_speedkit import _imports, _validation
 from lightning_speedkit.attention.backends import Attend
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -460,6 +460,19 @@ def register_adapter(
         (['0'], 'my_attention')
         >>> unregister_adapter("my_attention")
     """
+    _validation.text("family", family, example="my_attention")
+    builtin = [adapter.family for adapter in _BUILTIN]
+    if family in builtin:
+        fix = f"choose another name (the built-in ones are {', '.join(builtin)})"
+        _validation.fail("family", family, "is the name of a built-in family", fix)
+    _validation.function("match", match,
+                         fix="pass `module -> None | str | binding`, e.g. `lambda m: True if "
+                         "isinstance(m, MyAttention) else None`")  # fmt: skip
+    _validation.function("forward", forward,
+                         fix="pass `(ctx, *args, **kwargs) -> output`, the module's forward "
+                         "with attention through `ctx.attend`")  # fmt: skip
+    _validation.optional(_validation.function, "example_inputs", example_inputs,
+                         fix="pass `module -> (args, kwargs)`, or None")  # fmt: skip
     adapter = AttentionAdapter(family, match, forward, example_inputs)
     unregister_adapter(family)
     _REGISTERED.insert(0, adapter)

@@ -7,9 +7,9 @@ from typing import Any
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_speedkit import _validation
 from lightning_speedkit.attention.backends import BackendChoice, check_backend
 from lightning_speedkit.attention.swap_attention import SwapReport, swap_attention, swapped_modules
-from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["AttentionSwap"]
 
@@ -52,8 +52,9 @@ class AttentionSwap(L.Callback):
         verbose: bool = True,
     ) -> None:
         check_backend(backend)
-        if tolerance is not None and not tolerance > 0:
-            raise SpeedkitConfigError(f"`tolerance` must be positive, got {tolerance!r}.")
+        _validation.optional(_validation.positive_number, "tolerance", tolerance, example=1e-3)
+        _validation.boolean("measure", measure)
+        _validation.boolean("verbose", verbose)
         self.backend = backend
         self.tolerance = tolerance
         self.measure = measure

@@ -39,6 +39,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
+from lightning_speedkit import _validation
 from lightning_speedkit._surgery import (
     original_forward,
     refuse_wrapped,
@@ -176,9 +177,11 @@ def swap_attention(
         >>> report.modules[0].family, report.modules[0].checked
         ('multihead_attention', 'forward+backward')
     """
+    fix = "pass the model (or LightningModule) whose attention to swap"
+    _validation.instance("model", model, nn.Module, what="a torch.nn.Module", fix=fix)
     check_backend(backend)
-    if tolerance is not None and not tolerance > 0:
-        raise SpeedkitConfigError(f"`tolerance` must be positive, got {tolerance!r}.")
+    _validation.optional(_validation.positive_number, "tolerance", tolerance, example=1e-3)
+    _validation.boolean("measure", measure)
     refuse_wrapped(model, "swap_attention")
     report = SwapReport(backend)
     swaps = _swap_modules(model, report, backend, tolerance, measure)

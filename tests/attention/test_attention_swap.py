@@ -118,7 +118,9 @@ def test_second_fit_keeps_the_swaps(small_corpus: Path) -> None:
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(SpeedkitConfigError, match="`backend='flash2'`"):
         AttentionSwap("flash2")  # type: ignore[arg-type]
-    with pytest.raises(SpeedkitConfigError, match="`tolerance` must be positive"):
+    with pytest.raises(
+        SpeedkitConfigError, match=r"`tolerance` must be a positive number, got -1\.0"
+    ):
         AttentionSwap(tolerance=-1.0)
 
 

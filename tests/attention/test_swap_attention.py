@@ -285,7 +285,9 @@ def test_bad_input_is_refused_with_the_fix() -> None:
         swap_attention(_vlm(), sample=[torch.zeros(1)])
     with pytest.raises(SpeedkitConfigError, match=r"already wrapped by torch\.compile.*before"):
         swap_attention(torch.compile(_vlm()))
-    with pytest.raises(SpeedkitConfigError, match="`tolerance` must be positive"):
+    with pytest.raises(
+        SpeedkitConfigError, match=r"`tolerance` must be a positive number, got 0\.0"
+    ):
         swap_attention(_vlm(), tolerance=0.0)
 
 
