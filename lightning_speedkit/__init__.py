@@ -19,6 +19,7 @@ from lightning_speedkit.distributed import (
     DDPPowerSGDStrategy,
     DeepSpeedZeRO2Strategy,
     FSDPZeRO2Strategy,
+    HangWatchdog,
     plan_memory,
 )
 from lightning_speedkit.errors import SpeedkitConfigError
@@ -40,6 +41,7 @@ __all__ = [
     "DeepSpeedZeRO2Strategy",
     "FSDPZeRO2Strategy",
     "FlopCount",
+    "HangWatchdog",
     "NumWorkersTuner",
     "ProfilerSchedule",
     "SpeedDataModuleMixin",

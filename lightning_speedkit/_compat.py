@@ -30,18 +30,22 @@ def replace_train_loader(trainer: L.Trainer, loader: Any) -> None:
     source.name = "train_dataloader"
 
 
-def reload_train_loader_next_epoch(trainer: L.Trainer) -> None:
+def reload_train_loader_next_epoch(trainer: L.Trainer) -> Callable[[], None]:
     """Make the fit loop request its train loader again when the next epoch starts.
 
-    Call it at an epoch's end (``on_train_epoch_end``): the epoch's loader iterator is
-    shut down (its workers with it) and the loop, finding no loader, asks its source
-    again, as ``reload_dataloaders_every_n_epochs`` would have it do.
+    Through Lightning's own switch, the Trainer's ``reload_dataloaders_every_n_epochs``
+    (which its stubs do not declare), set to 1 until the returned function puts the
+    user's value back: call that once the next epoch has started
+    (``on_train_epoch_start``, after the loop has reloaded). Call this after the
+    epoch's validation (``on_train_epoch_end``), or the validation loaders reload too.
     """
-    loop = trainer.fit_loop
-    if loop._data_fetcher is not None:
-        loop._data_fetcher.teardown()
-        loop._data_fetcher = None
-    loop._combined_loader = None
+    before = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)
+    trainer.reload_dataloaders_every_n_epochs = 1  # type: ignore[attr-defined]
+
+    def restore() -> None:
+        trainer.reload_dataloaders_every_n_epochs = before  # type: ignore[attr-defined]
+
+    return restore
 
 
 def datamodule(trainer: L.Trainer) -> Any:

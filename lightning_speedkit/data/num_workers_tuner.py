@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -114,6 +115,7 @@ class NumWorkersTuner(L.Callback):
         self._loader: DataLoader[Any] | None = None  # the train loader as tuned at setup
         self._searched = 0  # the most workers the search at setup tried
         self._reload = False  # a loader chosen after the verdict waits for the next epoch
+        self._restore: Callable[[], None] | None = None  # the Trainer's reload setting
 
     # -- tuning, before Lightning builds the loader --------------------------------------------
 
@@ -186,6 +188,7 @@ class NumWorkersTuner(L.Callback):
         return budget
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._restore_reload_setting()
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
@@ -266,7 +269,7 @@ class NumWorkersTuner(L.Callback):
             return None
         rank_zero_info(
             f"NumWorkersTuner: at the loader's pace the model needs about "
-            f"{threads * min(1.0, cores * per_process / model_rate):.1f} of this rank's {cores} "
+            f"{threads * min(1.0, cores * per_process / model_rate):.2g} of this rank's {cores} "
             f"cores, not the {min(threads, cores)} its threads were left; measuring loader "
             f"workers on {spare} cores (training waits)."
         )
@@ -287,15 +290,17 @@ class NumWorkersTuner(L.Callback):
         return dict(result.best)
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._reload:
-            return
-        self._reload = False
-        max_epochs, max_steps = trainer.max_epochs, trainer.max_steps
-        last = (max_epochs is not None and max_epochs >= 0
-                and trainer.current_epoch + 1 >= max_epochs) or (
-                max_steps >= 0 and trainer.global_step >= max_steps)  # fmt: skip
-        if not last:  # the next fit tunes at setup anyway
-            _compat.reload_train_loader_next_epoch(trainer)
+        if self._reload:  # after the epoch's validation, so only the train loader reloads
+            self._reload = False
+            self._restore = _compat.reload_train_loader_next_epoch(trainer)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore_reload_setting()  # the loop has built this epoch's loader
+
+    def _restore_reload_setting(self) -> None:
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
 
 
 #: The clock the verdict times training steps with (a test can set its own).

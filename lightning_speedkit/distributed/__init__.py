@@ -9,6 +9,7 @@ from lightning_speedkit.distributed.activation_checkpointing import (
 )
 from lightning_speedkit.distributed.deepspeed_zero2 import DeepSpeedZeRO2Strategy, zero2_bucket_size
 from lightning_speedkit.distributed.fsdp_zero2 import FSDPZeRO2Strategy
+from lightning_speedkit.distributed.hang_watchdog import HangEvent, HangWatchdog, RankProgress
 from lightning_speedkit.distributed.plan_memory import MemoryEstimate, MemoryPlan, plan_memory
 from lightning_speedkit.distributed.powersgd import DDPHalfPrecisionStrategy, DDPPowerSGDStrategy
 
@@ -18,8 +19,11 @@ __all__ = [
     "DDPPowerSGDStrategy",
     "DeepSpeedZeRO2Strategy",
     "FSDPZeRO2Strategy",
+    "HangEvent",
+    "HangWatchdog",
     "MemoryEstimate",
     "MemoryPlan",
+    "RankProgress",
     "checkpoint_blocks",
     "checkpointed_blocks",
     "plan_memory",

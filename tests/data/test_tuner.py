@@ -451,17 +451,27 @@ def test_spare_cores_are_the_ones_the_compute_does_not_need(
 
 
 def _fit_on_two_cores(
-    model: L.LightningModule, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    model: L.LightningModule, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mixin: bool = False
 ) -> tuple[NumWorkersTuner, _Recorder, list[int]]:
     """Two epochs on a "2-core" CPU rank where torch computes on both cores (the budget at
     setup is 0 workers); the workers each epoch's loader had."""
     monkeypatch.setattr(callback_mod, "cpu_budget", lambda local_world_size=1: 2)
     torch.set_num_threads(2)  # the test's fixture restores the thread count
     per_epoch: list[int] = []
+    at_end: list[int] = []
+    samples: list[list[torch.Tensor]] = []
 
     class Workers(L.Callback):
         def on_train_epoch_start(self, trainer: L.Trainer, *args: Any) -> None:
             per_epoch.append(trainer.train_dataloader.num_workers)  # type: ignore[union-attr]
+            samples.append([])
+
+        def on_train_batch_end(self, trainer: L.Trainer, module: Any, out: Any, batch: Any,
+                               *args: Any) -> None:  # fmt: skip
+            samples[-1].append(batch)
+
+        def on_train_epoch_end(self, trainer: L.Trainer, *args: Any) -> None:
+            at_end.append(trainer.train_dataloader.num_workers)  # type: ignore[union-attr]
 
     tuner = NumWorkersTuner(batches=4, cache=False, progress=False, verdict_steps=4)
     recorder = _Recorder(tmp_path)
@@ -469,18 +479,33 @@ def _fit_on_two_cores(
         accelerator="cpu", max_epochs=2, logger=recorder, callbacks=[tuner, Workers()],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    trainer.fit(model, DataLoader(SlowDataset(n=48), batch_size=4))  # 12 batches an epoch
+    dataset = SlowDataset(n=48)  # 12 batches an epoch
+    if mixin:
+        from lightning_speedkit import SpeedDataModuleMixin
+
+        class Data(SpeedDataModuleMixin, L.LightningDataModule):
+            def train_dataloader(self) -> DataLoader[Any]:
+                return self.speed_dataloader(dataset, batch_size=4)
+
+        trainer.fit(model, datamodule=Data())
+    else:
+        trainer.fit(model, DataLoader(dataset, batch_size=4))
+    assert at_end == per_epoch  # a switch waits for the next epoch; the loader is always there
+    for epoch in samples:  # every sample once an epoch, whatever loaded it
+        assert torch.equal(torch.cat(epoch), dataset.data)
+    assert trainer.reload_dataloaders_every_n_epochs == 0  # the Trainer's setting, put back
     return tuner, recorder, per_epoch
 
 
+@pytest.mark.parametrize("mixin", [False, True], ids=["loader", "mixin-datamodule"])
 def test_data_far_behind_the_model_gets_the_cores_the_compute_does_not_need(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, figures: Callable[..., _Figures]
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, figures: Callable[..., _Figures], mixin: bool
 ) -> None:
     """Issue 20: torch's threads held both cores at setup, so no worker was tried; the
     model then consumed 731 batches/s against the loader's 10.3. The compute needs 0.06
     of a core: workers on both cores are measured and the best is used next epoch."""
     fake = figures({0: 10.3, 1: 9.0, 2: 24.0, (2, 4): 23.0}, step_s=1 / 731)
-    tuner, recorder, per_epoch = _fit_on_two_cores(MLP(), monkeypatch, tmp_path)
+    tuner, recorder, per_epoch = _fit_on_two_cores(MLP(), monkeypatch, tmp_path, mixin)
     assert fake.seen == [(0, None), (0, None), (1, 2), (2, 2), (2, 4)]  # setup, then 2 cores
     assert tuner.bottleneck is not None
     assert tuner.bottleneck["data_bound"] is True

@@ -83,6 +83,27 @@ def run_script(
     return results
 
 
+def run_script_failing(
+    script: str, out_dir: Path, *args: str, timeout: float = 300
+) -> subprocess.CompletedProcess[str]:
+    """Run ``tests/scripts/<script>`` with ``--out DIR``, a job meant to end with an error.
+
+    Returns the finished process (its exit status and output) for the test to judge; a
+    job that exits with 0 is an AssertionError. The call returns once every rank has
+    closed its output, so what the ranks wrote before exiting is on disk.
+    """
+    cmd = [sys.executable, str(SCRIPTS / script), "--out", str(out_dir), *args]
+    proc = subprocess.run(
+        cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout, check=False
+    )
+    if proc.returncode == 0:
+        raise AssertionError(
+            f"{script} was meant to fail and exited with 0\n--- stdout ---\n"
+            f"{proc.stdout[-4000:]}\n--- stderr ---\n{proc.stderr[-8000:]}"
+        )
+    return proc
+
+
 def finish_rank(out_dir: Path, rank: int, result: dict[str, Any]) -> None:
     """In a script: write this rank's results, then leave the process group cleanly."""
     import torch.distributed as dist
