@@ -18,7 +18,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_speedkit import _compat
+from lightning_speedkit import _compat, _validation
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["AccumulationChange", "AccumulationScheduler", "CommShare", "accumulation_for"]
@@ -168,9 +168,7 @@ def _measure(windows: list[_Window], clock: _Clock) -> CommShare | None:
 
 
 def _positive_int(value: Any, argument: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise SpeedkitConfigError(f"`{argument}` must be a positive int, got {value!r}.")
-    return value
+    return _validation.positive_int(argument, value, example=64)
 
 
 def _check_schedule(schedule: Mapping[int, int], unit: str) -> dict[int, int]:
@@ -275,10 +273,9 @@ class AccumulationScheduler(L.Callback):
     ) -> None:
         if target_global_batch is not None:
             _positive_int(target_global_batch, "target_global_batch")
-        if schedule_unit not in ("step", "epoch"):
-            raise SpeedkitConfigError(
-                f'`schedule_unit` must be "step" or "epoch", got {schedule_unit!r}.'
-            )
+        _validation.choice("schedule_unit", schedule_unit, ("step", "epoch"))
+        _validation.boolean("adaptive", adaptive)
+        _validation.boolean("verbose", verbose)
         if schedule is not None:
             schedule = _check_schedule(schedule, schedule_unit)
         if target_global_batch is None and schedule is None and not adaptive:
@@ -309,14 +306,10 @@ class AccumulationScheduler(L.Callback):
                     f"`max_global_batch={max_global_batch}`; adaptive mode starts at the "
                     f"target and rises to the maximum."
                 )
-        if isinstance(comm_threshold, bool) or not 0 < comm_threshold < 1:
-            raise SpeedkitConfigError(
-                f"`comm_threshold` is a share of the step, between 0 and 1; got {comm_threshold!r}."
-            )
-        if lr_scaling is not None and lr_scaling not in _LR_POWER:
-            raise SpeedkitConfigError(
-                f'`lr_scaling` must be "linear", "sqrt" or None, got {lr_scaling!r}.'
-            )
+        share = "a share of the step, between 0 and 1"
+        _validation.probability("comm_threshold", comm_threshold, low_open=True, high_open=True,
+                                example=0.3, hint=share)  # fmt: skip
+        _validation.choice("lr_scaling", lr_scaling, (*_LR_POWER, None))
         for name, value in (("micro_batch_size", micro_batch_size),
                             ("base_global_batch", base_global_batch)):  # fmt: skip
             if value is not None:

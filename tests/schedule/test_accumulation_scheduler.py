@@ -275,7 +275,7 @@ def test_conflicts_are_refused(
     ("kwargs", "match"),
     [
         ({}, "needs a mode"),
-        ({"target_global_batch": 0}, "positive int"),
+        ({"target_global_batch": 0}, r"`target_global_batch` must be an integer >= 1, got 0"),
         ({"target_global_batch": 64, "schedule": {0: 8}}, "cannot be combined"),
         ({"schedule": {0: 8}, "adaptive": True, "max_global_batch": 64}, "cannot be combined"),
         ({"schedule": {}}, "non-empty"),
