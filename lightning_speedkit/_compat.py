@@ -114,3 +114,25 @@ def take_over_accumulation(
         automatic.__dict__.pop("_make_zero_grad_fn", None)
 
     return restore
+
+
+def default_process_group_store() -> Any:
+    """The rendezvous store of torch.distributed's default process group; None without one.
+
+    torch keeps it private (``distributed_c10d._get_default_store``); HangWatchdog talks
+    to the other ranks through it, outside every collective.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    get_store = getattr(dist.distributed_c10d, "_get_default_store", None)
+    if get_store is None:
+        raise RuntimeError(
+            f"This torch ({torch.__version__}) has no "
+            f"`torch.distributed.distributed_c10d._get_default_store`, which HangWatchdog "
+            f"uses to reach the other ranks. It is tested with torch 2.x up to 2.13; please "
+            f"report the version, and remove HangWatchdog from the Trainer meanwhile."
+        )
+    return get_store()
