@@ -136,3 +136,18 @@ def default_process_group_store() -> Any:
             f"report the version, and remove HangWatchdog from the Trainer meanwhile."
         )
     return get_store()
+
+
+def torch_profiler_enabled() -> bool:
+    """Whether a torch.profiler session is running in this process (torch has one per
+    process; a second profiler must not start or stop it)."""
+    import torch
+
+    enabled = getattr(torch.autograd, "_profiler_enabled", None)
+    if enabled is None:
+        raise RuntimeError(
+            f"This torch ({torch.__version__}) has no `torch.autograd._profiler_enabled`, which "
+            f"ProfilerSchedule reads to stand down beside another profiler. Please report the "
+            f"version."
+        )
+    return bool(enabled())

@@ -20,7 +20,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction, ProfilerActivity
 
-from lightning_speedkit import _validation
+from lightning_speedkit import _compat, _validation
 from lightning_speedkit.measure.report import Report, amend_for_callbacks, analyze_trace
 
 __all__ = ["ProfilerSchedule"]
@@ -317,7 +317,7 @@ class ProfilerSchedule(L.Callback):
         profiler = getattr(trainer, "profiler", None)
         if isinstance(profiler, PyTorchProfiler):
             return "the Trainer's `profiler=` (Lightning's PyTorchProfiler)"
-        if torch.autograd._profiler_enabled():
+        if _compat.torch_profiler_enabled():
             return "a torch.profiler session opened around `fit()`"
         return None
 
