@@ -18,6 +18,7 @@ from lightning_speedkit.distributed import (
     DDPHalfPrecisionStrategy,
     DDPPowerSGDStrategy,
     DeepSpeedZeRO2Strategy,
+    FSDP2ZeRO2Strategy,
     FSDPZeRO2Strategy,
     HangWatchdog,
     plan_memory,
@@ -39,6 +40,7 @@ __all__ = [
     "DDPHalfPrecisionStrategy",
     "DDPPowerSGDStrategy",
     "DeepSpeedZeRO2Strategy",
+    "FSDP2ZeRO2Strategy",
     "FSDPZeRO2Strategy",
     "FlopCount",
     "HangWatchdog",
@@ -73,6 +75,7 @@ def _register_strategies() -> None:
         DDPHalfPrecisionStrategy,
         DeepSpeedZeRO2Strategy,
         FSDPZeRO2Strategy,
+        FSDP2ZeRO2Strategy,
     ):
         strategy.register_strategies(registry)
 

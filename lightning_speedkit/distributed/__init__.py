@@ -8,6 +8,7 @@ from lightning_speedkit.distributed.activation_checkpointing import (
     uncheckpoint_blocks,
 )
 from lightning_speedkit.distributed.deepspeed_zero2 import DeepSpeedZeRO2Strategy, zero2_bucket_size
+from lightning_speedkit.distributed.fsdp2_zero2 import FSDP2ZeRO2Strategy, apply_fsdp2_zero2
 from lightning_speedkit.distributed.fsdp_zero2 import FSDPZeRO2Strategy
 from lightning_speedkit.distributed.hang_watchdog import HangEvent, HangWatchdog, RankProgress
 from lightning_speedkit.distributed.plan_memory import MemoryEstimate, MemoryPlan, plan_memory
@@ -18,12 +19,14 @@ __all__ = [
     "DDPHalfPrecisionStrategy",
     "DDPPowerSGDStrategy",
     "DeepSpeedZeRO2Strategy",
+    "FSDP2ZeRO2Strategy",
     "FSDPZeRO2Strategy",
     "HangEvent",
     "HangWatchdog",
     "MemoryEstimate",
     "MemoryPlan",
     "RankProgress",
+    "apply_fsdp2_zero2",
     "checkpoint_blocks",
     "checkpointed_blocks",
     "plan_memory",
