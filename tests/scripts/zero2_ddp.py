@@ -2,6 +2,8 @@
 
 An epoch is 4 steps (64 samples, 2 ranks, micro-batches of 8), so a checkpoint every
 4 steps falls on an epoch end and a resumed run sees the same data as an unbroken one.
+``--accelerator``, ``--devices`` and ``--precision`` go to the Trainer (default: two
+CPU processes in fp32).
 
 Each rank writes its losses, global step, the bytes of optimizer state it holds and
 its parameters. ``--save-every N`` checkpoints every N steps; ``--resume PATH`` goes on
@@ -20,6 +22,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_speedkit import ActivationCheckpointing, ProfilerSchedule  # registers strategies
@@ -80,12 +83,17 @@ class Task(L.LightningModule):
         return DataLoader(data, batch_size=MICRO, sampler=sampler)
 
 
+def local(value: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor (FSDP2's states are DTensors: numel() is the whole)."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
 def optimizer_state_bytes(trainer: L.Trainer) -> int:
     optimizer: Any = trainer.optimizers[0]
     while not isinstance(optimizer, torch.optim.Optimizer):  # DeepSpeed's ZeRO wrapper
         optimizer = optimizer.optimizer
     return sum(
-        value.numel() * value.element_size()
+        local(value).numel() * value.element_size()
         for state in optimizer.state.values()
         for value in state.values()
         if isinstance(value, torch.Tensor) and value.dim() > 0
@@ -101,6 +109,9 @@ def main() -> None:
     parser.add_argument("--resume", type=Path, default=None)
     parser.add_argument("--checkpointing", action="store_true", help="ActivationCheckpointing")
     parser.add_argument("--profile", action="store_true", help="ProfilerSchedule, one window")
+    parser.add_argument("--accelerator", default="cpu")
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--precision", default="32-true")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
@@ -117,7 +128,8 @@ def main() -> None:
         callbacks.append(ModelCheckpoint(args.out / "ckpt", every_n_train_steps=args.save_every,
                                          save_top_k=-1))  # fmt: skip
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=args.strategy, max_steps=args.steps,
+        accelerator=args.accelerator, devices=args.devices, precision=args.precision,
+        strategy=args.strategy, max_steps=args.steps,
         logger=False, callbacks=callbacks, enable_checkpointing=bool(args.save_every),
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
     )  # fmt: skip
