@@ -133,6 +133,7 @@ def test_every_registered_strategy_name_resolves() -> None:
         "ddp_fp16_compress": lightning_speedkit.DDPHalfPrecisionStrategy,
         "ddp_bf16_compress": lightning_speedkit.DDPHalfPrecisionStrategy,
         "fsdp_zero2": lightning_speedkit.FSDPZeRO2Strategy,
+        "fsdp2_zero2": lightning_speedkit.FSDP2ZeRO2Strategy,
         "deepspeed_zero2": lightning_speedkit.DeepSpeedZeRO2Strategy,
         "deepspeed_zero2_offload": lightning_speedkit.DeepSpeedZeRO2Strategy,
     }

@@ -36,7 +36,13 @@ def _kit_entries() -> dict[str, tuple[object, str, dict[str, object]]]:
 def test_reimport_registers_each_strategy_name_once() -> None:
     before = _kit_entries()
     names = set(StrategyRegistry)
-    assert {"ddp_powersgd", "ddp_fp16_compress", "ddp_bf16_compress", "fsdp_zero2"} <= set(before)
+    assert {
+        "ddp_powersgd",
+        "ddp_fp16_compress",
+        "ddp_bf16_compress",
+        "fsdp_zero2",
+        "fsdp2_zero2",
+    } <= set(before)
     assert {"deepspeed_zero2", "deepspeed_zero2_offload"} <= set(before)
     importlib.reload(lightning_speedkit)  # raised "already present in the registry" before
     importlib.reload(lightning_speedkit)
