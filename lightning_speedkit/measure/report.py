@@ -34,7 +34,7 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -333,8 +333,15 @@ def amend_for_callbacks(report: Report, callbacks: Iterable[str]) -> None:
 def load_trace(trace: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     """A chrome trace as a dict (a path to ``.json`` or ``.json.gz``, or the dict itself)."""
     if isinstance(trace, Mapping):
-        return dict(trace)
+        given = dict(trace)
+        if isinstance(given.get("traceEvents"), list):
+            _check_events(given, "The trace")
+        return given
     path = Path(trace)
+    if path.is_dir():
+        raise SpeedkitConfigError(
+            f"{path} is a directory, not a trace; give one of its .json or .json.gz traces."
+        )
     if not path.is_file():
         raise SpeedkitConfigError(f"No trace at {path}.")
     opener: Any = gzip.open if path.suffix == ".gz" else open
@@ -349,7 +356,60 @@ def load_trace(trace: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         data = {"traceEvents": data}
     if not isinstance(data, dict) or not isinstance(data.get("traceEvents"), list):
         raise SpeedkitConfigError(f"{path} has no `traceEvents`: not a chrome trace.")
+    _check_events(data, str(path))
     return data
+
+
+def _check_events(data: Mapping[str, Any], where: str) -> None:
+    """Refuse a trace the analysis cannot read, naming the first bad event: events are
+    JSON objects, a complete event's (``"ph": "X"``) times are finite microseconds, its
+    ids are numbers or strings, and memory figures are numbers."""
+    fix = "give a trace written by torch.profiler (ProfilerSchedule, Lightning's PyTorchProfiler)"
+
+    def refuse(what: str, value: Any, why: str) -> NoReturn:
+        raise SpeedkitConfigError(f"{where}: {what} is {_shown(value)}, {why}; {fix}.")
+
+    for i, event in enumerate(data["traceEvents"]):
+        if not isinstance(event, dict):
+            refuse(f"event {i}", event, "not a JSON object")
+        args = event.get("args", {})
+        if not isinstance(args, dict) and (args is not None or event.get("name") == "[memory]"):
+            refuse(f"event {i}'s `args`", args, "not a JSON object")
+        args = args or {}
+        if event.get("name") == "[memory]" and not _is_number(args.get("Total Reserved", 0)):
+            refuse(f"event {i}'s `Total Reserved`", args["Total Reserved"], "not a number")
+        if event.get("ph") != "X" or "ts" not in event:
+            continue  # instants, counters and metadata: the analysis reads no more of them
+        for key in ("ts", "dur"):
+            if key in event and not _is_number(event[key]):
+                refuse(f"event {i}'s `{key}`", event[key], "not a finite number of microseconds")
+        for key, value in [("tid", event.get("tid"))] + [(k, args.get(k)) for k in _IDS]:
+            if isinstance(value, (list, dict)):
+                refuse(f"event {i}'s `{key}`", value, "not an id (a number or a string)")
+    devices = data.get("deviceProperties") or []
+    if not isinstance(devices, list):
+        refuse("`deviceProperties`", devices, "not a JSON array")
+    for device in devices:
+        if isinstance(device, dict) and not _is_number(device.get("totalGlobalMem", 0)):
+            refuse("`deviceProperties`' `totalGlobalMem`", device["totalGlobalMem"], "not a number")
+
+
+_IDS = ("correlation", "External id", "Python id", "Python parent id")
+"""The ``args`` that link events (kernel to launch, Python frame to caller): dict keys."""
+
+
+def _is_number(value: Any) -> bool:
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        return False
+    try:
+        return abs(float(value)) < float("inf")  # False for NaN too
+    except ValueError:
+        return False
+
+
+def _shown(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[: limit - 3]}..."
 
 
 @dataclass
