@@ -3,6 +3,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import os
 import shutil
 import subprocess
 import sys
@@ -81,8 +82,7 @@ def test_plan_on_cpu_counts_single_tensor_adams_temporaries(
     # One flat partition of 5e8 fp32 parameters: two whole-partition temporaries on CPU
     # (8 bytes each), one on CUDA (4 bytes): 2 GB apart, 1.86 GiB.
     assert totals["cpu"] - totals["cuda"] == pytest.approx(2e9 / 2**30, abs=0.02)
-    with pytest.raises(SystemExit):
-        main([*args, "--device", "gpu"])
+    assert main([*args, "--device", "gpu"]) == 2
     assert "invalid choice: 'gpu'" in capsys.readouterr().err
 
 
@@ -95,9 +95,7 @@ def test_console_script_is_installed() -> None:
 
 @pytest.mark.parametrize("flag", ["--steps", "--batch-size", "--devices", "--global-batch"])
 def test_demo_refuses_non_positive_counts(flag: str, capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as info:
-        main(["demo", flag, "0"])
-    assert info.value.code == 2
+    assert main(["demo", flag, "0"]) == 2
     assert f"argument {flag}: must be a positive integer, got 0" in capsys.readouterr().err
 
 
@@ -225,19 +223,6 @@ def test_demo_can_do_one_run(demo_corpus: Path, tmp_path: Path) -> None:
     assert only["run"] == "plain"
 
 
-def test_demo_unwritable_data_dir_is_a_clean_error(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    blocker = tmp_path / "file"
-    blocker.write_text("")
-    code = main(["demo", "--steps", "1", "--data-dir", str(blocker / "data")])
-    assert code == 2
-    err = capsys.readouterr().err
-    assert err.startswith("speedkit demo: error: Cannot write the example corpus")
-    assert str(blocker / "data") in err
-    assert "--data-dir" in err
-
-
 def test_the_demo_kit_caches_only_where_loading_runs_in_process(small_corpus: Path) -> None:
     data = _KitVLMData(small_corpus, batch_size=8, corpus=SMALL_CORPUS, progress=False)
     data.setup("fit")
@@ -247,3 +232,305 @@ def test_the_demo_kit_caches_only_where_loading_runs_in_process(small_corpus: Pa
     assert loader.num_workers == 2
     assert not isinstance(loader.dataset, SampleCache)
     assert data.sample_cache is None
+
+
+# ------------------------------------------------------------------ bad input: one line
+
+
+def _trace_files(root: Path) -> None:
+    """Traces the report must refuse, each for one reason, and one it reads."""
+    from tests.measure.test_report import synthetic_gpu_trace
+
+    x = {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "ts": 1, "dur": 2, "tid": 1}
+    traces: dict[str, Any] = {
+        "good.json": synthetic_gpu_trace(),
+        "list.json": [1, 2, 3],
+        "strings.json": {"traceEvents": ["aten::mm"]},
+        "ts.json": {"traceEvents": [{**x, "ts": "soon"}]},
+        "dur.json": {"traceEvents": [x, {**x, "dur": None}]},
+        "nan.json": {"traceEvents": [{**x, "ts": float("nan")}]},
+        "args.json": {"traceEvents": [{**x, "args": [1]}]},
+        "tid.json": {"traceEvents": [{**x, "tid": [1]}]},
+        "memory.json": {
+            "traceEvents": [{"ph": "i", "name": "[memory]", "args": {"Total Reserved": "lots"}}]
+        },
+        "devices.json": {"traceEvents": [x], "deviceProperties": 5},
+    }
+    for name, content in traces.items():
+        (root / name).write_text(json.dumps(content))
+    (root / "empty.json").write_text("")
+    (root / "afile").write_text("a file, not a directory")
+    (root / "locked").mkdir()
+    (root / "locked" / "good.json").write_text(json.dumps(traces["good.json"]))
+
+
+# Each row: a command line ({tmp}: a directory holding _trace_files), and what its one
+# line on stderr must say: the flag (or file) and the bad value, and why where it helps.
+BAD_INPUT = [
+    # report: traces of the wrong shape, the trace a directory, --out where nothing can go
+    ("report {tmp}/list.json", ["list.json", "event 0 is 1, not a JSON object"]),
+    ("report {tmp}/strings.json", ["strings.json", "event 0 is 'aten::mm', not a JSON object"]),
+    ("report {tmp}/ts.json", ["ts.json", "event 0's `ts` is 'soon', not a finite number"]),
+    ("report {tmp}/dur.json", ["dur.json", "event 1's `dur` is None"]),
+    ("report {tmp}/nan.json", ["nan.json", "`ts` is nan"]),
+    ("report {tmp}/args.json", ["args.json", "`args` is [1], not a JSON object"]),
+    ("report {tmp}/tid.json", ["tid.json", "`tid` is [1], not an id"]),
+    ("report {tmp}/memory.json", ["memory.json", "`Total Reserved` is 'lots', not a number"]),
+    ("report {tmp}/devices.json", ["devices.json", "`deviceProperties` is 5"]),
+    ("report {tmp}/empty.json", ["empty.json", "is not a chrome trace"]),
+    ("report {tmp}/missing.json", ["No trace at", "missing.json"]),
+    ("report {tmp}", ["is a directory, not a trace"]),
+    ("report {tmp}/good.json --out {tmp}/afile", ["--out", "afile", "is a file"]),
+    ("report {tmp}/good.json --out {tmp}/afile/reports", ["--out", "afile/reports", "is a file"]),
+    ("report {tmp}/good.json --out {tmp}/locked/reports", ["--out", "locked", "not writable"]),
+    ("report {tmp}/locked/good.json", ["--out (default: the trace's directory)", "not writable"]),
+    ("report {tmp}/good.json --step-ms inf", ["--step-ms", "got inf"]),
+    ("report {tmp}/good.json --step-ms 0", ["--step-ms", "got 0"]),
+    # plan: numbers finite and in range, --model that cannot build a model
+    ("plan --params inf --gpus 2", ["--params", "got inf"]),
+    ("plan --params nan --gpus 2", ["--params", "got nan"]),
+    ("plan --params 0.5 --gpus 2", ["--params", "got 0.5"]),
+    ("plan --params 7B --gpus 2", ["--params", "got '7B'"]),
+    ("plan --params 1e9 --trainable nan --gpus 2", ["--trainable", "got nan"]),
+    ("plan --params 1e9 --trainable -5 --gpus 2", ["--trainable", "got -5"]),
+    ("plan --params 1e9 --trainable 2e9 --gpus 2", ["--trainable", "2,000,000,000", "--params"]),
+    ("plan --params 7e10 --gpus 1 --gpu-mem 80 --headroom 1.5", ["--headroom", "got 1.5"]),
+    ("plan --params 1e9 --gpus 2 --headroom 0", ["--headroom", "got 0"]),
+    ("plan --params 1e9 --gpus 2 --gpu-mem inf", ["--gpu-mem", "got inf"]),
+    ("plan --params 1e9 --gpus 0", ["--gpus", "got 0"]),
+    ("plan --params 1e9", ["--gpus", "required"]),
+    ("plan --params 1e9 --gpus 2 --seq 4096", ["`--batch`", "`--hidden`", "`--layers`"]),
+    ("plan --params 1e9 --gpus 2 --heads 8", ["--heads", "--hidden"]),
+    ("plan --model speedkit_examples.vlm --gpus 2", ["--model", "MODULE:FACTORY"]),
+    (
+        "plan --model not_a_module_xyz:build --gpus 2",
+        ["--model", "cannot import 'not_a_module_xyz'"],
+    ),
+    ("plan --model speedkit_examples.vlm:nothing --gpus 2", ["--model", "'nothing'"]),
+    (
+        "plan --model speedkit_examples.vlm:VLMTask --gpus 2",
+        ["--model", "needs arguments (config)"],
+    ),
+    ("plan --model speedkit_examples.vlm:VLM --gpus 2 --trainable 1e9", ["--trainable", "229,952"]),
+    # bench-attention: devices, shapes, the output directory: all before any timing
+    ("bench-attention --device tpu", ["--device", "'tpu'"]),
+    ("bench-attention --device cuda", ["--device", "cuda", "--device cpu"]),
+    ("bench-attention --out {tmp}/afile", ["--out", "afile", "is a file"]),
+    ("bench-attention --out {tmp}/afile/results", ["--out", "afile/results"]),
+    ("bench-attention --memory-limit -1", ["--memory-limit", "got -1"]),
+    ("bench-attention --memory-limit nan", ["--memory-limit", "got nan"]),
+    ("bench-attention --heads 8 --kv-heads 8 3", ["--kv-heads", "3 does not divide --heads 8"]),
+    ("bench-attention --seq 0", ["--seq", "got 0"]),
+    ("bench-attention --backends fastest", ["--backends", "'fastest'"]),
+    ("bench-attention --dtype float64", ["--dtype", "'float64'"]),
+    # bench-allreduce: processes, sizes, --json: all before any process starts
+    ("bench-allreduce --nprocs 1", ["--nprocs", "got 1"]),
+    ("bench-allreduce --backend nccl", ["--backend", "nccl", "--nprocs 2", "0 GPU(s)"]),
+    ("bench-allreduce --backend mpi", ["--backend", "'mpi'"]),
+    ("bench-allreduce --sizes 4KB infKB", ["--sizes", "'infKB'"]),
+    ("bench-allreduce --sizes 2B", ["--sizes", "'2B'", "smaller than one float32"]),
+    ("bench-allreduce --sizes lots", ["--sizes", "'lots'"]),
+    ("bench-allreduce --iters 0", ["--iters", "got 0"]),
+    ("bench-allreduce --warmup -1", ["--warmup", "got -1"]),
+    ("bench-allreduce --json {tmp}/afile/rows.json", ["--json", "afile/rows.json", "is a file"]),
+    ("bench-allreduce --json {tmp}", ["--json", "is a directory"]),
+    # demo: accelerators, precisions, seeds, directories: all before any training
+    ("demo --accelerator tpu", ["--accelerator", "'tpu'"]),
+    ("demo --accelerator gpu", ["--accelerator", "gpu", "--accelerator cpu"]),
+    ("demo --precision bogus", ["--precision", "'bogus'"]),
+    ("demo --precision bf16", ["--precision", "'bf16'", "'bf16-mixed'"]),
+    ("demo --size huge", ["--size", "'huge'"]),
+    ("demo --seed -1", ["--seed", "got -1"]),
+    ("demo --seed 4294967296", ["--seed", "got 4294967296"]),
+    ("demo --num-workers -1", ["--num-workers", "got -1"]),
+    ("demo --devices 0", ["--devices", "got 0"]),
+    ("demo --only both", ["--only", "'both'"]),
+    ("demo --output-dir {tmp}/afile", ["--output-dir", "afile", "is a file"]),
+    ("demo --output-dir {tmp}/afile/runs", ["--output-dir", "afile/runs"]),
+    ("demo --data-dir {tmp}/afile/corpus", ["--data-dir", "afile/corpus", "is a file"]),
+    # the command itself
+    ("", ["COMMAND", "required"]),
+    ("train", ["invalid choice: 'train'"]),
+    ("plan --params 1e9 --gpus 2 --bogus", ["unrecognized arguments: --bogus"]),
+]
+
+# The library's names for what the command line calls by its flags.
+PYTHON_NAMES = ("world_size", "n_params", "trainable_params", "n_devices", "kv_heads", "seq_lens",
+                "memory_limit_gib", "data_dir", "output_dir", "unprofiled_step_ms")  # fmt: skip
+
+
+@pytest.fixture
+def no_long_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-only machine, and the training and benchmarks replaced by a failure: a row
+    that reached them checked its input too late."""
+    import torch
+
+    from lightning_speedkit import _demo
+    from lightning_speedkit.attention import bench
+    from lightning_speedkit.distributed import allreduce_bench
+
+    def too_late(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("the input was checked after the long work began")
+
+    monkeypatch.setattr(_demo, "run_demo", too_late)
+    monkeypatch.setattr(bench, "bench_attention", too_late)
+    monkeypatch.setattr(allreduce_bench, "bench_allreduce", too_late)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+
+
+@pytest.mark.parametrize(("command", "says"), BAD_INPUT, ids=[c or "nothing" for c, _ in BAD_INPUT])
+@pytest.mark.usefixtures("no_long_work")
+def test_bad_input_is_one_line_on_stderr_and_exit_status_2(
+    command: str,
+    says: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    _trace_files(tmp_path)
+    locked = str(tmp_path / "locked")
+    access = os.access  # a directory nobody may write in (root may write anywhere)
+    monkeypatch.setattr(
+        os, "access", lambda p, mode, **kw: str(p) != locked and access(p, mode, **kw)
+    )
+    argv = [arg.format(tmp=tmp_path) for arg in command.split()]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.endswith("\n")
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    name = "speedkit" + (f" {argv[0]}" if argv and argv[0] in _subcommands() else "")
+    assert err.startswith((f"{name}: error: ", "speedkit: error: ")), err
+    for text in says:
+        assert text in err, (text, err)
+    assert not [name for name in PYTHON_NAMES if name in err]
+
+
+def test_the_kits_own_refusals_speak_of_flags(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_speedkit import SpeedkitConfigError
+    from lightning_speedkit.distributed import allreduce_bench
+    from speedkit_examples.vlm import DataDirectoryError
+
+    def refuse(*args: Any, **kwargs: Any) -> None:
+        raise SpeedkitConfigError(
+            "`world_size` must be at least 2 for an all-reduce,\ngot 1; `iters=0` too."
+        )
+
+    monkeypatch.setattr(allreduce_bench, "bench_allreduce", refuse)
+    assert main(["bench-allreduce"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "speedkit bench-allreduce: error: `--nprocs` must be at least 2 for an all-reduce, "
+        "got 1; `--iters 0` too.\n"
+    )
+
+    def unwritable(*args: Any, **kwargs: Any) -> None:
+        raise DataDirectoryError(
+            "Cannot write the example corpus under `data_dir`='/data': Permission denied. "
+            "Pass a writable directory: `speedkit demo --data-dir DIR`."
+        )
+
+    monkeypatch.setattr("lightning_speedkit._demo.run_demo", unwritable)
+    assert main(["demo", "--accelerator", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("speedkit demo: error: Cannot write the example corpus under "
+                          "`--data-dir`='/data': Permission denied.")  # fmt: skip
+    assert len(err.splitlines()) == 1
+
+
+def test_an_unexpected_error_keeps_its_traceback(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib
+
+    plan_memory = importlib.import_module("lightning_speedkit.distributed.plan_memory")
+
+    for bug in (ZeroDivisionError("a bug, not bad input"), OSError(5, "Input/output error")):
+
+        def broken(*args: Any, bug: Exception = bug, **kwargs: Any) -> None:
+            raise bug
+
+        monkeypatch.setattr(plan_memory, "plan_memory", broken)
+        with pytest.raises(type(bug)) as info:  # an OSError too: not an output path's
+            main(["plan", "--params", "1e9", "--gpus", "2"])
+        assert info.value is bug
+
+
+def test_an_output_that_fails_to_write_after_the_checks_is_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_speedkit.measure.report import Report
+
+    _trace_files(tmp_path)
+
+    def disk_full(self: Report, directory: Path, stem: str = "") -> list[Path]:
+        raise OSError(28, "No space left on device", str(Path(directory) / f"{stem}.md"))
+
+    monkeypatch.setattr(Report, "write", disk_full)
+    assert main(["report", str(tmp_path / "good.json"), "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        f"speedkit report: error: argument --out: cannot write "
+        f"'{tmp_path / 'r' / 'good.report.md'}': No space left on device\n"
+    )
+
+
+def test_plan_builds_the_example_model_its_help_names(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    from speedkit_examples.vlm import VLM, CaptionTokenizer, VLMConfig
+
+    assert main(["plan", "--model", "speedkit_examples.vlm:VLM", "--gpus", "2"]) == 0
+    out = capsys.readouterr().out
+    expected = sum(p.numel() for p in VLM(VLMConfig(CaptionTokenizer().vocab_size)).parameters())
+    assert expected > 0
+    assert out.splitlines()[0] == (
+        f"speedkit_examples.vlm:VLM (VLMConfig's defaults): {expected:,} parameters, "
+        f"{expected:,} trainable"
+    )
+    ddp = next(line for line in out.splitlines() if line.startswith("ddp "))
+    assert float(ddp.split()[4]) == pytest.approx(16 * expected / 2**30, abs=0.01)
+    assert torch.get_default_device() == torch.device("cpu")  # the meta device was left
+
+
+def test_plan_imports_a_model_factory_from_the_current_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "my_models_xyz.py").write_text(
+        "import torch\n\ndef build():\n    return torch.nn.Linear(10, 10)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    path = list(sys.path)
+    assert main(["plan", "--model", "my_models_xyz:build", "--gpus", "1"]) == 0
+    assert capsys.readouterr().out.startswith("my_models_xyz:build: 110 parameters, 110 trainable")
+    assert sys.path == path
+    sys.modules.pop("my_models_xyz", None)
+
+
+def test_bench_allreduce_writes_its_json_into_a_new_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from lightning_speedkit.distributed import allreduce_bench
+    from lightning_speedkit.distributed.allreduce_bench import AllReduceResult
+
+    row = AllReduceResult("gloo", 2, 4096, 50.0, 0.08192, 0.08192)
+    monkeypatch.setattr(allreduce_bench, "bench_allreduce", lambda *args: [row])
+    target = tmp_path / "results" / "today" / "allreduce.json"
+    assert main(["bench-allreduce", "--sizes", "4KB", "--json", str(target)]) == 0
+    assert "4KB" in capsys.readouterr().out
+    assert json.loads(target.read_text()) == [
+        {"backend": "gloo", "world_size": 2, "bytes": 4096, "time_us": 50.0,
+         "algbw_gbps": 0.08192, "busbw_gbps": 0.08192}
+    ]  # fmt: skip
+
+
+def test_speak_of_flags_leaves_paths_and_unknown_names_alone() -> None:
+    from lightning_speedkit.cli import speak_of_flags
+
+    flags = {"data_dir": "--data-dir", "heads": "--heads"}
+    assert speak_of_flags("`data_dir`='/srv/data_dir/x' or data_dir.", flags) == (
+        "`--data-dir`='/srv/data_dir/x' or --data-dir."
+    )
+    assert speak_of_flags("`heads=3`, heads, `other`", flags) == "`--heads 3`, heads, `other`"
