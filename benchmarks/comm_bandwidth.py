@@ -30,74 +30,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-NS = ("speedkit_ns0", "speedkit_ns1")
-VETH = ("speedkit_v0", "speedkit_v1")
-ADDR = ("10.231.0.1", "10.231.0.2")
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # shared with ddp_buckets.py
+from netns_link import VethLink, ensure_iproute2, exit_on_sigterm, interface_bytes
+
+LINK = VethLink("speedkit")
 STRATEGIES = ("ddp", "ddp_fp16_compress", "ddp_powersgd")
-
-
-def _sh(*cmd: str, check: bool = True) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(cmd, check=check, capture_output=True, text=True)
-
-
-def _ensure_iproute2() -> None:
-    if shutil.which("ip") and shutil.which("tc"):
-        return
-    _sh("apt-get", "update")
-    _sh("apt-get", "install", "-y", "iproute2")
-
-
-def setup_link() -> None:
-    cleanup()
-    for ns in NS:
-        _sh("ip", "netns", "add", ns)
-        _sh("ip", "-n", ns, "link", "set", "lo", "up")
-    _sh(
-        "ip",
-        "link",
-        "add",
-        VETH[0],
-        "netns",
-        NS[0],
-        "type",
-        "veth",
-        "peer",
-        "name",
-        VETH[1],
-        "netns",
-        NS[1],
-    )
-    for ns, dev, addr in zip(NS, VETH, ADDR, strict=True):
-        _sh("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
-        _sh("ip", "-n", ns, "link", "set", dev, "up")
-
-
-def shape(rate: str) -> None:
-    for ns, dev in zip(NS, VETH, strict=True):
-        _sh(
-            "ip",
-            "netns",
-            "exec",
-            ns,
-            "tc",
-            "qdisc",
-            "replace",
-            "dev",
-            dev,
-            "root",
-            "tbf",
-            "rate",
-            rate,
-            "burst",
-            "256kb",
-            "latency",
-            "50ms",
-        )
-
-
-def cleanup() -> None:
-    for ns in NS:
-        _sh("ip", "netns", "delete", ns, check=False)
 
 
 # --- one rank ------------------------------------------------------------------------------
@@ -116,7 +53,6 @@ def worker(args: argparse.Namespace) -> None:
 
     faulthandler.dump_traceback_later(args.stack_after, exit=True)  # a hung rank says where
     rank = args.rank
-    tx_path = Path(f"/sys/class/net/{VETH[rank]}/statistics/tx_bytes")
 
     class Wide(L.LightningModule):
         def __init__(self) -> None:
@@ -138,7 +74,7 @@ def worker(args: argparse.Namespace) -> None:
 
         def on_train_batch_end(self, *a: Any) -> None:
             self.stamps.append(time.perf_counter())
-            self.tx.append(int(tx_path.read_text()))
+            self.tx.append(interface_bytes(LINK.interfaces[rank])[0])
 
     strategy: Any = args.strategy
     if args.strategy == "ddp_powersgd":
@@ -175,24 +111,8 @@ def run_pair(args: argparse.Namespace, strategy: str, out_dir: Path) -> list[dic
     port = str(29_500 + int(time.time()) % 1000)
     procs = []
     for rank in (0, 1):
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(("PL_", "MASTER_", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK"))
-        }
-        env.update(
-            MASTER_ADDR=ADDR[0],
-            MASTER_PORT=port,
-            WORLD_SIZE="2",
-            NODE_RANK=str(rank),
-            LOCAL_RANK="0",
-            GLOO_SOCKET_IFNAME=VETH[rank],
-        )
+        env = LINK.node_env(rank, int(port))
         cmd = [
-            "ip",
-            "netns",
-            "exec",
-            NS[rank],
             sys.executable,
             __file__,
             "--worker",
@@ -213,6 +133,7 @@ def run_pair(args: argparse.Namespace, strategy: str, out_dir: Path) -> list[dic
             "--warmup",
             str(args.warmup),
         ]
+        cmd = LINK.command(rank, cmd)
         # To files, not pipes: a rank blocked on a full pipe would stall the other in a collective.
         log = open(out_dir / f"{strategy}{rank}.log", "w")  # noqa: SIM115
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
@@ -221,16 +142,6 @@ def run_pair(args: argparse.Namespace, strategy: str, out_dir: Path) -> list[dic
             err = (out_dir / f"{strategy}{rank}.log").read_text()
             raise RuntimeError(f"{strategy}: rank {rank} failed:\n{err[-3000:]}")
     return [json.loads((out_dir / f"{strategy}{r}.json").read_text()) for r in (0, 1)]
-
-
-def _exit_on_sigterm() -> None:
-    """Let SIGTERM (e.g. from ``timeout``) unwind, so the namespaces are deleted."""
-    import signal
-
-    def handler(signum: int, frame: Any) -> None:
-        raise SystemExit(f"terminated by signal {signum}")
-
-    signal.signal(signal.SIGTERM, handler)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any] | None:
@@ -255,15 +166,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         return None
     if os.geteuid() != 0:
         sys.exit("comm_bandwidth.py creates network namespaces and shapes links: run it as root.")
-    _ensure_iproute2()
-    _exit_on_sigterm()
+    ensure_iproute2()
+    exit_on_sigterm()
     rows = []
     scratch = Path(args.out).with_suffix(".runs")
     scratch.mkdir(parents=True, exist_ok=True)
     try:
-        setup_link()
+        LINK.create()
         for rate in args.rates:
-            shape(rate)
+            LINK.shape(rate)
             for strategy in STRATEGIES:
                 ranks = run_pair(args, strategy, scratch)
                 rows.append(
@@ -282,7 +193,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
                     flush=True,
                 )
     finally:
-        cleanup()
+        LINK.delete()
         shutil.rmtree(scratch, ignore_errors=True)
     grad_mib = args.width * args.width * args.layers * 4 / 2**20
     print(
