@@ -5,10 +5,17 @@ checkpointing) go through here: they replace a module's ``forward`` on the
 instance, never its parameters or buffers, so state_dict keys, the optimizer's
 parameter references and checkpoints of the unchanged model all stay valid, and
 :func:`restore_forward` undoes it exactly.
+
+The replacement is kept in an attribute, and ``module.forward`` becomes the module's
+bound method of one function, the same for every module, that calls it: so
+torch.compile traces all instances of a block class into one graph. (With a
+per-instance callable as ``forward``, dynamo guards on its identity and compiles
+once per instance, and past its recompile limit of 8 blocks not at all.)
 """
 
 from __future__ import annotations
 
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -18,6 +25,18 @@ from lightning_speedkit.errors import SpeedkitConfigError
 
 #: Instance attribute holding a forward that the module had before ours (rare: another tool's).
 _PREVIOUS = "_speedkit_previous_forward"
+#: Instance attribute holding the kit's forward, which ``module.forward`` calls.
+_REPLACED = "_speedkit_forward"
+
+
+def _call_replaced(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """``module.forward`` while the kit has replaced it (the same function for every module)."""
+    return getattr(self, _REPLACED)(*args, **kwargs)
+
+
+def _install(module: nn.Module, forward: Callable[..., Any]) -> None:
+    module.__dict__[_REPLACED] = forward
+    module.__dict__["forward"] = types.MethodType(_call_replaced, module)
 
 
 def refuse_wrapped(model: nn.Module, what: str) -> None:
@@ -47,7 +66,9 @@ def original_forward(module: nn.Module) -> Callable[..., Any]:
     if _PREVIOUS in module.__dict__:
         previous: Callable[..., Any] = module.__dict__[_PREVIOUS]
         return previous
-    instance: Callable[..., Any] | None = module.__dict__.get("forward")
+    instance: Callable[..., Any] | None = module.__dict__.get(
+        _REPLACED, module.__dict__.get("forward")
+    )
     if instance is not None:
         return instance
     bound: Callable[..., Any] = type(module).forward.__get__(module)
@@ -56,19 +77,25 @@ def original_forward(module: nn.Module) -> Callable[..., Any]:
 
 def replace_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
     """Make ``module(...)`` call ``forward``; parameters and buffers untouched."""
-    if "forward" in module.__dict__ and _PREVIOUS not in module.__dict__:
-        module.__dict__[_PREVIOUS] = module.__dict__["forward"]
-    module.__dict__["forward"] = forward
+    current = module.__dict__.get(_REPLACED, module.__dict__.get("forward"))
+    if current is not None and _PREVIOUS not in module.__dict__:
+        module.__dict__[_PREVIOUS] = current
+    _install(module, forward)
 
 
 def restore_forward(module: nn.Module) -> None:
     """Undo :func:`replace_forward`."""
+    module.__dict__.pop(_REPLACED, None)
     module.__dict__.pop("forward", None)
     if _PREVIOUS in module.__dict__:
-        module.__dict__["forward"] = module.__dict__.pop(_PREVIOUS)
+        previous = module.__dict__.pop(_PREVIOUS)
+        if getattr(previous, "_speedkit", False):  # the kit's own, from before: as it was
+            _install(module, previous)
+        else:
+            module.__dict__["forward"] = previous
 
 
 def replaced_forward(module: nn.Module) -> Any:
     """The forward the kit put on ``module`` (marked ``_speedkit``), or ``None``."""
-    forward = module.__dict__.get("forward")
+    forward = module.__dict__.get(_REPLACED)
     return forward if getattr(forward, "_speedkit", False) else None
