@@ -154,19 +154,34 @@ def _settings(loader: DataLoader[Any]) -> dict[str, Any]:
 
 
 def rebuild_dataloader(
-    loader: DataLoader[Any], *, timeout: float | None = None, **settings: Any
+    loader: DataLoader[Any],
+    *,
+    timeout: float | None = None,
+    batch_size: int | None = None,
+    **settings: Any,
 ) -> DataLoader[Any]:
     """A new DataLoader like ``loader`` with the given worker settings changed.
 
     The sampler (or custom batch sampler) object itself is reused, so the order,
     shuffling, generator, batch size and drop_last are exactly the user's.
     ``timeout`` (seconds a worker may take per batch) is the loader's unless given.
+    ``batch_size``, when given, replaces the loader's; a loader batched by a custom
+    batch sampler, or not batched by the loader at all, cannot take one.
     """
     unknown = set(settings) - set(TUNED_KEYS)
     if unknown:
         raise SpeedkitConfigError(
             f"Cannot rebuild a DataLoader with {sorted(unknown)}; only {TUNED_KEYS}."
         )
+    if batch_size is not None and (
+        loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler
+    ):
+        batcher = type(loader.batch_sampler).__name__ if loader.batch_sampler else "the dataset"
+        raise SpeedkitConfigError(
+            f"`batch_size` cannot be changed to {batch_size} on this DataLoader: its batches "
+            f"come from {batcher}, not from a batch size. Set the size there yourself."
+        )
+    size = loader.batch_size if batch_size is None else batch_size
     kwargs: dict[str, Any] = {
         "dataset": loader.dataset,
         "collate_fn": loader.collate_fn,
@@ -179,15 +194,13 @@ def rebuild_dataloader(
         **settings,
     }
     if isinstance(loader.dataset, IterableDataset):
-        kwargs.update(batch_size=loader.batch_size, drop_last=loader.drop_last)
+        kwargs.update(batch_size=size, drop_last=loader.drop_last)
     elif loader.batch_size is None and loader.batch_sampler is None:
         kwargs.update(batch_size=None, sampler=loader.sampler)  # automatic batching off
     elif type(loader.batch_sampler) is BatchSampler:
         # Spelled out rather than passed as a batch_sampler, so that Lightning, which reads
         # batch_size and sampler back to inject a DistributedSampler, sees them.
-        kwargs.update(
-            sampler=loader.sampler, batch_size=loader.batch_size, drop_last=loader.drop_last
-        )
+        kwargs.update(sampler=loader.sampler, batch_size=size, drop_last=loader.drop_last)
     else:
         kwargs["batch_sampler"] = loader.batch_sampler
     if kwargs["num_workers"] == 0:  # options DataLoader refuses without workers

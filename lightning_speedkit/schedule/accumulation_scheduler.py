@@ -402,6 +402,15 @@ class AccumulationScheduler(L.Callback):
             return start[0] if start else (self._micro or 1)
         return self.target_global_batch or (self._micro or 1)
 
+    def set_micro_batch_size(self, micro_batch_size: int) -> None:
+        """Count micro-batches of this size from the fit's first window on.
+
+        For a callback that changes the train loader's batch size as fit starts
+        (:class:`~lightning_speedkit.MicroBatchTuner`): the accumulation then follows
+        from the global batch. It holds until the next ``fit``.
+        """
+        self._micro = _positive_int(micro_batch_size, "micro_batch_size")
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._world = trainer.world_size
         if isinstance(trainer.strategy, DeepSpeedStrategy):
