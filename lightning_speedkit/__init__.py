@@ -12,6 +12,7 @@ from types import SimpleNamespace
 from lightning_speedkit import _versions  # noqa: F401
 from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.attention import AttentionSwap, register_adapter, swap_attention
+from lightning_speedkit.compute import FusedOptimizer, MicroBatchTuner, RegionalCompile
 from lightning_speedkit.data import NumWorkersTuner, SpeedDataModuleMixin, tune_num_workers
 from lightning_speedkit.distributed import (
     ActivationCheckpointing,
@@ -43,9 +44,12 @@ __all__ = [
     "FSDP2ZeRO2Strategy",
     "FSDPZeRO2Strategy",
     "FlopCount",
+    "FusedOptimizer",
     "HangWatchdog",
+    "MicroBatchTuner",
     "NumWorkersTuner",
     "ProfilerSchedule",
+    "RegionalCompile",
     "SpeedDataModuleMixin",
     "SpeedMonitor",
     "SpeedkitConfigError",

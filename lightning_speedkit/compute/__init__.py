@@ -1,0 +1,37 @@
+"""Compute levers: compiled blocks, fused optimizers, the fastest micro-batch."""
+
+from lightning_speedkit.compute.fused_optimizer import (
+    FusedOptimizer,
+    OptimizerSwitch,
+    fuse_optimizers,
+)
+from lightning_speedkit.compute.micro_batch_tuner import (
+    MicroBatchResult,
+    MicroBatchTuner,
+    StepMeasurement,
+    memory_limit,
+    timed_measure,
+    tune_micro_batch,
+)
+from lightning_speedkit.compute.regional_compile import (
+    CompileWatch,
+    RegionalCompile,
+    compile_blocks,
+    compiled_blocks,
+)
+
+__all__ = [
+    "CompileWatch",
+    "FusedOptimizer",
+    "MicroBatchResult",
+    "MicroBatchTuner",
+    "OptimizerSwitch",
+    "RegionalCompile",
+    "StepMeasurement",
+    "compile_blocks",
+    "compiled_blocks",
+    "fuse_optimizers",
+    "memory_limit",
+    "timed_measure",
+    "tune_micro_batch",
+]

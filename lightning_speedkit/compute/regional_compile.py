@@ -1,0 +1,443 @@
+"""RegionalCompile: ``torch.compile`` of the model's repeated blocks, in place.
+
+Compiling a whole model traces every layer of it; compiling its repeated blocks
+(transformer layers, ViT blocks) traces one block per block class, and every other
+instance of that class reuses the compiled code: compile time is about one block's,
+whatever the depth. Each block is compiled with ``nn.Module.compile()``, which
+compiles the module's call in place rather than wrapping it, so parameter names,
+``state_dict`` keys, the optimizer's parameters and checkpoints are exactly those of
+the uncompiled model (no ``_orig_mod.`` prefix), and a checkpoint loads into a model
+that was never compiled.
+
+Compilation happens lazily, at a block's first call. :class:`CompileWatch` counts
+what dynamo compiles (graphs, recompilations, seconds) from torch's compile
+callbacks: plain Python counters, read by the callback at log time, no device sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
+
+import lightning as L
+import torch
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
+
+from lightning_speedkit import _compat, _surgery, _validation
+from lightning_speedkit._blocks import block_instances, repeated_block_types
+
+__all__ = ["CompileWatch", "RegionalCompile", "compile_blocks", "compiled_blocks"]
+
+log = logging.getLogger(__name__)
+
+BlockChoice = str | Sequence[type[nn.Module] | str]
+CompileMode = Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"]
+_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
+# --- choosing and compiling the blocks ---------------------------------------------------------
+
+
+def _check_options(
+    mode: Any, dynamic: Any, fullgraph: Any, backend: Any, blocks: Any = "auto"
+) -> None:
+    """Refuse bad ``compile_blocks``/``RegionalCompile`` arguments, naming the argument."""
+    _validation.choice("mode", mode, (None, *_MODES), hint="None (torch's default) to start")
+    _validation.choice("dynamic", dynamic, (None, True, False),
+                       hint="None lets dynamo decide after a shape changes")  # fmt: skip
+    _validation.boolean("fullgraph", fullgraph)
+    if not (isinstance(backend, str) or callable(backend)):
+        _validation.fail("backend", backend, "must be a backend name or a callable backend",
+                         'pass e.g. `backend="inductor"`')  # fmt: skip
+    if isinstance(blocks, str):
+        if blocks != "auto":
+            _validation.fail("blocks", blocks,
+                             'must be "auto" or a list of module classes (or class names)',
+                             f"to name one class, pass a list: `blocks=[{blocks!r}]`")  # fmt: skip
+    elif not isinstance(blocks, (list, tuple)) or not all(
+        isinstance(b, str) or (isinstance(b, type) and issubclass(b, nn.Module)) for b in blocks
+    ):
+        _validation.fail("blocks", blocks,
+                         'must be "auto" or a list of module classes (or class names)',
+                         "pass e.g. `blocks=[MyBlock]` or `blocks=['MyBlock']`")  # fmt: skip
+
+
+def _check_backend_name(backend: Any) -> None:
+    if not isinstance(backend, str) or backend in torch.compiler.list_backends(exclude_tags=()):
+        return
+    _validation.choice("backend", backend, sorted(torch.compiler.list_backends()),
+                       why="is not a torch.compile backend",
+                       hint='"inductor" is the one that generates faster code')  # fmt: skip
+
+
+def _resolve(model: nn.Module, blocks: BlockChoice) -> list[type[nn.Module]]:
+    if isinstance(blocks, str):
+        return repeated_block_types(model)
+    present = list(dict.fromkeys(type(m) for m in model.modules()))
+    kinds: list[type[nn.Module]] = []
+    for block in blocks:
+        if isinstance(block, str):
+            named = [kind for kind in present if kind.__name__ == block]
+            if not named:
+                names = ", ".join(kind.__name__ for kind in present[:12])
+                fix = f'its classes are {names}; name one of those, or pass "auto"'
+                _validation.fail("blocks", block, "names no module class of this model", fix)
+            kinds += named
+        else:
+            kinds.append(block)
+    return kinds
+
+
+def _is_compiled(module: nn.Module) -> bool:
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compiled_blocks(model: nn.Module) -> list[str]:
+    """Qualified names of the modules of ``model`` compiled in place (``nn.Module.compile``)."""
+    return [name for name, module in model.named_modules() if _is_compiled(module)]
+
+
+def _cpu_compiler_missing(backend: Any) -> str | None:
+    """Why inductor cannot build CPU kernels here, or None when it can."""
+    if backend != "inductor":
+        return None
+    try:
+        from torch._inductor import cpp_builder
+
+        cpp_builder.get_cpp_compiler()
+    except Exception as exc:  # torch raises its own error types here, which move between versions
+        return f"inductor builds CPU kernels with a C++ compiler, and none was found ({exc})"
+    return None
+
+
+def compile_blocks(
+    model: nn.Module,
+    blocks: BlockChoice = "auto",
+    *,
+    mode: CompileMode | None = None,
+    dynamic: bool | None = None,
+    fullgraph: bool = False,
+    backend: str | Callable[..., Any] = "inductor",
+) -> list[str]:
+    """Compile every instance of the model's repeated block classes in place.
+
+    Each block gets ``module.compile(...)`` (``torch.compile`` of its call, kept on the
+    module): parameters, buffers and ``state_dict`` keys stay as they were. Instances
+    of one class share their compiled code, so the compile time is about one block's
+    per class. Compilation itself happens at each block's first call. A block that
+    is already compiled is left as it is, so calling this twice is harmless.
+
+    Other kit techniques that change a block's forward (activation checkpointing,
+    attention swap) may run before or after: the compiled call runs whatever forward
+    the block has when it is first called. While a TorchDispatchMode is active (a
+    FLOP count, :func:`~lightning_speedkit.count_flops`), the blocks run eagerly, so
+    that it sees every operator.
+
+    Args:
+        model: the module, before DDP/FSDP/DeepSpeed wrap it.
+        blocks: ``"auto"`` (the repeated blocks, as ``ActivationCheckpointing`` and
+            ``fsdp_zero2`` find them) or a list of module classes or class names.
+        mode: ``torch.compile``'s mode. None (torch's default) compiles fastest;
+            ``"max-autotune"`` searches kernels for longer, for long runs on GPUs.
+        dynamic: None lets dynamo compile for the first shape and, when a shape
+            changes, once more with that dimension symbolic; True starts symbolic
+            (variable-length batches); False compiles every new shape anew (each one
+            counts against dynamo's recompile limit, after which the block runs eagerly).
+        fullgraph: raise at compile time if a block does not compile into a single
+            graph (useful to prove nothing breaks the graph).
+        backend: ``"inductor"`` (generates kernels; on CPU it needs a C++ compiler),
+            or any ``torch.compile`` backend (``"aot_eager"`` traces without
+            generating code: a quick check that a block compiles at all).
+
+    Returns:
+        The qualified names of the compiled modules, in model order.
+
+    Example::
+
+        >>> from torch import nn
+        >>> class Block(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.ff = nn.Sequential(nn.Linear(8, 8), nn.GELU())
+        ...     def forward(self, x):
+        ...         return x + self.ff(x)
+        >>> model = nn.Sequential(nn.Linear(8, 8), *[Block() for _ in range(3)])
+        >>> compile_blocks(model, backend="eager")
+        ['1', '2', '3']
+        >>> list(model.state_dict())[:3]
+        ['0.weight', '0.bias', '1.ff.0.weight']
+    """
+    _check_options(mode, dynamic, fullgraph, backend, blocks)
+    _surgery.refuse_wrapped(model, "compile_blocks")
+    _check_backend_name(backend)
+    kinds = _resolve(model, blocks)
+    instances = block_instances(model, kinds)
+    options: dict[str, Any] = {"dynamic": dynamic, "fullgraph": fullgraph, "backend": backend}
+    if mode is not None:
+        options["mode"] = mode
+    for _, module in instances:
+        if not _is_compiled(module):
+            _compile_in_place(module, options)
+    return [name for name, _ in instances]
+
+
+def _compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:
+    """``module.compile(**options)``, with the block run eagerly under a dispatch mode.
+
+    A TorchDispatchMode (the kit's FLOP count) sees every operator only if the block
+    runs eagerly: compiled kernels hide the operators they fuse, and dynamo does not
+    compile under such a mode anyway (with ``fullgraph=True`` it raises). So while one
+    is active, the block's own call runs; otherwise the compiled one.
+    """
+    module.compile(**options)
+    compiled: Callable[..., Any] = module._compiled_call_impl  # type: ignore[assignment]
+    eager = module._call_impl
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() > 0:
+            return eager(*args, **kwargs)
+        return compiled(*args, **kwargs)
+
+    module._compiled_call_impl = call
+
+
+# --- what dynamo compiles ----------------------------------------------------------------------
+
+
+class CompileWatch:
+    """Counts what dynamo compiles while it is installed: graphs, recompilations, seconds.
+
+    It listens to torch's compile callbacks (``torch._dynamo.callback_handler``), which
+    fire around every frame dynamo compiles and every backward graph compiled later.
+    A compile id ``"F/N"`` is the N-th compilation of frame F: N above 0 is a
+    recompilation (a guard, such as a tensor's shape, failed). Everything dynamo
+    compiles in the process while installed is counted. Counters are plain Python;
+    reading them costs nothing on the device.
+
+    Example::
+
+        >>> import torch
+        >>> watch = CompileWatch().install()
+        >>> f = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
+        >>> _ = f(torch.ones(2)), f(torch.ones(3))
+        >>> watch.remove()
+        >>> watch.graphs, watch.recompiles
+        (2, 1)
+    """
+
+    def __init__(self) -> None:
+        self.graphs = 0
+        """Frames compiled, recompilations included (backward graphs not counted apart)."""
+        self.recompiles = 0
+        """Compilations of a frame that had been compiled before."""
+        self.seconds = 0.0
+        """Wall time spent compiling, forward and backward graphs."""
+        self.by_frame: Counter[str] = Counter()
+        """Recompilations per frame id."""
+        self._started: float | None = None
+        self._installed = False
+
+    def install(self) -> CompileWatch:
+        if not self._installed:
+            from torch._dynamo.callback import callback_handler as handler
+
+            handler.register_start_callback(self._start)
+            handler.register_end_callback(self._end)
+            self._installed = True
+        return self
+
+    def remove(self) -> None:
+        if self._installed:
+            from torch._dynamo.callback import callback_handler as handler
+
+            handler.remove_start_callback(self._start)
+            handler.remove_end_callback(self._end)
+            self._installed = False
+
+    def _start(self, *args: Any) -> None:
+        self._started = time.perf_counter()
+
+    def _end(self, *args: Any) -> None:
+        if self._started is not None:
+            self.seconds += time.perf_counter() - self._started
+            self._started = None
+        trigger = (
+            getattr(getattr(args[0], "callback_trigger", None), "name", "DYNAMO") if args else ""
+        )
+        if trigger != "DYNAMO":
+            return  # a backward graph compiled at its first use: time only
+        compile_id = str(getattr(args[0], "compile_id", "")) if args else ""
+        frame, _, attempt = compile_id.lstrip("!").rpartition("/")
+        self.graphs += 1
+        if attempt.split("_")[0].isdigit() and int(attempt.split("_")[0]) > 0:
+            self.recompiles += 1
+            self.by_frame[frame] += 1
+
+    def snapshot(self) -> tuple[int, int, float]:
+        return self.graphs, self.recompiles, self.seconds
+
+    @property
+    def most_recompiled(self) -> int:
+        """Recompilations of the frame that recompiled most."""
+        return max(self.by_frame.values(), default=0)
+
+
+# --- the callback -------------------------------------------------------------------------------
+
+
+class RegionalCompile(L.Callback):
+    """Runs :func:`compile_blocks` on the LightningModule in ``setup``; counts the cost.
+
+    Before the strategy wraps the model, so DDP, the ZeRO-2 presets and DeepSpeed
+    all run compiled blocks, and together with ``AttentionSwap`` and
+    ``ActivationCheckpointing`` in any order (the compiled call traces the forward
+    the block has at its first call). Checkpoints keep the uncompiled names.
+
+    What compilation cost is logged every ``log_every_n_steps`` while it changes:
+    ``compile/seconds``, ``compile/graphs`` and ``compile/recompiles`` (everything
+    dynamo compiled in the process during the fit). When one compiled frame keeps
+    recompiling (``recompile_warning`` times beyond one compilation per block class;
+    new shapes, usually), one warning says
+    how to stop it: ``dynamic=True``, or fewer distinct shapes by length bucketing or
+    sequence packing (:class:`~lightning_speedkit.SpeedDataModuleMixin`). Past
+    dynamo's recompile limit (8) the block would run uncompiled.
+
+    Args:
+        blocks: ``"auto"`` (the model's repeated blocks) or module classes or names.
+        mode: ``torch.compile`` mode; None (default) to start with.
+        dynamic: None (default: symbolic after the first shape change), True or False.
+        fullgraph: require each block to compile into one graph.
+        backend: ``"inductor"`` (default) or any ``torch.compile`` backend. On CPU
+            inductor needs a C++ compiler: without one the blocks are left uncompiled,
+            with a warning.
+        recompile_warning: recompilations of one frame that trigger the warning.
+        verbose: print what was compiled, and the compile time after the first step.
+
+    Example::
+
+        >>> import lightning as L
+        >>> trainer = L.Trainer(callbacks=[RegionalCompile()], logger=False)
+    """
+
+    def __init__(
+        self,
+        blocks: BlockChoice = "auto",
+        mode: CompileMode | None = None,
+        dynamic: bool | None = None,
+        fullgraph: bool = False,
+        backend: str | Callable[..., Any] = "inductor",
+        *,
+        recompile_warning: int = 4,
+        verbose: bool = True,
+    ) -> None:
+        _check_options(mode, dynamic, fullgraph, backend, blocks)
+        _validation.positive_int("recompile_warning", recompile_warning,
+                                 hint="4 warns well before dynamo's limit of 8")  # fmt: skip
+        _validation.boolean("verbose", verbose)
+        self.blocks = blocks
+        self.mode = mode
+        self.dynamic = dynamic
+        self.fullgraph = fullgraph
+        self.backend = backend
+        self.recompile_warning = recompile_warning
+        self.verbose = verbose
+        self.compiled: list[str] = []
+        self.watch = CompileWatch()
+        self._logged: tuple[int, int, float] = (0, 0, 0.0)
+        self._reported = False
+        self._warned = False
+        self._classes = 1
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        self._reported = False
+        missing = (
+            _cpu_compiler_missing(self.backend)
+            if trainer.strategy.root_device.type == "cpu"
+            else None
+        )
+        if missing is not None:
+            rank_zero_warn(
+                f"RegionalCompile: {missing}. The blocks stay uncompiled; install g++ or "
+                f"clang++ (e.g. `apt install g++`) to compile them."
+            )
+            self.compiled = []
+            return
+        self.compiled = compile_blocks(
+            pl_module, self.blocks, mode=self.mode, dynamic=self.dynamic,
+            fullgraph=self.fullgraph, backend=self.backend,
+        )  # fmt: skip
+        self.watch.install()
+        kinds = sorted({type(pl_module.get_submodule(n)).__name__ for n in self.compiled})
+        # Blocks whose forward the kit replaced (activation checkpointing) all run through
+        # one function: dynamo compiles that frame once per block class, not a shape problem.
+        self._classes = max(1, len(kinds))
+        if not self.verbose:
+            return
+        if self.compiled:
+            rank_zero_info(
+                f"RegionalCompile: {len(self.compiled)} blocks ({', '.join(kinds)}) compile "
+                f"in place at their first call (backend={self.backend!r})"
+            )
+        else:
+            rank_zero_info("RegionalCompile: no repeated blocks found; nothing compiled")
+
+    def on_train_batch_end(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        outputs: Any,
+        batch: Any,
+        batch_idx: int,
+    ) -> None:
+        if not self.compiled:
+            return
+        watch = self.watch
+        if not self._reported:
+            self._reported = True
+            if self.verbose:
+                rank_zero_info(
+                    f"RegionalCompile: compiled {watch.graphs} graph(s) in {watch.seconds:.1f} s "
+                    f"during the first step"
+                )
+        allowed = self.recompile_warning + self._classes - 1
+        if not self._warned and watch.most_recompiled >= allowed:
+            self._warned = True
+            rank_zero_warn(
+                f"RegionalCompile: a compiled block recompiled {watch.most_recompiled} times "
+                f"({watch.recompiles} recompilations, {watch.seconds:.1f} s compiling so far), "
+                f"most likely because batch shapes keep changing; past dynamo's limit (8) it "
+                f"runs uncompiled. Compile for symbolic shapes with "
+                f"`RegionalCompile(dynamic=True)`, or give batches fewer distinct shapes: length "
+                f"bucketing or sequence packing (SpeedDataModuleMixin's `lengths=` or "
+                f"PackingCollate)."
+            )
+        now = watch.snapshot()
+        if now != self._logged and (trainer.global_step % _compat.log_every_n_steps(trainer) == 0):
+            self._log(trainer)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.compiled and self.watch.snapshot() != self._logged:
+            self._log(trainer)
+
+    def _log(self, trainer: L.Trainer) -> None:
+        self._logged = self.watch.snapshot()
+        graphs, recompiles, seconds = self._logged
+        metrics = {"compile/seconds": seconds, "compile/graphs": float(graphs),
+                   "compile/recompiles": float(recompiles)}  # fmt: skip
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=trainer.global_step)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":
+            self.watch.remove()
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self.watch.remove()

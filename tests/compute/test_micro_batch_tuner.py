@@ -1,0 +1,353 @@
+"""MicroBatchTuner: the fastest micro-batch that fits, the global batch kept, nothing disturbed."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+
+from lightning_speedkit import (
+    AccumulationScheduler,
+    MicroBatchTuner,
+    NumWorkersTuner,
+    SpeedkitConfigError,
+)
+from lightning_speedkit.compute import (
+    StepMeasurement,
+    memory_limit,
+    timed_measure,
+    tune_micro_batch,
+)
+from lightning_speedkit.data import LengthBucketBatchSampler
+
+from .models import Losses, Net, Recorder, dataset, trainer
+
+# Seconds per step by micro-batch: samples/s 100, 160, 200, 229, 213, 188 -> 8 is the fastest
+SECONDS = {1: 0.010, 2: 0.0125, 4: 0.020, 8: 0.035, 16: 0.075, 32: 0.170}
+
+
+def fake_measure(
+    seconds: dict[int, float], peak: Callable[[int], int | None] = lambda n: None
+) -> tuple[Callable[[Callable[[], None], int], StepMeasurement], list[int]]:
+    """A measure that really runs the step once, and reports the given figures."""
+    ran: list[int] = []
+
+    def measure(run: Callable[[], None], n: int) -> StepMeasurement:
+        run()
+        ran.append(n)
+        return StepMeasurement(seconds[n], peak(n))
+
+    return measure, ran
+
+
+def _setup(
+    n: int = 64, batch_norm: bool = False
+) -> tuple[nn.Module, DataLoader[Any], Callable[[Any], torch.Tensor]]:
+    torch.manual_seed(0)
+    norm = nn.BatchNorm1d(32) if batch_norm else nn.Identity()
+    model = nn.Sequential(nn.Linear(16, 32), norm, nn.Dropout(0.5), nn.Linear(32, 1))
+    data = TensorDataset(torch.randn(n, 16), torch.randn(n, 1))
+    loader = DataLoader(
+        data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(5)
+    )
+
+    def step(batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(model(x), y)
+
+    return model, loader, step
+
+
+def test_the_fastest_in_samples_per_sec_wins_not_the_largest() -> None:
+    model, loader, step = _setup()
+    measure, ran = fake_measure(SECONDS)
+    result = tune_micro_batch(model, loader, step, global_batch=32, measure=measure)
+    assert ran == [1, 2, 4, 8, 16, 32]  # powers of two up to the global batch
+    assert result.best == {"batch_size": 8}
+    assert result.best_samples_per_sec == pytest.approx(8 / 0.035)
+    assert result.accumulation == 4
+    assert result.given == 4
+    assert [row["micro_batch"] for row in result.table] == ran
+    assert result.table[3]["samples_per_sec"] == pytest.approx(228.571, rel=1e-4)
+    assert result.table[3]["step_ms"] == pytest.approx(35.0)
+    assert result.dataloader is not None
+    assert result.dataloader.batch_size == 8
+
+
+def test_a_size_the_step_fails_at_is_skipped() -> None:
+    model, loader, step = _setup(batch_norm=True)  # batch norm refuses a batch of one
+    measure, ran = fake_measure(SECONDS)
+    result = tune_micro_batch(model, loader, step, candidates=[1, 2, 4], measure=measure)
+    assert ran == [2, 4]
+    assert result.table[0]["skipped"].startswith(
+        "the step failed: ValueError: Expected more than 1 value per channel"
+    )
+    with pytest.raises(ValueError, match="more than 1 value"):  # every size fails: raised
+        tune_micro_batch(model, loader, step, candidates=[1], measure=measure)
+
+
+def test_only_micro_batches_that_keep_the_global_batch_are_tried() -> None:
+    model, loader, step = _setup()
+    seconds = {n: 0.001 * n for n in (1, 2, 3, 4, 6, 8, 12, 16, 24)}
+    measure, ran = fake_measure(seconds)
+    # 48 over 2 ranks: 24 per rank; powers of two dividing 24, and the loader's own 4
+    tune_micro_batch(model, loader, step, global_batch=48, world_size=2, measure=measure)
+    assert ran == [1, 2, 4, 8]
+    measure, ran = fake_measure(seconds)
+    tune_micro_batch(model, loader, step, global_batch=48, world_size=2, measure=measure,
+                     candidates=[3, 5, 6, 12, 16, 24])  # fmt: skip
+    assert ran == [3, 6, 12, 24]
+    measure, ran = fake_measure(seconds)
+    tune_micro_batch(model, loader, step, max_micro_batch=6, measure=measure, candidates=[2, 6, 8])
+    assert ran == [2, 6]
+
+
+def test_stops_before_a_micro_batch_predicted_over_the_memory_limit() -> None:
+    model, loader, step = _setup()
+    measure, ran = fake_measure(SECONDS, peak=lambda n: 1000 + 100 * n)
+    # measured: 1 -> 1100, 2 -> 1200, 4 -> 1400, 8 -> 1800; 16 predicted 2600 > 2500
+    result = tune_micro_batch(model, loader, step, global_batch=32, measure=measure,
+                              limit_bytes=2500)  # fmt: skip
+    assert ran == [1, 2, 4, 8]
+    assert result.table[-1]["micro_batch"] == 16
+    assert result.table[-1]["skipped"].startswith("predicted peak")
+    assert result.best == {"batch_size": 8}
+    assert result.memory_limit == 2500
+
+
+def test_a_micro_batch_measured_over_the_limit_does_not_count() -> None:
+    model, loader, step = _setup()
+    peaks = {1: 100, 2: 110, 4: 5000, 8: 9000}  # 4 jumps past the prediction (130)
+    measure, ran = fake_measure({1: 0.01, 2: 0.011, 4: 0.012, 8: 0.013}, peak=peaks.get)
+    result = tune_micro_batch(model, loader, step, candidates=[1, 2, 4, 8], measure=measure,
+                              limit_bytes=1000)  # fmt: skip
+    assert ran == [1, 2, 4]  # the fastest per sample (4) is over the limit; 8 is not tried
+    assert result.table[2]["fits"] is False
+    assert "over the limit" in result.table[2]["skipped"]
+    assert result.best == {"batch_size": 2}
+
+
+def test_out_of_memory_stops_the_search() -> None:
+    model, loader, step = _setup()
+
+    def measure(run: Callable[[], None], n: int) -> StepMeasurement:
+        if n >= 4:
+            raise torch.OutOfMemoryError("pretend")
+        run()
+        return StepMeasurement(0.01 / n)
+
+    result = tune_micro_batch(model, loader, step, candidates=[2, 4, 8], measure=measure)
+    assert [row["micro_batch"] for row in result.table] == [2, 4]
+    assert result.table[1]["skipped"] == "out of memory (OutOfMemoryError)"
+    assert result.best == {"batch_size": 2}
+
+
+def test_the_model_and_every_random_state_come_back_as_they_were() -> None:
+    model, loader, step = _setup(batch_norm=True)
+    model.eval()  # a mode the tuner must put back (it trains the trials in train mode)
+    x, y = next(iter(DataLoader(loader.dataset, batch_size=8)))
+    F.mse_loss(model(x), y).backward()  # gradients the trials must not touch
+    grads = [p.grad.clone() for p in model.parameters()]
+    grad_objects = [p.grad for p in model.parameters()]
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    random.seed(7)
+    torch.manual_seed(7)
+    expected_draws = (random.random(), torch.rand(3))
+    expected_order = list(RandomSampler(loader.dataset, generator=loader.generator))
+    random.seed(7)
+    torch.manual_seed(7)
+    loader.generator.manual_seed(5)
+    tune_micro_batch(model, loader, step, candidates=[2, 8, 32], measure=timed_measure("cpu"))
+    assert not model.training
+    assert all(not m.training for m in model.modules())
+    for p, grad, obj in zip(model.parameters(), grads, grad_objects, strict=True):
+        assert p.grad is obj
+        assert torch.equal(p.grad, grad)
+    for key, value in model.state_dict().items():  # weights, and batch-norm statistics
+        assert torch.equal(value, state[key]), key
+    assert random.random() == expected_draws[0]
+    assert torch.equal(torch.rand(3), expected_draws[1])
+    loader.generator.manual_seed(5)
+    assert list(RandomSampler(loader.dataset, generator=loader.generator)) == expected_order
+
+
+def test_the_default_measure_times_and_reads_the_peak_on_cpu() -> None:
+    measure = timed_measure("cpu", warmup=1, repeats=2)
+    calls: list[int] = []
+    measured = measure(lambda: calls.append(1), 4)
+    assert len(calls) == 3  # one warm-up, two timed
+    assert measured.seconds >= 0
+    if measured.peak_bytes is not None:  # Linux /proc
+        limit = memory_limit("cpu", memory_headroom=0.5)
+        assert limit is not None
+        assert 0 < measured.peak_bytes < limit
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"candidates": "8"}, r"`candidates` must be a non-empty list"),
+        ({"candidates": [4, 0]}, r"`candidates\[1\]` must be an integer >= 1, got 0"),
+        ({"max_micro_batch": 0}, r"`max_micro_batch` must be an integer >= 1, got 0"),
+        ({"memory_headroom": 1.0}, r"`memory_headroom` must be a number in \[0, 1\), got 1.0"),
+        (
+            {"candidates": [5, 7], "global_batch": 32},
+            r"`candidates` holds no micro-batch that divides the 32",
+        ),
+        (
+            {"global_batch": 33, "world_size": 2},
+            r"`global_batch` is not a multiple of the 2 ranks, got 33",
+        ),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], match: str) -> None:
+    model, loader, step = _setup()
+    with pytest.raises(SpeedkitConfigError, match=match):
+        tune_micro_batch(model, loader, step, **kwargs)
+
+
+def test_a_custom_batch_sampler_is_refused_with_the_fix() -> None:
+    model, _, step = _setup()
+    data = dataset(16)
+    bucketed = DataLoader(data, batch_sampler=LengthBucketBatchSampler([1] * 16, 4))
+    with pytest.raises(
+        SpeedkitConfigError,
+        match=r"`dataloader` must batch by `batch_size` \(this one batches with LengthBucket",
+    ):
+        tune_micro_batch(model, bucketed, step)
+
+
+# --- the callback ------------------------------------------------------------------------------
+
+
+def test_the_callback_refuses_without_a_target_global_batch() -> None:
+    for callbacks, match in (
+        ([], "there is no AccumulationScheduler"),
+        ([AccumulationScheduler(schedule={0: 16})], "`schedule`"),
+        ([AccumulationScheduler(adaptive=True, max_global_batch=64)], "no `target_global_batch`"),
+    ):
+        tuner = MicroBatchTuner(measure=fake_measure(SECONDS)[0])
+        with pytest.raises(SpeedkitConfigError, match=match) as error:
+            trainer(2, [tuner, *callbacks]).fit(Net(), DataLoader(dataset(), batch_size=8))
+        if not callbacks:
+            assert "AccumulationScheduler(target_global_batch=N)" in str(error.value)
+
+
+class Seen(Net):
+    """Remembers the batch sizes of its training steps and what it was at fit start."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.sizes: list[int] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.sizes.append(batch[0].shape[0])
+        return super().training_step(batch, batch_idx)
+
+
+def _collate(samples: list[Any]) -> Any:
+    return torch.utils.data.default_collate(samples)
+
+
+def test_the_callback_trains_with_the_choice_and_accumulation_follows() -> None:
+    measure, ran = fake_measure({1: 0.010, 2: 0.011, 4: 0.018, 8: 0.030, 16: 0.070, 32: 0.15})
+    tuner = MicroBatchTuner(measure=measure, verbose=False)
+    scheduler = AccumulationScheduler(target_global_batch=32, micro_batch_size=4, verbose=False)
+    recorder, losses = Recorder(), Losses()
+    generator = torch.Generator().manual_seed(3)
+    given = DataLoader(dataset(96), batch_size=4, shuffle=True, generator=generator,
+                       collate_fn=_collate, drop_last=True)  # fmt: skip
+    model = Seen()
+    run = trainer(3, [losses, scheduler, tuner], logger=recorder, log_every_n_steps=1)
+    run.fit(model, given)
+    assert ran == [1, 2, 4, 8, 16, 32]
+    assert tuner.result is not None
+    assert tuner.result.best == {"batch_size": 8}
+    # the loader Lightning trained from: the new size, everything else the user's
+    used = run.train_dataloader
+    assert used.batch_size == 8
+    assert used.collate_fn is _collate
+    assert isinstance(used.sampler, RandomSampler)
+    assert used.sampler.generator is generator
+    assert used.drop_last is True
+    # one trial step per size (the real training_step), then the global batch kept:
+    # 3 optimizer steps of 4 micro-batches of 8
+    assert model.sizes == [1, 2, 4, 8, 16, 32] + [8] * 12
+    assert scheduler.history[0].accumulation == 4
+    assert scheduler.history[0].global_batch == 32
+    assert recorder.last("micro_batch/size") == 8
+    assert recorder.last("micro_batch/accumulation") == 4
+    assert recorder.last("micro_batch/samples_per_sec") == pytest.approx(8 / 0.030)
+    # the batches are the user's loader's, reshaped: the first 8 samples it would give
+    generator.manual_seed(3)
+    first = next(iter(DataLoader(dataset(96), batch_size=8, shuffle=True, generator=generator)))
+    assert torch.equal(losses.batches[0][0], first[0])
+
+
+def test_nothing_the_tuner_did_shows_in_training() -> None:
+    """Same seed, same loader: the run with the tuner (choosing the loader's own size)
+    trains exactly as the run without it (its trial steps left no trace)."""
+    plain, tuned = Losses(), Losses()
+
+    def fit(callbacks: list[Any]) -> None:
+        torch.manual_seed(11)
+        loader = DataLoader(dataset(64), batch_size=8, shuffle=True)
+        scheduler = AccumulationScheduler(target_global_batch=16, verbose=False)
+        trainer(4, [scheduler, *callbacks]).fit(Net(), loader)
+
+    fit([plain])
+    measure, _ = fake_measure({2: 0.1, 4: 0.1, 8: 0.01, 16: 0.1})  # 8, as given
+    fit([tuned, MicroBatchTuner(measure=measure, verbose=False)])
+    assert tuned.losses == plain.losses
+    for a, b in zip(tuned.batches, plain.batches, strict=True):
+        assert torch.equal(a[0], b[0])
+
+
+def test_a_resumed_run_keeps_the_checkpoints_choice() -> None:
+    tuner = MicroBatchTuner(measure=fake_measure(SECONDS)[0], verbose=False)
+    scheduler = AccumulationScheduler(target_global_batch=32, verbose=False)
+    trainer(1, [tuner, scheduler]).fit(Net(), DataLoader(dataset(), batch_size=4))
+    state = tuner.state_dict()
+    assert state == {"batch_size": 8, "global_batch": 32}
+
+    measure, ran = fake_measure({1: 9.0, 2: 9.0, 4: 9.0, 8: 9.0, 16: 0.001, 32: 9.0})
+    resumed = MicroBatchTuner(measure=measure, verbose=False)
+    resumed.load_state_dict(state)
+    run = trainer(1, [resumed, AccumulationScheduler(target_global_batch=32, verbose=False)])
+    run.fit(Net(), DataLoader(dataset(), batch_size=4))
+    assert ran == []  # not timed again
+    assert run.train_dataloader.batch_size == 8
+
+
+def test_with_num_workers_tuner_the_workers_and_the_size_both_stay(tmp_path: Any) -> None:
+    tuner = MicroBatchTuner(measure=fake_measure(SECONDS)[0], verbose=False)
+    workers = NumWorkersTuner(max_workers=1, batches=2, warmup_batches=1, progress=False,
+                              cache=False, verdict_steps=0)  # fmt: skip
+    for order in ([tuner, workers], [workers, tuner]):
+        run = trainer(1, [*order, AccumulationScheduler(target_global_batch=32, verbose=False)])
+        run.fit(Net(), DataLoader(dataset(), batch_size=4))
+        assert workers.result is not None
+        assert run.train_dataloader.batch_size == 8
+        assert run.train_dataloader.num_workers == workers.result.best["num_workers"]
+
+
+@pytest.mark.gpu
+def test_memory_limit_on_cuda_is_within_the_device() -> None:
+    total = torch.cuda.get_device_properties(0).total_memory
+    limit = memory_limit("cuda", memory_headroom=0.1, reserve_bytes=2**20)
+    assert limit is not None
+    assert 0 < limit < total
+    model = nn.Linear(256, 256).cuda()
+    data = TensorDataset(torch.randn(512, 256))
+    loader = DataLoader(data, batch_size=8)
+    result = tune_micro_batch(model, loader, lambda b: model(b[0]).square().mean(),
+                              candidates=[8, 64, 512])  # fmt: skip
+    peaks = [row["peak_bytes"] for row in result.table]
+    assert all(p is not None for p in peaks)
+    assert peaks == sorted(peaks)

@@ -1,0 +1,234 @@
+"""RegionalCompile: blocks compiled in place, same numbers, names kept, compile cost counted."""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch._dynamo.utils import counters
+from torch.utils.data import DataLoader
+
+from lightning_speedkit import (
+    FusedOptimizer,
+    RegionalCompile,
+    SpeedkitConfigError,
+    SpeedMonitor,
+    swap_attention,
+)
+from lightning_speedkit.compute import CompileWatch, compile_blocks, compiled_blocks
+from lightning_speedkit.distributed import checkpoint_blocks
+
+from .models import Block, Losses, Net, Recorder, dataset, loader, trainer
+
+RTOL = 1e-5
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo() -> Iterator[None]:
+    """Each test compiles from nothing and reads its own dynamo counters."""
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_blocks_compile_in_place_with_their_names_and_keys() -> None:
+    plain, model = Net(depth=3), Net(depth=3)
+    names = compile_blocks(model, backend="eager")
+    assert names == ["blocks.0", "blocks.1", "blocks.2"]
+    assert compiled_blocks(model) == names
+    assert list(model.state_dict()) == list(plain.state_dict())  # no `_orig_mod.` anywhere
+    assert [n for n, _ in model.named_parameters()] == [n for n, _ in plain.named_parameters()]
+    assert all(type(b) is Block for b in model.blocks)  # the modules themselves, not wrappers
+    x = dataset(8).tensors[0]
+    torch.testing.assert_close(model(x), plain(x), rtol=0, atol=0)
+    assert counters["stats"]["unique_graphs"] == 1  # three instances, one compiled graph
+    # a checkpoint of the compiled model loads into one that was never compiled
+    fresh = Net(depth=3)
+    fresh.load_state_dict(copy.deepcopy(model.state_dict()))
+    # a second call changes nothing
+    assert compile_blocks(model, backend="eager") == names
+
+
+def test_blocks_can_be_named() -> None:
+    model = Net()
+    assert compile_blocks(model, ["Block"], backend="eager") == ["blocks.0", "blocks.1"]
+    other = Net()
+    assert compile_blocks(other, [nn.LayerNorm], backend="eager") == [
+        "blocks.0.norm",
+        "blocks.1.norm",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"blocks": "Block"}, r"`blocks` must be \"auto\" or a list.*`blocks=\['Block'\]`"),
+        (
+            {"blocks": ["Nope"]},
+            r"`blocks` names no module class.*'Nope'.*classes are Net, Linear, ModuleList, Block",
+        ),
+        ({"mode": "fast"}, r"`mode` is not one of the choices, got 'fast'.*'max-autotune'"),
+        ({"dynamic": "yes"}, r"`dynamic` is not one of the choices.*None, True, False"),
+        ({"fullgraph": 1}, r"`fullgraph` must be True or False, got 1"),
+        ({"backend": "inductr"}, r"`backend` is not a torch.compile backend.*`backend='inductor'`"),
+    ],
+)
+def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(SpeedkitConfigError, match=match):
+        compile_blocks(Net(), **kwargs)
+
+
+def test_the_callback_refuses_bad_arguments_at_construction() -> None:
+    with pytest.raises(SpeedkitConfigError, match="`mode`"):
+        RegionalCompile(mode="fastest")  # type: ignore[arg-type]
+    with pytest.raises(SpeedkitConfigError, match="`recompile_warning`"):
+        RegionalCompile(recompile_warning=0)
+
+
+def test_a_model_compiled_whole_is_refused() -> None:
+    with pytest.raises(SpeedkitConfigError, match=r"already wrapped by torch\.compile"):
+        compile_blocks(torch.compile(Net()))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_hugging_face_layers_are_found_and_compile(family: str) -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if family == "gpt2":
+        model: nn.Module = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_embd=32, n_layer=2, n_head=2, n_positions=32, vocab_size=64,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # fmt: skip
+        expected = ["transformer.h.0", "transformer.h.1"]
+    else:
+        model = transformers.BertForMaskedLM(transformers.BertConfig(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            vocab_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0))  # fmt: skip
+        expected = ["bert.encoder.layer.0", "bert.encoder.layer.1"]
+    plain = copy.deepcopy(model)
+    keys = list(model.state_dict())
+    assert compile_blocks(model, backend="aot_eager") == expected
+    assert list(model.state_dict()) == keys
+    ids = torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(0))
+    out = model(ids).logits
+    out.sum().backward()
+    torch.testing.assert_close(out, plain(ids).logits, rtol=RTOL, atol=1e-6)
+    assert counters["stats"]["unique_graphs"] >= 1  # the layers really were traced
+    assert dict(counters["graph_break"]) == {}
+
+
+def test_ten_swapped_and_checkpointed_blocks_share_one_graph() -> None:
+    """The attention swap and activation checkpointing put a forward on each module; all
+    instances must still share one compiled graph (a callable per instance made dynamo
+    compile each one, and stop compiling after eight)."""
+    torch.manual_seed(0)
+    layers = [nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+              for _ in range(10)]  # fmt: skip
+    model = nn.Sequential(nn.Linear(16, 16), *layers)
+    assert len(swap_attention(model, "sdpa", measure=False).swapped) == 10
+    assert len(checkpoint_blocks(model)) == 10
+    x = torch.randn(2, 5, 16)
+    expected = model(x)
+    assert len(compile_blocks(model, backend="eager")) == 10
+    watch = CompileWatch().install()
+    out = model(x)
+    out.sum().backward()
+    watch.remove()
+    assert (watch.graphs, watch.recompiles) == (1, 0)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+
+
+class Lengths(torch.utils.data.Dataset[torch.Tensor]):
+    """Batches whose token count changes with every batch (index // batch_size)."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> Any:
+        return i
+
+
+def _ragged(indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = 2 + indices[0] // 4  # a new length every batch of 4
+    g = torch.Generator().manual_seed(indices[0])
+    return torch.randn(len(indices), tokens, 16, generator=g), torch.randn(
+        len(indices), generator=g
+    )
+
+
+def test_callback_counts_recompiles_logs_them_and_warns_once() -> None:
+    callback = RegionalCompile(dynamic=False, backend="eager", recompile_warning=3, verbose=False)
+    recorder = Recorder()
+    run = trainer(8, [callback], logger=recorder, log_every_n_steps=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.fit(Net(), DataLoader(Lengths(), batch_size=4, collate_fn=_ragged))
+    assert callback.compiled == ["blocks.0", "blocks.1"]
+    # one frame (Block.forward) compiled for each of the 8 lengths: 7 of them recompilations
+    assert callback.watch.graphs == 8
+    assert callback.watch.recompiles == 7
+    assert callback.watch.seconds > 0
+    ours = [str(w.message) for w in caught if "recompiled" in str(w.message)]
+    assert len(ours) == 1
+    assert "dynamic=True" in ours[0]
+    assert "bucketing" in ours[0]
+    assert "packing" in ours[0]
+    assert recorder.last("compile/recompiles") == 7
+    assert recorder.last("compile/graphs") == 8
+    # the callback stops listening when fit ends
+    assert callback.watch._installed is False
+
+
+def test_dynamic_none_stops_recompiling_once_the_length_is_symbolic() -> None:
+    callback = RegionalCompile(backend="eager", recompile_warning=3, verbose=False)
+    run = trainer(8, [callback])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run.fit(Net(), DataLoader(Lengths(), batch_size=4, collate_fn=_ragged))
+    # 8 lengths; after the second, dynamo marks the token dimension symbolic (torch 2.13
+    # compiled 3 graphs in all), where dynamic=False compiles all 8 (above)
+    assert callback.watch.graphs <= 3
+    assert not [w for w in caught if "recompiled" in str(w.message)]
+
+
+def test_compile_watch_counts_only_while_installed() -> None:
+    watch = CompileWatch()
+    f = torch.compile(lambda x: x + 1, backend="eager", dynamic=False)
+    f(torch.ones(2))
+    watch.install()
+    f(torch.ones(3))
+    watch.remove()
+    f(torch.ones(4))
+    assert (watch.graphs, watch.recompiles) == (1, 1)
+
+
+@pytest.mark.slow
+def test_inductor_blocks_with_fused_adamw_match_the_plain_run() -> None:
+    """The one test that generates code (inductor, C++ on CPU): about 20-60 s of compiling."""
+    torch.set_num_threads(1)
+    plain_losses, fast_losses = Losses(), Losses()
+    plain_monitor, fast_monitor = SpeedMonitor(peak_flops=None), SpeedMonitor(peak_flops=None)
+    plain_model, fast_model = Net(), Net()
+    trainer(4, [plain_losses, plain_monitor]).fit(plain_model, loader())
+    compile_callback = RegionalCompile(fullgraph=True, verbose=False)
+    fast = trainer(4, [compile_callback, FusedOptimizer(verbose=False), fast_losses, fast_monitor])
+    fast.fit(fast_model, loader())
+    assert compile_callback.compiled == ["blocks.0", "blocks.1"]
+    assert counters["stats"]["unique_graphs"] == 1
+    assert dict(counters["graph_break"]) == {}
+    assert compile_callback.watch.recompiles == 0
+    assert fast_losses.losses == pytest.approx(plain_losses.losses, rel=RTOL)
+    with torch.no_grad():
+        for p, q in zip(fast_model.parameters(), plain_model.parameters(), strict=True):
+            assert float((p - q).norm() / q.norm()) <= RTOL
+    # FLOPs are still counted on the compiled model: the same count as the plain run's
+    assert fast_monitor.summary["flops_per_sample"] == plain_monitor.summary["flops_per_sample"]
+    assert fast_monitor.summary["flops_per_sample"] > 0
+    # and the checkpoint's weights load into the plain model by the same names
+    plain_model.load_state_dict(fast_model.state_dict())

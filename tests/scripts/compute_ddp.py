@@ -1,0 +1,149 @@
+"""Two CPU ranks train with RegionalCompile, FusedOptimizer and MicroBatchTuner, then resume.
+
+``--strategy NAME`` (``ddp``, ``fsdp_zero2``, ...). The loader gives micro-batches of 4;
+the target global batch is 32. MicroBatchTuner's timing is injected and differs by
+rank (rank 0 finds 8 fastest, rank 1 finds 16): both ranks must train with rank 0's 8,
+so 2 micro-batches per optimizer step on 2 ranks, 2 optimizer steps per epoch (64
+samples). ``--no-tuner`` leaves MicroBatchTuner out (DeepSpeed, where it refuses).
+
+The script fits 4 steps with a checkpoint at step 2 (an epoch end), then fits again
+from that checkpoint in the same processes, and each rank writes both runs' losses,
+the micro-batch of each step it trained, what was compiled and switched, and a
+checksum of its parameters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from lightning_speedkit import (
+    AccumulationScheduler,
+    FusedOptimizer,
+    MicroBatchTuner,
+    RegionalCompile,
+    SpeedMonitor,
+)
+from lightning_speedkit.compute import StepMeasurement
+
+DIM, GIVEN, GLOBAL, SAMPLES = 16, 4, 32, 64
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(DIM)
+        self.mlp = nn.Sequential(nn.Linear(DIM, 2 * DIM), nn.GELU(), nn.Linear(2 * DIM, DIM))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class Task(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Linear(DIM, DIM)
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+        self.head = nn.Linear(DIM, 1)
+        self.losses: list[float] = []
+        self.sizes: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self(x), y)
+        self.log("train/loss", loss, batch_size=x.shape[0])
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.losses.append(float(outputs["loss"].detach()))
+        self.sizes.append(int(batch[0].shape[0]))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+def loader() -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, DIM, generator=g)
+    return DataLoader(TensorDataset(x, torch.sin(x[:, :1])), batch_size=GIVEN)
+
+
+def timing(rank: int) -> Any:
+    fastest = 8 if rank == 0 else 16
+
+    def measure(run: Any, n: int) -> StepMeasurement:
+        run()
+        return StepMeasurement(n / (1000.0 if n == fastest else 100.0))
+
+    return measure
+
+
+def fit(args: argparse.Namespace, steps: int, resume: Path | None) -> tuple[L.Trainer, Task, Any]:
+    rank = int(dist.get_rank()) if dist.is_initialized() else 0
+    compile_callback = RegionalCompile(backend="aot_eager", verbose=False)
+    callbacks: list[L.Callback] = [
+        compile_callback,
+        FusedOptimizer(verbose=False),
+        AccumulationScheduler(target_global_batch=GLOBAL, verbose=False),
+        SpeedMonitor(warmup_steps=1, log_every_n_steps=2),
+        ModelCheckpoint(args.out / "ckpt", every_n_train_steps=2, save_top_k=-1),
+    ]
+    if not args.no_tuner:
+        callbacks.insert(1, MicroBatchTuner(measure=timing(rank), verbose=False))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=args.strategy, max_steps=steps, logger=False,
+        callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    task = Task()
+    trainer.fit(task, loader(), ckpt_path=resume)
+    return trainer, task, compile_callback
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--strategy", required=True)
+    parser.add_argument("--no-tuner", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    straight, task, compiled = fit(args, steps=4, resume=None)
+    rank = straight.global_rank
+    ckpt = args.out / "ckpt" / "epoch=0-step=2.ckpt"
+    resumed, resumed_task, _ = fit(args, steps=4, resume=ckpt)
+    fused = [s.implementation for c in straight.callbacks if isinstance(c, FusedOptimizer)
+             for s in c.switched]  # fmt: skip
+    result = {
+        "global_step": resumed.global_step,
+        "losses": task.losses,
+        "resumed_losses": resumed_task.losses,
+        "sizes": task.sizes,
+        "resumed_sizes": resumed_task.sizes,
+        "compiled": compiled.compiled,
+        "graphs": compiled.watch.graphs,
+        "fused": fused,
+        "checksum": float(sum(p.detach().double().sum() for p in resumed_task.parameters())),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
