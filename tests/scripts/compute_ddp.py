@@ -1,13 +1,14 @@
 """Two CPU ranks train with RegionalCompile, FusedOptimizer and MicroBatchTuner, then resume.
 
-``--strategy NAME`` (``ddp``, ``fsdp_zero2``, ...). The loader gives micro-batches of 4;
+``--strategies A,B`` (``ddp``, ``fsdp_zero2``, ...) run in turn in the same two
+processes (they start once). The loader gives micro-batches of 4;
 the target global batch is 32. MicroBatchTuner's timing is injected and differs by
 rank (rank 0 finds 8 fastest, rank 1 finds 16): both ranks must train with rank 0's 8,
 so 2 micro-batches per optimizer step on 2 ranks, 2 optimizer steps per epoch (64
-samples). ``--no-tuner`` leaves MicroBatchTuner out (DeepSpeed, where it refuses).
+samples). Under DeepSpeed, where MicroBatchTuner refuses, it is left out.
 
 The script fits 4 steps with a checkpoint at step 2 (an epoch end), then fits again
-from that checkpoint in the same processes, and each rank writes both runs' losses,
+from that checkpoint in the same processes, and each rank writes, per strategy, both runs' losses,
 the micro-batch of each step it trained, what was compiled and switched, and a
 checksum of its parameters.
 """
@@ -104,7 +105,7 @@ def fit(args: argparse.Namespace, steps: int, resume: Path | None) -> tuple[L.Tr
         SpeedMonitor(warmup_steps=1, log_every_n_steps=2),
         ModelCheckpoint(args.out / "ckpt", every_n_train_steps=2, save_top_k=-1),
     ]
-    if not args.no_tuner:
+    if not args.strategy.startswith("deepspeed"):  # where MicroBatchTuner refuses
         callbacks.insert(1, MicroBatchTuner(measure=timing(rank), verbose=False))
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=args.strategy, max_steps=steps, logger=False,
@@ -118,29 +119,33 @@ def fit(args: argparse.Namespace, steps: int, resume: Path | None) -> tuple[L.Tr
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--strategy", required=True)
-    parser.add_argument("--no-tuner", action="store_true")
+    parser.add_argument("--strategies", required=True, help="comma-separated, run in turn")
     args = parser.parse_args()
     torch.set_num_threads(1)
-    straight, task, compiled = fit(args, steps=4, resume=None)
-    rank = straight.global_rank
-    ckpt = args.out / "ckpt" / "epoch=0-step=2.ckpt"
-    resumed, resumed_task, _ = fit(args, steps=4, resume=ckpt)
-    fused = [s.implementation for c in straight.callbacks if isinstance(c, FusedOptimizer)
-             for s in c.switched]  # fmt: skip
-    result = {
-        "global_step": resumed.global_step,
-        "losses": task.losses,
-        "resumed_losses": resumed_task.losses,
-        "sizes": task.sizes,
-        "resumed_sizes": resumed_task.sizes,
-        "compiled": compiled.compiled,
-        "graphs": compiled.watch.graphs,
-        "fused": fused,
-        "checksum": float(sum(p.detach().double().sum() for p in resumed_task.parameters())),
-    }
+    results: dict[str, Any] = {}
+    rank = 0
+    for strategy in args.strategies.split(","):
+        run = argparse.Namespace(**{**vars(args), "strategy": strategy,
+                                    "out": args.out / strategy})  # fmt: skip
+        straight, task, compiled = fit(run, steps=4, resume=None)
+        rank = straight.global_rank
+        ckpt = run.out / "ckpt" / "epoch=0-step=2.ckpt"
+        resumed, resumed_task, _ = fit(run, steps=4, resume=ckpt)
+        fused = [s.implementation for c in straight.callbacks if isinstance(c, FusedOptimizer)
+                 for s in c.switched]  # fmt: skip
+        results[strategy] = {
+            "global_step": resumed.global_step,
+            "losses": task.losses,
+            "resumed_losses": resumed_task.losses,
+            "sizes": task.sizes,
+            "resumed_sizes": resumed_task.sizes,
+            "compiled": compiled.compiled,
+            "graphs": compiled.watch.graphs,
+            "fused": fused,
+            "checksum": float(sum(p.detach().double().sum() for p in resumed_task.parameters())),
+        }
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"rank{rank}.json").write_text(json.dumps(result))
+    (args.out / f"rank{rank}.json").write_text(json.dumps(results))
     if dist.is_initialized():
         dist.destroy_process_group()
 
