@@ -10,9 +10,10 @@ How a swap works:
    forward *and* the fused one on copies of those inputs (in eval mode, so
    dropout is off), compares the outputs and, when gradients are enabled, the
    gradients of inputs and parameters under a fixed random projection of the
-   output. In half precision both are measured against a float32 run of the
-   module's own forward (the eager softmax in bf16 is itself far from exact): a
-   backend passes within the tolerance or within twice the module's own error.
+   output (see :meth:`_Run.error` for the measure). In half precision both are
+   measured against a float32 run of the module's own forward (the eager softmax
+   in bf16 is itself far from exact): a backend passes within the tolerance or
+   within twice the module's own error.
    A module whose error exceeds that is reverted, with a warning. The checked
    call returns the fused output when the check passes (equal within the
    tolerance; a recomputation under activation checkpointing then runs what the
@@ -536,6 +537,7 @@ class _Run:
         self.not_implemented = output is NotImplemented
         self.tensors = [] if self.not_implemented else _tensors(output)
         self.targets = [t for t in _tensors(inputs) if t.requires_grad]
+        self.n_inputs = len(self.targets)
         self.targets += [p for p in module.parameters() if p.requires_grad]
         self.grads: list[Tensor | None] = []
         if grad and not self.not_implemented:
@@ -569,11 +571,13 @@ class _Run:
         """
         if len(self.tensors) != len(other.tensors) or len(self.grads) != len(other.grads):
             return math.inf
+        n = self.n_inputs
         outputs = _relative_errors(list(zip(self.tensors, other.tensors, strict=True)))
-        grads = _relative_errors(list(zip(self.grads, other.grads, strict=True)))
-        if outputs is None or grads is None:
+        inputs = _relative_errors(list(zip(self.grads[:n], other.grads[:n], strict=True)))
+        params = _vector_error(list(zip(self.grads[n:], other.grads[n:], strict=True)))
+        if outputs is None or inputs is None or params is None:
             return math.inf
-        errors = [e for e in (outputs, grads) if e.numel()]
+        errors = [e for e in (outputs, inputs, params) if e.numel()]
         if not errors:
             return 0.0
         return float(torch.cat(errors).max())  # SYNC: once per module check
@@ -623,6 +627,31 @@ def _relative_errors(pairs: list[tuple[Tensor | None, Tensor | None]]) -> Tensor
     diff, scale = torch.stack(diffs), torch.stack(scales)
     floor = (scale.max() * 0.01).clamp_min(1e-12)
     return diff / torch.maximum(scale, floor)
+
+
+def _vector_error(pairs: list[tuple[Tensor | None, Tensor | None]]) -> Tensor | None:
+    """``|theirs - ours| / |ours|`` over all pairs as one vector (L2); ``None``: shapes differ."""
+    diff_sq: list[Tensor] = []
+    ref_sq: list[Tensor] = []
+    for ours, theirs in pairs:
+        if ours is None and theirs is None:
+            continue
+        if ours is None:
+            assert theirs is not None
+            ours = torch.zeros_like(theirs)
+        if theirs is None:
+            theirs = torch.zeros_like(ours)
+        if ours.shape != theirs.shape:
+            return None
+        a, b = ours.detach().double(), theirs.detach().double()
+        diff = torch.where(a.isnan() & b.isnan(), torch.zeros_like(a), a - b)
+        diff_sq.append(torch.nan_to_num(diff.square().sum(), nan=math.inf).cpu())
+        ref_sq.append(torch.nan_to_num(a.square().sum(), nan=0.0).cpu())
+    if not diff_sq:
+        return torch.zeros(0)
+    diff_norm = torch.stack(diff_sq).sum().sqrt()
+    ref_norm = torch.stack(ref_sq).sum().sqrt().clamp_min(1e-30)
+    return (diff_norm / ref_norm).float().reshape(1)
 
 
 def _synchronize(device: torch.device) -> None:
