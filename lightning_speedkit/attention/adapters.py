@@ -32,6 +32,12 @@ Built in, tried in this order after any registered adapter:
     count, an optional lower-triangular causal-mask buffer, attention dropout.
     The parity check, not the structure, decides: a look-alike that is not
     equivalent (heads mixed after the softmax, another scale) is reverted.
+``traced``
+    any other module, found by what it computes on its first call (two products
+    around a softmax over the key axis, fed by projections), whatever its names:
+    see :mod:`lightning_speedkit.attention._traced`. It has no ``match``:
+    :func:`~lightning_speedkit.swap_attention` probes the modules no other
+    family claims.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_speedkit import _imports, _validation
+from lightning_speedkit.attention._traced import traced_forward
 from lightning_speedkit.attention.backends import Attend
 
 Inputs = tuple[tuple[Any, ...], dict[str, Any]]
@@ -63,6 +70,10 @@ class SwapContext:
     """Attention through the chosen backend, in SDPA's ``(B, H, N, D)`` layout."""
     binding: Any
     """What the adapter's ``match`` returned for this module."""
+    checking: bool = False
+    """The parity check is running this call: a forward that could only run it unfused
+    may raise :class:`~lightning_speedkit.attention._traced.SwapRefusedError` (the module then
+    keeps its own forward)."""
 
     @property
     def backend(self) -> str:
@@ -403,6 +414,8 @@ _BUILTIN: tuple[AttentionAdapter, ...] = (
     AttentionAdapter("multihead_attention", _mha_match, _mha_forward, _mha_example),
     AttentionAdapter("structural", _structural_match, _structural_forward, _structural_example),
 )
+#: Modules found by :mod:`._traced`'s discovery, not by a ``match``.
+TRACED = AttentionAdapter("traced", lambda module: None, traced_forward)
 _REGISTERED: list[AttentionAdapter] = []
 
 
@@ -436,7 +449,7 @@ def register_adapter(
 
         >>> import torch
         >>> from torch import nn
-        >>> class Attention(nn.Module):  # heads live in ``self.h``: no built-in adapter finds it
+        >>> class Attention(nn.Module):  # heads in ``self.h``: only a trace would find it
         ...     def __init__(self):
         ...         super().__init__()
         ...         self.h, self.to_qkv, self.to_out = 2, nn.Linear(8, 24), nn.Linear(8, 8)
@@ -461,7 +474,7 @@ def register_adapter(
         >>> unregister_adapter("my_attention")
     """
     _validation.text("family", family, example="my_attention")
-    builtin = [adapter.family for adapter in _BUILTIN]
+    builtin = [adapter.family for adapter in (*_BUILTIN, TRACED)]
     if family in builtin:
         fix = f"choose another name (the built-in ones are {', '.join(builtin)})"
         _validation.fail("family", family, "is the name of a built-in family", fix)

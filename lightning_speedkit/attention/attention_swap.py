@@ -9,7 +9,12 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_speedkit import _validation
 from lightning_speedkit.attention.backends import BackendChoice, check_backend
-from lightning_speedkit.attention.swap_attention import SwapReport, swap_attention, swapped_modules
+from lightning_speedkit.attention.swap_attention import (
+    SwapReport,
+    agree_across_ranks,
+    swap_attention,
+    swapped_modules,
+)
 
 __all__ = ["AttentionSwap"]
 
@@ -22,8 +27,10 @@ class AttentionSwap(L.Callback):
     checked against its own forward on its first real inputs, forward and
     backward, inside the first training step (the step's numbers are the
     module's own); one that fails is reverted with a warning. After the first
-    training batch the report is printed (rank 0) and ``attention/swapped`` and
-    ``attention/reverted`` are logged.
+    training batch every rank takes rank 0's decisions (each module's backend, or
+    its revert; rank 0's report notes what other ranks had decided), the report
+    is printed (rank 0) and ``attention/swapped`` and ``attention/reverted`` are
+    logged.
 
     Args:
         backend: ``"auto"`` (default: time the candidates on the first real
@@ -83,6 +90,8 @@ class AttentionSwap(L.Callback):
             return
         self._reported = True
         report = self.report
+        # Every rank checked and timed on its own batch: all now run rank 0's decisions.
+        agree_across_ranks(report)
         if self.verbose:
             rank_zero_info(f"AttentionSwap (backend={self.backend!r}):\n{report.to_markdown()}")
         pl_module.log("attention/swapped", float(len(report.swapped)), rank_zero_only=True)
@@ -106,12 +115,13 @@ class AttentionSwap(L.Callback):
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         state, self._loaded = self._loaded, {}
-        swaps = swapped_modules(pl_module)
+        if self.report is None:
+            return
         for name, saved in state.get("modules", {}).items():
-            swap = swaps.get(name)
-            if swap is None:
+            swap = self.report._swaps.get(name)
+            if swap is None:  # a traced module, found at its first call: decided then
+                self.report._decided[name] = saved
                 continue
-            if saved["status"] == "reverted":
-                swap.revert(f"reverted in the run this one resumes: {saved['reason']}")
-            elif self.backend == "auto":
-                swap.pin(str(saved["backend"]).split(" ", 1)[0])  # "sdpa (...)" ran sdpa
+            swap.adopt(
+                saved, "in the run this one resumes", pin=self.backend == "auto", trust=False
+            )

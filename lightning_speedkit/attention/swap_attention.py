@@ -5,7 +5,9 @@ How a swap works:
 1. Every module is offered to the adapters (:mod:`.adapters`); the first that
    claims it replaces the module's ``forward`` on the instance (through
    :mod:`lightning_speedkit._surgery`), so parameters, buffers, state_dict keys
-   and the optimizer's references are untouched.
+   and the optimizer's references are untouched. The modules no adapter claims
+   are probed: the first call that reaches one is traced, and the attention it
+   computes is swapped where it was found (the ``traced`` family, :mod:`._traced`).
 2. Parity: the first time a swapped module runs on real inputs, it runs its own
    forward *and* the fused one on copies of those inputs (in eval mode, so
    dropout is off), compares the outputs and, when gradients are enabled, the
@@ -21,6 +23,8 @@ How a swap works:
    also checked at swap time on a small synthetic input of its own.
 3. ``backend="auto"`` times the candidate backends on those real inputs, with
    backward, and keeps the fastest that passes.
+4. Under ``torch.distributed``, :func:`agree_across_ranks` makes every rank run
+   rank 0's decisions (AttentionSwap calls it after the first training batch).
 
 The report is live: entries fill in as modules are checked.
 """
@@ -48,8 +52,11 @@ from lightning_speedkit._surgery import (
     replaced_forward,
     restore_forward,
 )
-from lightning_speedkit.attention.adapters import AttentionAdapter, SwapContext, adapters
+from lightning_speedkit.attention._discovery import Discovery, Found, probed
+from lightning_speedkit.attention._traced import SwapRefusedError, TracedAttention, swapped_call
+from lightning_speedkit.attention.adapters import TRACED, AttentionAdapter, SwapContext, adapters
 from lightning_speedkit.attention.backends import (
+    BACKENDS,
     Attend,
     BackendChoice,
     auto_candidates,
@@ -90,6 +97,10 @@ class ModuleSwap:
     """What the latest passed check covered: ``synthetic``, ``forward`` or ``forward+backward``."""
     reason: str = ""
     """Why it was reverted."""
+    detail: str = ""
+    """What discovery saw in the module (``traced`` family): heads, projections, masks."""
+    ranks: str = ""
+    """On rank 0, once the ranks agreed: what other ranks had decided for this module."""
 
 
 @dataclass
@@ -100,6 +111,9 @@ class SwapReport:
     modules: list[ModuleSwap] = field(default_factory=list)
     skipped: list[tuple[str, str]] = field(default_factory=list)
     """Modules of a known family that cannot be swapped, with the reason."""
+    _swaps: dict[str, _SwappedForward] = field(default_factory=dict, repr=False, compare=False)
+    _decided: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
+    """Decisions for modules not found yet (a resumed run's, for traced modules)."""
 
     @property
     def swapped(self) -> list[str]:
@@ -127,6 +141,7 @@ class SwapReport:
             error = "-" if m.parity_error is None else f"{m.parity_error:.1e}"
             speedup = "-" if m.speedup is None else f"{m.speedup:.2f}x"
             note = m.reason or (f"checked: {m.checked}" if m.checked else "not called yet")
+            note = "; ".join(part for part in (note, m.detail, m.ranks) if part)
             lines.append(
                 f"| {m.name or '(root)'} | {m.family} | {m.backend or m.requested} | {m.status} "
                 f"| {error} | {speedup} | {note} |"
@@ -149,6 +164,11 @@ def swap_attention(
 ) -> SwapReport:
     """Make every attention module of ``model`` run a fused backend, parity-checked.
 
+    Modules of a known family are swapped now; the others are probed, and the
+    first call that reaches them is traced: attention found there (two products
+    around a softmax, fed by projections) is swapped in the module that holds it
+    (the ``traced`` family) and checked on that call's inputs.
+
     Args:
         model: any ``nn.Module``, not yet wrapped by DDP/FSDP/DeepSpeed or compiled
             (compile after swapping).
@@ -158,8 +178,9 @@ def swap_attention(
             A backend the device cannot run falls back to ``"sdpa"``, said once.
         sample: what ``model`` is called with: a tensor, a tuple of positional
             arguments or a dict of keyword arguments. The model runs it once (in
-            eval mode, output discarded) so that each swapped module is checked
-            on its real inputs now rather than at its first call.
+            eval mode, output discarded) so that each swapped module is checked,
+            and attention no family names is found, on real inputs now rather
+            than at the model's first call.
         tolerance: largest relative error that passes; default by dtype
             (:data:`DEFAULT_TOLERANCE`: 1e-4 in fp32, 3e-2 in bf16).
         measure: time the module's own forward(+backward) against the fused one
@@ -185,21 +206,26 @@ def swap_attention(
     _validation.boolean("measure", measure)
     refuse_wrapped(model, "swap_attention")
     report = SwapReport(backend)
-    swaps = _swap_modules(model, report, backend, tolerance, measure)
-    if not swaps and not report.skipped:
-        rank_zero_warn(
-            f"swap_attention found no attention module in {type(model).__name__}. Its "
-            "attention is not one of the known families (nn.MultiheadAttention, timm, "
-            "Hugging Face, or q/k/v + output projections with a head count): teach it with "
-            "`lightning_speedkit.register_adapter`."
-        )
+    swaps, excluded = _swap_modules(model, report, backend, tolerance, measure)
+    discovery = _discover(model, report, excluded, backend, tolerance, measure)
+    if not swaps and not report.skipped and discovery is None:
+        _warn_nothing_found(type(model).__name__)
     if sample is not None:
         with _eval(model), torch.enable_grad():
-            _call(model, sample)
+            _call(model, sample)  # checks the swaps; the first call of probed modules is traced
     else:
         for swap in swaps:
             swap.check_synthetic()
     return report
+
+
+def _warn_nothing_found(what: str) -> None:
+    rank_zero_warn(
+        f"swap_attention found no attention module in {what}: none of the known families "
+        "(nn.MultiheadAttention, timm, Hugging Face, q/k/v + output projections with a head "
+        "count), and its first call computed no softmax between two products of projected "
+        "inputs. Teach it with `lightning_speedkit.register_adapter`."
+    )
 
 
 def _swap_modules(
@@ -208,13 +234,16 @@ def _swap_modules(
     backend: str,
     tolerance: float | None,
     measure: bool,
-) -> list[_SwappedForward]:
+) -> tuple[list[_SwappedForward], list[str]]:
+    """The adapters' swaps, and the names of the subtrees a traced swap must leave alone."""
     swaps: list[_SwappedForward] = []
+    excluded: list[str] = []  # swapped, or refused by a family that knows them
     owners: list[tuple[str, AttentionAdapter, Any]] = []  # claimed subtrees
     for name, module in model.named_modules():
         owners = [o for o in owners if o[0] == "" or name.startswith(o[0] + ".")]
         if replaced_forward(module) is not None:
             report.skipped.append((name, "already swapped"))
+            excluded.append(name)
             continue
         for adapter in adapters():
             if owners and adapter is not owners[-1][1]:
@@ -226,15 +255,75 @@ def _swap_modules(
                 break  # the same model as an enclosing swap (a shared config)
             if isinstance(binding, str):
                 report.skipped.append((name, binding))
+                if adapter.family != "structural":  # names only: a trace may still find it
+                    excluded.append(name)
                 break
             entry = ModuleSwap(name=name, family=adapter.family, requested=backend)
             swap = _SwappedForward(module, entry, adapter, binding, tolerance, measure)
             replace_forward(module, swap)
             report.modules.append(entry)
+            report._swaps[name] = swap
             swaps.append(swap)
             owners.append((name, adapter, binding))
+            excluded.append(name)
             break
-    return swaps
+    return swaps, excluded
+
+
+def _discover(
+    model: nn.Module,
+    report: SwapReport,
+    excluded: list[str],
+    backend: str,
+    tolerance: float | None,
+    measure: bool,
+) -> Discovery | None:
+    """Probe the modules no adapter claimed; ``None`` when there are none."""
+
+    def inside(name: str, top: str) -> bool:
+        return top == "" or name == top or name.startswith(top + ".")
+
+    # The modules that hold another family's swap are not traced either: what they compute
+    # besides it would be found in their own submodules, and the model's first call stays
+    # untraced where the known families found everything.
+    holders = {
+        ".".join(top.split(".")[:i]) for top in excluded if top for i in range(len(top.split(".")))
+    }
+    modules = dict(model.named_modules())
+    candidates: dict[nn.Module, str] = {}
+    for name, module in modules.items():
+        if name in holders or any(inside(name, top) for top in excluded) or probed(module):
+            continue
+        if type(module).__module__.startswith("torch.") and not any(
+            True for _ in module.children()
+        ):
+            continue  # one of torch's own layers (Linear, LayerNorm, Dropout, ...)
+        candidates[module] = name
+    if not candidates:
+        return None
+    warned: list[str] = []
+
+    def install(found: Found, name: str) -> None:
+        entry = ModuleSwap(name=name, family="traced", requested=backend, detail=found.detail)
+        binding = TracedAttention(found.detail)
+        swap = _SwappedForward(found.owner, entry, TRACED, binding, tolerance, measure)
+        replace_forward(found.owner, swap)
+        report.modules.append(entry)
+        report._swaps[name] = swap
+        report.skipped[:] = [(n, why) for n, why in report.skipped if n != name]
+        decision = report._decided.pop(name, None)
+        if decision is not None:  # decided in the run this one resumes
+            swap.adopt(decision, "in the run this one resumes", pin=backend == "auto", trust=False)
+        if entry.status != "reverted":
+            swap.check_now(*found.inputs, grad=found.grad)
+
+    def nothing_found(name: str) -> None:
+        if not report.modules and not report.skipped and not warned:
+            warned.append(name)
+            _warn_nothing_found(type(model).__name__)
+
+    paused = [modules[name] for name in excluded if name in modules]
+    return Discovery(model, candidates, paused, install, nothing_found)
 
 
 def _call(model: nn.Module, sample: Any) -> Any:
@@ -295,9 +384,10 @@ class _SwappedForward:
                 return self._fast(self.ctx, args, kwargs)
             return self.original(*args, **kwargs)
         grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
-        if not self.checked_forward or (grad and not self.checked_backward):
-            return self._check_call(args, kwargs, grad)
-        return self._fast(self.ctx, args, kwargs)
+        with swapped_call():  # an enclosing module's trace or fusion does not look in here
+            if not self.checked_forward or (grad and not self.checked_backward):
+                return self._check_call(args, kwargs, grad)
+            return self._fast(self.ctx, args, kwargs)
 
     def _fast(self, ctx: SwapContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = self.adapter.forward(ctx, *args, **kwargs)
@@ -323,6 +413,18 @@ class _SwappedForward:
             self._check(example[0], example[1], grad=True, time_it=False, label="synthetic")
 
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> Any:
+        if self._check_inputs(args, kwargs, grad):
+            # The fused output (equal within the tolerance): a recomputation under activation
+            # checkpointing then runs the same operations as this forward did.
+            return self._fast(self.ctx, args, kwargs)
+        return self.original(*args, **kwargs)
+
+    def check_now(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, grad: bool) -> None:
+        """Check on inputs the module was just called with (a traced module's first call)."""
+        with torch.set_grad_enabled(grad), swapped_call():
+            self._check_inputs(args, kwargs, grad)
+
+    def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> bool:
         # The check is not the model's work: no FLOPs counted, and what its runs save for
         # backward stays theirs (an enclosing activation checkpoint must not count it).
         with _eval(self.module), not_counted(), _keep_saved_tensors():
@@ -336,10 +438,7 @@ class _SwappedForward:
         if passed:
             self.checked_forward = True
             self.checked_backward = self.checked_backward or grad
-            # The fused output (equal within the tolerance): a recomputation under activation
-            # checkpointing then runs the same operations as this forward did.
-            return self._fast(self.ctx, args, kwargs)
-        return self.original(*args, **kwargs)
+        return passed
 
     def _check(
         self,
@@ -379,9 +478,14 @@ class _SwappedForward:
         passing: list[tuple[str, float, _Run]] = []
         failure = ""
         for backend in candidates:
-            ctx = SwapContext(self.module, self.original, self._attend(backend), self.ctx.binding)
+            ctx = SwapContext(
+                self.module, self.original, self._attend(backend), self.ctx.binding, checking=True
+            )
             try:
                 fused = _Run(_bind(self.adapter.forward, ctx, copies), copies, self.module, grad)
+            except SwapRefusedError as error:
+                failure = str(error)
+                continue
             except Exception as error:
                 failure = f"the fused forward raised {type(error).__name__}: {error}"
                 continue
@@ -434,6 +538,39 @@ class _SwappedForward:
     def revert(self, reason: str) -> None:
         """Give the module its own forward back."""
         self._revert(reason)
+
+    def adopt(self, decision: Mapping[str, Any], source: str, *, pin: bool, trust: bool) -> None:
+        """Take a decision made elsewhere as this module's (see :func:`_decision`).
+
+        Args:
+            decision: what was decided: reverted (and why), or active with a backend.
+            source: where it was decided, for the report ("on rank 0", ...).
+            pin: run the decided backend (``auto``'s pick) rather than timing again.
+            trust: take its checks as done here (the ranks agree); else check again.
+        """
+        status = decision.get("status")
+        if status == "reverted":
+            if self.entry.status != "reverted":
+                self._revert(f"reverted {source}: {decision.get('reason', '')}")
+            return
+        if status != "active":
+            return
+        if replaced_forward(self.module) is not self:  # reverted here: swapped again
+            replace_forward(self.module, self)
+        backend = str(decision.get("backend") or "").split(" ", 1)[0]  # "sdpa (...)" ran sdpa
+        if pin and backend in BACKENDS:
+            self.pin(backend)
+        entry = self.entry
+        entry.status = "active"
+        entry.reason = ""
+        if trust:
+            checked = str(decision.get("checked", ""))
+            self.checked_forward = checked in ("forward", "forward+backward")
+            self.checked_backward = checked == "forward+backward"
+            entry.checked = checked
+            entry.backend = decision.get("backend")
+            entry.parity_error = decision.get("parity_error")
+            entry.speedup = decision.get("speedup")
 
     def _revert(self, reason: str) -> None:
         restore_forward(self.module)
@@ -564,10 +701,21 @@ class _Run:
     def error(self, other: _Run) -> float:
         """Largest relative error of ``other``'s outputs and gradients against ours.
 
-        Each tensor's error is scaled by its own largest value, floored at 1% of
-        the largest value in its group (outputs, gradients): a gradient that is
-        zero in exact arithmetic (a key bias's) is rounding noise on both sides,
-        not a mismatch.
+        Outputs and input gradients: each tensor's largest error, scaled by its
+        own largest value, floored at 1% of the largest value in its group.
+
+        Parameter gradients: the error of the module's whole parameter gradient,
+        one vector (relative L2), as an optimizer step sees it, whatever the
+        module's packing. Per tensor, a gradient that is small against the rest
+        weighs its rounding with its own size: at initialisation the query and
+        key projections' gradients of a nearly uniform attention are hundreds of
+        times smaller than the value and output projections' (differences of
+        nearly equal scores), and the backward of every fused kernel in half
+        precision (FlashAttention's row sums taken from the rounded output) puts
+        a rounding error of tens of percent of their own size on them. That
+        failed separate ``q_proj``/``k_proj`` projections and passed a fused
+        ``qkv``, where the same error hides beside the value part; the module's
+        whole gradient moves by the same amount (rounding) with any kernel.
         """
         if len(self.tensors) != len(other.tensors) or len(self.grads) != len(other.grads):
             return math.inf
@@ -667,3 +815,85 @@ def swapped_modules(model: nn.Module) -> dict[str, _SwappedForward]:
         if isinstance(forward, _SwappedForward):
             swaps[name] = forward
     return swaps
+
+
+def _decision(entry: ModuleSwap) -> dict[str, Any]:
+    """What was decided for a module, as plain values (checkpoints, collectives)."""
+    return {
+        "status": entry.status,
+        "backend": entry.backend,
+        "reason": entry.reason,
+        "parity_error": entry.parity_error,
+        "speedup": entry.speedup,
+        "checked": entry.checked,
+    }
+
+
+def _differs(ours: Mapping[str, Any] | None, theirs: Mapping[str, Any] | None) -> bool:
+    if ours is None or theirs is None:
+        return ours is not theirs
+    if ours["status"] != theirs["status"]:
+        return True
+    return bool(ours["status"] == "active" and ours["backend"] != theirs["backend"])
+
+
+def _said(decision: Mapping[str, Any] | None) -> str:
+    if decision is None:
+        return "did not find it"
+    if decision["status"] == "reverted":
+        return f"reverted it ({decision['reason']})"
+    if decision["status"] == "active":
+        return f"picked {decision['backend']!r}"
+    return "had not checked it yet"
+
+
+def agree_across_ranks(report: SwapReport) -> None:
+    """Make every rank run rank 0's decisions: each module's backend, or its revert.
+
+    Each rank checks and times its swaps on its own inputs, so ranks can decide
+    differently (a parity error near the tolerance, ``auto``'s timings). This
+    gathers every rank's decisions in one ``all_gather_object`` (a collective:
+    every rank calls it once, at the same point; AttentionSwap does after the
+    first training batch), makes each rank apply rank 0's, and notes on rank 0,
+    in the report's ``ranks`` column and one warning, what the other ranks had
+    decided. Modules not checked yet on rank 0 are left to each rank. Without
+    an initialised process group of two or more ranks it does nothing.
+
+    Example::
+
+        >>> from torch import nn
+        >>> layer = nn.TransformerEncoderLayer(d_model=16, nhead=2, batch_first=True)
+        >>> report = swap_attention(layer, sample=torch.randn(2, 5, 16))
+        >>> agree_across_ranks(report)  # one process: its decisions stand
+        >>> report.modules[0].status, report.modules[0].ranks
+        ('active', '')
+    """
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return
+    mine = {entry.name: _decision(entry) for entry in report.modules}
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)  # once per fit, not per step
+    chosen: dict[str, dict[str, Any]] = everyone[0]
+    if dist.get_rank() != 0:
+        for name, decision in chosen.items():
+            swap = report._swaps.get(name)
+            if swap is not None and _differs(decision, mine.get(name)):
+                swap.adopt(decision, "on rank 0", pin=True, trust=True)
+        return
+    notes = []
+    entries = {entry.name: entry for entry in report.modules}
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        for name in sorted(set(chosen) | set(theirs)):
+            if not _differs(chosen.get(name), theirs.get(name)):
+                continue
+            note = f"rank {rank} {_said(theirs.get(name))}"
+            entry = entries.get(name)
+            if entry is not None:
+                entry.ranks = "; ".join(filter(None, (entry.ranks, note)))
+            notes.append(f"{name or '(root)'}: {note}")
+    if notes:
+        rank_zero_warn(
+            "AttentionSwap: the ranks had decided differently; every rank now runs rank 0's "
+            "decisions. " + "; ".join(notes) + "."
+        )

@@ -9,6 +9,8 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import Tensor
+from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_speedkit import AttentionSwap, SpeedkitConfigError
 from lightning_speedkit.attention.swap_attention import swapped_modules
@@ -16,6 +18,7 @@ from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VL
 
 from ..conftest import SMALL_CORPUS
 from ..helpers.multiprocess import run_script
+from .test_traced import Block, CrossAttention
 
 ATTENTION = [
     "model.vision.blocks.0.attn",
@@ -115,6 +118,78 @@ def test_second_fit_keeps_the_swaps(small_corpus: Path) -> None:
     assert list(swapped_modules(task)) == ATTENTION
 
 
+class _TracedTask(L.LightningModule):
+    """Blocks whose attention only a trace finds (diffusers' old CrossAttention)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.Sequential(Block(CrossAttention()), Block(CrossAttention()))
+        self.head = torch.nn.Linear(32, 1)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(x)).squeeze(-1)  # type: ignore[no-any-return]
+
+    def training_step(self, batch: list[Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self(x), y)
+
+    def validation_step(self, batch: list[Tensor], batch_idx: int) -> None:
+        self.log("val", torch.nn.functional.mse_loss(self(batch[0]), batch[1]))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _fit_traced(
+    callbacks: list[Any], steps: int, ckpt_path: str | None = None, **kwargs: Any
+) -> _TracedTask:
+    generator = torch.Generator().manual_seed(0)
+    data = TensorDataset(
+        torch.randn(32, 6, 32, generator=generator), torch.randn(32, 6, generator=generator)
+    )
+    task = _TracedTask()
+    kwargs.setdefault("enable_checkpointing", False)
+    trainer = L.Trainer(
+        accelerator="cpu",
+        max_steps=steps,
+        limit_val_batches=1,
+        callbacks=callbacks,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+    loader = DataLoader(data, batch_size=8)
+    trainer.fit(task, loader, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+    return task
+
+
+def test_fit_finds_attention_by_tracing_and_trains_like_plain(tmp_path: Path) -> None:
+    swap = AttentionSwap("sdpa", verbose=False)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    task = _fit_traced([swap, checkpoint], steps=3, enable_checkpointing=True)
+    plain = _fit_traced([], steps=3)
+    assert swap.report is not None
+    assert swap.report.swapped == ["blocks.0.attention", "blocks.1.attention"]
+    for m in swap.report.modules:  # found in the sanity check, backward checked in step one
+        assert (m.family, m.status, m.checked) == ("traced", "active", "forward+backward")
+    for (name, p), ref in zip(task.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, ref, rtol=1e-5, atol=1e-6, msg=name)
+    # A resumed run applies the saved decisions when its trace finds the modules again.
+    ckpt = torch.load(tmp_path / "last.ckpt", weights_only=False)
+    saved = ckpt["callbacks"]["AttentionSwap"]["modules"]
+    assert sorted(saved) == ["blocks.0.attention", "blocks.1.attention"]
+    saved["blocks.0.attention"] = {"status": "reverted", "reason": "parity error 1e+00"}
+    torch.save(ckpt, tmp_path / "edited.ckpt")
+    resumed = AttentionSwap("sdpa", verbose=False)
+    with pytest.warns(UserWarning, match="reverted in the run this one resumes"):
+        _fit_traced([resumed], steps=4, ckpt_path=str(tmp_path / "edited.ckpt"))
+    assert resumed.report is not None
+    assert resumed.report.swapped == ["blocks.1.attention"]
+    assert resumed.report.reverted[0][0] == "blocks.0.attention"
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(SpeedkitConfigError, match="`backend='flash2'`"):
         AttentionSwap("flash2")  # type: ignore[arg-type]
@@ -136,3 +211,38 @@ def test_ddp_ranks_swap_and_train_like_unswapped_ddp(small_corpus: Path, tmp_pat
         assert all(m["checked"] == "forward+backward" for m in modules)
     assert swapped[0]["params"] == pytest.approx(swapped[1]["params"], rel=1e-12)  # ranks agree
     assert swapped[0]["params"] == pytest.approx(plain[0]["params"], rel=1e-4, abs=1e-4)
+
+
+@pytest.mark.multiprocess
+def test_ddp_ranks_that_decide_differently_all_run_rank_0s_decisions(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    """Rank 1 picks `math` (all it may time) and fails one module's check; rank 0 picks
+    `sdpa` or `flash` and passes them all. After the first batch both run rank 0's choices,
+    and rank 0's report says what rank 1 had decided."""
+    target = ATTENTION[2]
+    ranks = run_script(
+        "attention_swap_ddp.py",
+        tmp_path,
+        "--data-dir",
+        str(small_corpus),
+        "--swap",
+        "--backend",
+        "auto",
+        "--disagree",
+        "--revert-on-rank-1",
+        target,
+    )
+    backends = [
+        {m["name"]: (m["status"], m["backend"]) for m in r["report"]["modules"]} for r in ranks
+    ]
+    assert backends[0] == backends[1]
+    assert {status for status, _ in backends[0].values()} == {"active"}
+    assert {backend for _, backend in backends[0].values()} <= {"sdpa", "flash"}
+    assert ranks[0]["running"] == ranks[1]["running"] == sorted(ATTENTION)  # rank 1 swapped it back
+    notes = {m["name"]: m["ranks"] for m in ranks[0]["report"]["modules"]}
+    assert notes[target].startswith("rank 1 reverted it (parity error")
+    for name in ATTENTION:
+        if name != target:
+            assert notes[name] == "rank 1 picked 'math'"
+    assert ranks[0]["params"] == pytest.approx(ranks[1]["params"], rel=1e-12)

@@ -271,9 +271,22 @@ def test_calls_the_structure_does_not_cover_run_the_modules_own_forward() -> Non
 
 def test_nothing_matched_warns_with_the_way_out() -> None:
     with pytest.warns(UserWarning, match="found no attention module.*register_adapter"):
-        report = swap_attention(nn.Sequential(nn.Linear(4, 4), nn.ReLU()))
+        report = swap_attention(nn.Sequential(nn.Linear(4, 4), nn.ReLU()), sample=torch.ones(1, 4))
     assert report.swapped == []
     assert report.skipped == []
+
+
+def test_without_a_sample_nothing_matched_warns_at_the_first_call() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the model has not run: nothing is known yet
+        report = swap_attention(model)
+    with pytest.warns(UserWarning, match="found no attention module in Sequential"):
+        model(torch.ones(1, 4))
+    assert report.modules == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once; the probes are gone
+        model(torch.ones(1, 4))
 
 
 def test_optimizer_built_before_the_swap_still_trains_the_same_parameters() -> None:

@@ -1,0 +1,411 @@
+"""Discovery for the ``traced`` family: which modules compute attention, on their first call.
+
+Each module that no other adapter claims gets a probe. The first call that
+reaches a probed module runs once, unchanged, under a recording
+``TorchFunctionMode``: every torch call, which tensors fed it, and which
+module calls it happened in. In that record a softmax over the last axis
+whose input comes, through scaling, masking and casts, from a product of two
+tensors (``@``, ``matmul``, ``bmm``, ``baddbmm``, ``einsum``), and whose output
+goes, through dropout and casts, into a second product, is attention when
+both operands of the first product and the other operand of the second
+derive from projections (a ``linear`` or matmul with a parameter). The
+module that owns it is the innermost module call holding both products.
+Names play no part: diffusers' old ``CrossAttention``, vit-pytorch's and
+imagen-pytorch's ``Attention`` are found like any other.
+"""
+
+from __future__ import annotations
+
+import logging
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from lightning_speedkit.attention._traced import (
+    _METADATA,
+    _NESTING,
+    _PRODUCTS,
+    _PROJECTIONS,
+    _SCORE_OPS,
+    _WEIGHT_OPS,
+    _name,
+    _softmax_dim,
+    _tensor_args,
+    _tensor_outputs,
+)
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Node:
+    name: str
+    parents: tuple[int, ...]
+    """The nodes that produced this op's tensor arguments, in order (-1: made elsewhere)."""
+    shape: tuple[int, ...] | None
+    info: Any = None
+    """softmax: its axis; projection: the parameter's id."""
+
+
+@dataclass
+class _Call:
+    module: nn.Module
+    enter: int
+    inputs: tuple[tuple[Any, ...], dict[str, Any]]
+    grad: bool
+    exit: int | None = None
+
+
+@dataclass(frozen=True)
+class Found:
+    """One attention found in a trace, and what its owner was called with."""
+
+    owner: nn.Module
+    inputs: tuple[tuple[Any, ...], dict[str, Any]]
+    grad: bool
+    detail: str
+
+
+class _Trace:
+    def __init__(self, root: nn.Module) -> None:
+        self.root = root
+        self.nodes: list[_Node] = []
+        self.producer: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
+        self.calls: list[_Call] = []
+        self.open: list[_Call] = []
+        self.paused = 0
+        self.depth = _NESTING[0]
+        self.broken = False
+
+    def enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if not self.calls:  # the root's inputs: named, so cross-attention shows
+            for tensor in _tensor_args(args, kwargs):
+                if tensor not in self.producer:
+                    self.producer[tensor] = len(self.nodes)
+                    self.nodes.append(_Node("input", (), tuple(tensor.shape)))
+        grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        call = _Call(module, len(self.nodes), (args, kwargs), grad)
+        self.calls.append(call)
+        self.open.append(call)
+
+    def exit(self, module: nn.Module) -> bool:
+        """Close the module's call; ``True`` when that was the root's."""
+        for i in range(len(self.open) - 1, -1, -1):
+            if self.open[i].module is module:
+                self.open[i].exit = len(self.nodes)
+                del self.open[i:]
+                break
+        return not self.open
+
+    def record(
+        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any], out: Any
+    ) -> None:
+        name = _name(func)
+        if name in _METADATA:
+            return
+        tensors = list(_tensor_args(args, kwargs))
+        parents = tuple(self.producer.get(t, -1) for t in tensors)
+        outputs = _tensor_outputs(out)
+        shape = tuple(outputs[0].shape) if outputs else None
+        info: Any = None
+        if name in _PROJECTIONS:
+            weight = next((t for t in tensors if isinstance(t, nn.Parameter)), None)
+            if weight is not None:
+                name, info = "projection", id(weight)
+        elif name == "softmax" and tensors:
+            info = _softmax_dim(args, kwargs, tensors[0].ndim)
+            if info != tensors[0].ndim - 1:
+                name = "softmax (not over the last axis)"
+        index = len(self.nodes)
+        self.nodes.append(_Node(name, parents, shape, info))
+        for tensor in outputs:
+            self.producer[tensor] = index
+
+
+class _Recorder(TorchFunctionMode):
+    def __init__(self, trace: _Trace) -> None:
+        super().__init__()
+        self.trace = trace
+
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        trace = self.trace
+        if not trace.paused and not trace.broken and _NESTING[0] == trace.depth:
+            try:
+                trace.record(func, args, kwargs, out)
+            except Exception:  # never the user's step: this module just stays unswapped
+                log.debug("recording %s failed", func, exc_info=True)
+                trace.broken = True
+        return out
+
+
+def find_attention(
+    trace: _Trace, names: dict[int, str], owners: dict[nn.Module, str]
+) -> list[Found]:
+    """Attention in a finished trace, one per owner (the innermost module holding it).
+
+    ``names``: parameter id -> parameter name (for the report); ``owners``: the
+    modules that may own an attention, with their names.
+    """
+    nodes = trace.nodes
+    children: dict[int, list[int]] = {}
+    for index, node in enumerate(nodes):
+        for parent in node.parents:
+            if parent >= 0:
+                children.setdefault(parent, []).append(index)
+
+    def back_to_product(start: int) -> int | None:
+        todo, seen = [start], set[int]()
+        while todo:
+            i = todo.pop()
+            if i < 0 or i in seen or len(seen) > 32:
+                continue
+            seen.add(i)
+            if nodes[i].name in _PRODUCTS:
+                return i
+            if nodes[i].name in _SCORE_OPS:
+                todo.extend(reversed(nodes[i].parents))
+        return None
+
+    def projection(start: int) -> int | None:
+        todo, seen = [start], set[int]()
+        while todo:
+            i = todo.pop(0)
+            if i < 0 or i in seen or len(seen) > 64:
+                continue
+            seen.add(i)
+            if nodes[i].name == "projection":
+                return i
+            todo.extend(nodes[i].parents)
+        return None
+
+    def operands(i: int) -> tuple[int, ...]:
+        node = nodes[i]
+        return node.parents[1:] if node.name == "baddbmm" else node.parents
+
+    def forward_to_product(start: int) -> tuple[int, int] | None:
+        todo, seen = [start], set[int]()
+        while todo:
+            i = todo.pop(0)
+            if i in seen or len(seen) > 32:
+                continue
+            seen.add(i)
+            for child in children.get(i, []):
+                node = nodes[child]
+                if node.name in _PRODUCTS and len(operands(child)) == 2 and i in operands(child):
+                    other = [p for p in operands(child) if p != i]
+                    return child, (other[0] if other else -1)
+                if node.name in _WEIGHT_OPS:
+                    todo.append(child)
+        return None
+
+    def consumer_projection(start: int) -> int | None:
+        todo, seen = [start], set[int]()
+        while todo:
+            i = todo.pop(0)
+            if i in seen or len(seen) > 32:
+                continue
+            seen.add(i)
+            for child in children.get(i, []):
+                if nodes[child].name == "projection":
+                    return child
+                todo.append(child)
+        return None
+
+    found: dict[nn.Module, tuple[_Call, str]] = {}  # per module: its first call that holds one
+    for s, node in enumerate(nodes):
+        if node.name != "softmax" or not node.parents:
+            continue
+        p1 = back_to_product(node.parents[0])
+        if p1 is None or len(operands(p1)) != 2:
+            continue
+        q_proj, k_proj = (projection(p) for p in operands(p1))
+        after = forward_to_product(s)
+        if q_proj is None or k_proj is None or after is None:
+            continue
+        p2, v_node = after
+        v_proj = projection(v_node)
+        if v_proj is None:
+            continue
+        call = _owner(trace.calls, p1, p2, owners)
+        if call is None or call.module in found:
+            continue
+        out = consumer_projection(p2)
+        detail = _describe(nodes, names, owners[call.module], p1, (q_proj, k_proj, v_proj), out)
+        found[call.module] = (call, detail)
+    # An owner whose call holds another owner's call keeps its own forward: one swap per
+    # attention, at the innermost module.
+    calls = [call for call, _ in found.values()]
+    result = []
+    for call, detail in found.values():
+        holds_another = any(
+            other is not call
+            and call.enter <= other.enter
+            and other.exit is not None
+            and call.exit is not None
+            and other.exit <= call.exit
+            for other in calls
+        )
+        if not holds_another:
+            result.append(Found(call.module, call.inputs, call.grad, detail))
+    return result
+
+
+def _owner(calls: list[_Call], first: int, last: int, owners: dict[nn.Module, str]) -> _Call | None:
+    best = None
+    for call in calls:  # in order of entry: a later one that holds both is further in
+        if (
+            call.module in owners
+            and call.enter <= first
+            and call.exit is not None
+            and last < call.exit
+        ):
+            best = call
+    return best
+
+
+def _describe(
+    nodes: list[_Node],
+    names: dict[int, str],
+    owner: str,
+    product: int,
+    qkv: tuple[int, int, int],
+    out: int | None,
+) -> str:
+    """For the report: heads (from the shapes), cross-attention, the projections' names."""
+    q, k, _ = qkv
+
+    def short(index: int | None) -> str:
+        if index is None:
+            return "-"
+        name = names.get(nodes[index].info, "?").removesuffix(".weight").removesuffix(".bias")
+        return name.removeprefix(f"{owner}.") if owner else name
+
+    shape = nodes[product].shape or ()
+    heads: int | None = None
+    if len(shape) == 4:
+        heads = shape[1]
+    elif len(shape) == 3:
+        batch = (nodes[q].shape or (0,))[0]
+        heads = shape[0] // batch if batch and shape[0] % batch == 0 else None
+    parts = [f"{heads} heads" if heads else "heads ?"]
+    if nodes[q].parents[:1] != nodes[k].parents[:1]:
+        parts.append("cross-attention")
+    projections = dict.fromkeys(short(i) for i in qkv)
+    parts.append(f"q/k/v {'/'.join(projections)}, out {short(out)}")
+    return ", ".join(parts)
+
+
+class Discovery:
+    """Probes on candidate modules; the first call that reaches one is traced.
+
+    Args:
+        model: the model whose attention is looked for.
+        candidates: module -> name, the modules that may own an attention.
+        paused: modules whose calls are not looked into (other families' swaps).
+        install: called with each attention found, after its probes are gone.
+        nothing_found: called when a trace found no attention, with the traced module.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        candidates: dict[nn.Module, str],
+        paused: list[nn.Module],
+        install: Callable[[Found, str], None],
+        nothing_found: Callable[[str], None],
+    ) -> None:
+        self.names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
+        self.candidates = candidates
+        self.install = install
+        self.nothing_found = nothing_found
+        self.trace: _Trace | None = None
+        self.recorder: _Recorder | None = None
+        self.probes: dict[nn.Module, list[RemovableHandle]] = {}
+        for module in candidates:
+            self.probes[module] = [
+                module.register_forward_pre_hook(self._enter, with_kwargs=True),
+                module.register_forward_hook(self._exit, always_call=True),
+            ]
+            _PROBED[id(module)] = self
+        self.pauses: list[RemovableHandle] = []
+        for module in paused:
+            self.pauses.append(module.register_forward_pre_hook(self._pause))
+            self.pauses.append(module.register_forward_hook(self._resume, always_call=True))
+
+    @property
+    def pending(self) -> bool:
+        """Some candidate has not been called yet."""
+        return bool(self.probes)
+
+    def _pause(self, module: nn.Module, args: Any) -> None:
+        if self.trace is not None:
+            self.trace.paused += 1
+
+    def _resume(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.trace is not None:
+            self.trace.paused -= 1
+
+    def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if self.trace is None:
+            if torch.compiler.is_compiling() or module not in self.probes:
+                return
+            self.trace = _Trace(module)
+            self.recorder = _Recorder(self.trace)
+            self.recorder.__enter__()
+        self.trace.enter(module, args, kwargs)
+
+    def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        trace = self.trace
+        if trace is None or not trace.exit(module):
+            return
+        assert self.recorder is not None
+        self.recorder.__exit__(None, None, None)
+        self.trace = self.recorder = None
+        self._finish(trace)
+
+    def _finish(self, trace: _Trace) -> None:
+        found: list[Found] = []
+        if not trace.broken and all(call.exit is not None for call in trace.calls):
+            try:
+                found = find_attention(trace, self.names, self.candidates)
+            except Exception:
+                log.debug("finding attention failed", exc_info=True)
+        # Every module called in the trace is decided: its probes go before any check runs.
+        for call in trace.calls:
+            for handle in self.probes.pop(call.module, []):
+                handle.remove()
+            _PROBED.pop(id(call.module), None)
+        if not self.probes:
+            for handle in self.pauses:
+                handle.remove()
+            self.pauses = []
+        for item in found:
+            self.install(item, self.candidates[item.owner])
+        if not found:
+            self.nothing_found(self.candidates.get(trace.root, type(trace.root).__name__))
+
+
+#: id(module) -> the discovery probing it (a module is probed once). Weak: a discovery
+#: lives as long as the hooks of its modules hold it.
+_PROBED: weakref.WeakValueDictionary[int, Discovery] = weakref.WeakValueDictionary()
+
+
+def probed(module: nn.Module) -> bool:
+    """Whether a discovery awaits this module's first call."""
+    discovery = _PROBED.get(id(module))
+    return discovery is not None and module in discovery.probes
