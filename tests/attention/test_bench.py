@@ -59,4 +59,7 @@ def test_cli_prints_the_table_and_writes_json_and_plot(
 
 def test_cli_bad_input_is_a_clean_error(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["bench-attention", "--kv-heads", "3", "--device", "cpu"]) == 2
-    assert "`kv_heads=3` must divide" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "argument --kv-heads: 3 does not divide --heads 8" in err  # the argument, the value
+    assert "give divisors of --heads" in err  # and the fix
+    assert len(err.strip().splitlines()) == 1  # one line, no traceback
