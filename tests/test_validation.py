@@ -217,9 +217,7 @@ ROWS = [
     row("MicroBatchTuner", lambda: kit.MicroBatchTuner(max_micro_batch=0), "max_micro_batch", 0),
     row("RegionalCompile", lambda: kit.RegionalCompile(blocks="x"), "blocks", "x"),
     row("HangWatchdog", lambda: kit.HangWatchdog(timeout="30"), "timeout", "30", f"{S} '30'"),
-    row("FusedOptimizer", lambda: kit.FusedOptimizer(verbose="no"), "verbose", "no",
-        marks=(pytest.mark.xfail(reason="FusedOptimizer does not check `verbose` yet",
-                                 strict=True),)),
+    row("FusedOptimizer", lambda: kit.FusedOptimizer(verbose="no"), "verbose", "no"),
 ]  # fmt: skip
 
 #: Public names with no argument to check.

@@ -31,6 +31,8 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
+from lightning_speedkit import _validation
+
 __all__ = ["FusedOptimizer", "OptimizerSwitch", "fuse_optimizers"]
 
 log = logging.getLogger(__name__)
@@ -254,6 +256,7 @@ class FusedOptimizer(L.Callback):
     """
 
     def __init__(self, *, verbose: bool = True) -> None:
+        _validation.boolean("verbose", verbose)
         self.verbose = verbose
         self.switched: list[OptimizerSwitch] = []
 
