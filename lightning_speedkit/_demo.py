@@ -19,6 +19,7 @@ from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
 from lightning_speedkit.attention import AttentionSwap
+from lightning_speedkit.compute import FusedOptimizer, MicroBatchTuner, RegionalCompile
 from lightning_speedkit.data import NumWorkersTuner, SampleCache, SpeedDataModuleMixin
 from lightning_speedkit.distributed import DDPPowerSGDStrategy
 from lightning_speedkit.measure import ProfilerSchedule, SpeedMonitor
@@ -155,10 +156,18 @@ def _fmt(value: float | None, spec: str) -> str:
 
 
 class _LossTrace(L.Callback):
-    """Every step's loss, kept on the device and read once when the run ends."""
+    """Each optimizer step's loss, kept on the device and read once when the run ends.
+
+    Lightning hands ``on_train_batch_end`` a micro-batch's loss divided by the
+    accumulation factor (what backward saw); their sum over a step is the step's loss,
+    however the global batch was cut into micro-batches (the kit's MicroBatchTuner may
+    cut it differently from the plain run).
+    """
 
     def __init__(self) -> None:
         self.losses: list[torch.Tensor] = []
+        self._window: torch.Tensor | None = None
+        self._step = 0
 
     def on_train_batch_end(
         self,
@@ -168,8 +177,14 @@ class _LossTrace(L.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        if isinstance(outputs, dict) and "loss" in outputs:
-            self.losses.append(outputs["loss"].detach())
+        if not (isinstance(outputs, dict) and "loss" in outputs):
+            return
+        loss = outputs["loss"].detach()
+        self._window = loss if self._window is None else self._window + loss
+        if trainer.global_step != self._step:  # this batch closed an optimizer step
+            self._step = trainer.global_step
+            self.losses.append(self._window)
+            self._window = None
 
 
 class _KitVLMData(SpeedDataModuleMixin, VLMDataModule):
@@ -201,6 +216,109 @@ class _KitVLMData(SpeedDataModuleMixin, VLMDataModule):
         return loader
 
 
+@dataclass
+class _Kit:
+    """The kit run's callbacks, each a lever that keeps the run's numerics.
+
+    The loader (tuned workers, decoded samples cached), the compute (fused attention,
+    compiled blocks, a fused optimizer, the fastest micro-batch at the same global
+    batch) and one profiled window with its report. Plain Lightning runs with none.
+    """
+
+    tuner: NumWorkersTuner
+    profiler: ProfilerSchedule
+    compile: RegionalCompile
+    fused: FusedOptimizer
+    micro_batch: MicroBatchTuner
+    accumulation: AccumulationScheduler
+    swap: AttentionSwap | None
+    """None on CUDA (see the note it leaves)."""
+
+    @classmethod
+    def build(cls, config: DemoConfig, on_cuda: bool) -> _Kit:
+        global_batch = config.global_batch or config.batch_size * config.devices
+        return cls(
+            tuner=NumWorkersTuner(progress=False),
+            profiler=ProfilerSchedule(
+                skip_first=max(config.steps - 4, 0),  # the last steps: the figures stay clean
+                wait=0,
+                warmup=1,
+                active=3,
+                repeat=1,
+                dirpath=Path(config.output_dir) / "kit" / "profiler",
+            ),
+            compile=RegionalCompile(verbose=False),
+            fused=FusedOptimizer(verbose=False),
+            # At the plain run's global batch: the optimizer sees the same steps.
+            micro_batch=MicroBatchTuner(verbose=False),
+            accumulation=AccumulationScheduler(
+                target_global_batch=global_batch,
+                micro_batch_size=config.batch_size,
+                verbose=False,
+            ),
+            swap=None if on_cuda else AttentionSwap(verbose=False),
+        )
+
+    def callbacks(self) -> list[L.Callback]:
+        # The micro-batch is tuned on the model as it will train: swapped and compiled.
+        levers: list[L.Callback] = [self.swap] if self.swap is not None else []
+        return [*levers, self.compile, self.fused, self.accumulation, self.micro_batch,
+                self.tuner, self.profiler]  # fmt: skip
+
+    def notes(self, config: DemoConfig) -> list[str]:
+        """What each lever did, one line each."""
+        notes = []
+        result = self.tuner.result
+        if result is not None:
+            best = result.best
+            notes.append(
+                f"kit: NumWorkersTuner chose num_workers={best['num_workers']}"
+                + (f", prefetch_factor={best['prefetch_factor']}" if best["num_workers"] else "")
+                + (" (the loader as given)" if best["num_workers"] == config.num_workers else "")
+            )
+        if self.swap is not None:
+            report = self.swap.report
+            swapped = len(report.swapped) if report is not None else 0
+            reverted = len(report.reverted) if report is not None else 0
+            notes.append(
+                f"kit: AttentionSwap: {swapped} attention modules on a fused kernel"
+                + (f", {reverted} kept their own (parity)" if reverted else "")
+                + "; not bitwise equal to the eager attention, so the loss drifts from "
+                "plain's by training noise"
+            )
+        else:
+            notes.append(
+                "kit: AttentionSwap left out on CUDA: the published GPU numbers were measured "
+                "without it (docs/attention.md, 'bf16 training on CUDA')"
+            )
+        watch = self.compile.watch
+        notes.append(
+            f"kit: RegionalCompile: {len(self.compile.compiled)} blocks compiled in place, "
+            f"{watch.graphs} graphs, {watch.recompiles} recompiles, {watch.seconds:.1f} s "
+            f"compiling (in the wall time, not in samples/s)"
+        )
+        kernels = sorted({s.implementation or "unchanged" for s in self.fused.switched})
+        notes.append(f"kit: FusedOptimizer: AdamW on its {', '.join(kernels) or 'own'} kernel")
+        tuned = self.micro_batch.result
+        if tuned is not None:
+            rates = ", ".join(
+                f"{row['micro_batch']}: {row['samples_per_sec']:,.0f}"
+                for row in tuned.table
+                if row.get("samples_per_sec")
+            )
+            notes.append(
+                f"kit: MicroBatchTuner: micro-batch {tuned.best['batch_size']} x "
+                f"{tuned.accumulation or 1} per optimizer step (global batch "
+                f"{tuned.global_batch}); samples/s by micro-batch: {rates}"
+            )
+        report = self.profiler.report
+        if report is not None:
+            kinds = ", ".join(report.kinds) or "nothing stands out"
+            notes.append(f"kit: profiled window: {kinds}; report {self.profiler.report_files[0]}")
+            notes += [f"  - {f.kind}: {f.fix}" for f in report.findings]
+        return notes
+
+
 def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None:
     """One run of the example VLM; ``run`` is "plain" (Lightning as it is) or "kit"."""
     L.seed_everything(config.seed, workers=True, verbose=False)
@@ -221,35 +339,14 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
     on_cuda = config.accelerator in ("gpu", "cuda") or (
         config.accelerator == "auto" and torch.cuda.is_available()
     )
-    tuner = NumWorkersTuner(progress=False) if run == "kit" else None
-    profiler = None
-    if tuner is not None:
-        # The kit: a tuned loader over cached samples, fused attention, and one profiled
-        # window with a report.
-        profiler = ProfilerSchedule(
-            skip_first=max(config.steps - 4, 0),  # the last steps: the figures stay clean
-            wait=0,
-            warmup=1,
-            active=3,
-            repeat=1,
-            dirpath=Path(config.output_dir) / "kit" / "profiler",
-        )
-        callbacks += [tuner, profiler]
-        if not on_cuda:
-            callbacks.append(AttentionSwap(verbose=False))
+    kit = _Kit.build(config, on_cuda) if run == "kit" else None
+    if kit is not None:
+        callbacks += kit.callbacks()
     # Both runs take optimizer steps of the same global batch: plain Lightning through its
     # own accumulate_grad_batches, the kit through AccumulationScheduler.
     accumulation = 1
     if config.global_batch is not None:
         accumulation = accumulation_for(config.global_batch, config.batch_size, config.devices)
-        if run == "kit":
-            callbacks.append(
-                AccumulationScheduler(
-                    target_global_batch=config.global_batch,
-                    micro_batch_size=config.batch_size,
-                    verbose=False,
-                )
-            )
     output_dir = Path(config.output_dir)
     strategy: str | DDPPowerSGDStrategy = "auto"
     if config.devices > 1:  # several processes: DDP, and the kit compresses its gradients
@@ -280,14 +377,7 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
     losses = torch.stack(trace.losses).float().cpu().tolist()  # one read at the end of the run
     head = max(1, min(10, len(losses) // 10))
     tail = max(1, len(losses) // 10)
-    notes = []
-    if tuner is not None and tuner.result is not None:
-        best = tuner.result.best
-        notes.append(
-            f"kit: NumWorkersTuner chose num_workers={best['num_workers']}"
-            + (f", prefetch_factor={best['prefetch_factor']}" if best["num_workers"] else "")
-            + (" (the loader as given)" if best["num_workers"] == config.num_workers else "")
-        )
+    notes = kit.notes(config) if kit is not None else []
     if isinstance(datamodule, _KitVLMData):
         cache = datamodule.sample_cache
         if cache is not None:
@@ -301,20 +391,6 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
                 "kit: SampleCache left off: the tuned loader decodes in worker processes, "
                 "each of which would keep its own copy"
             )
-    if profiler is not None and profiler.report is not None:
-        kinds = ", ".join(profiler.report.kinds) or "nothing stands out"
-        notes.append(f"kit: profiled window: {kinds}; report {profiler.report_files[0]}")
-        notes += [f"  - {f.kind}: {f.fix}" for f in profiler.report.findings]
-    if tuner is not None and not on_cuda:
-        notes.append(
-            "kit: AttentionSwap's fused kernel is not bitwise equal to the eager attention, so "
-            "the kit's loss drifts from plain's by training noise (without it: identical)"
-        )
-    if tuner is not None and on_cuda:
-        notes.append(
-            "kit: AttentionSwap left out on CUDA: the published GPU numbers were measured "
-            "without it (docs/attention.md, 'bf16 training on CUDA')"
-        )
     if isinstance(strategy, DDPPowerSGDStrategy):
         state = strategy.powersgd_state
         sent = state.total_numel_after_compression if state is not None else 0
@@ -328,8 +404,8 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
             f"(DDPPowerSGDStrategy(rank={POWERSGD_RANK}); at its default rank 1 this model, "
             "trained with AdamW, stays on its caption-only plateau)"
         )
-    if accumulation > 1:
-        who = "AccumulationScheduler" if run == "kit" else "accumulate_grad_batches"
+    if accumulation > 1 and run == "plain":
+        who = "accumulate_grad_batches"
         notes.append(
             f"{run}: {who}: {accumulation} batches of {config.batch_size} on "
             f"{trainer.world_size} device(s) per optimizer step "
