@@ -277,9 +277,9 @@ class _Kit:
                 + (" (the loader as given)" if best["num_workers"] == config.num_workers else "")
             )
         if self.swap is not None:
-            report = self.swap.report
-            swapped = len(report.swapped) if report is not None else 0
-            reverted = len(report.reverted) if report is not None else 0
+            swap = self.swap.report
+            swapped = len(swap.swapped) if swap is not None else 0
+            reverted = len(swap.reverted) if swap is not None else 0
             notes.append(
                 f"kit: AttentionSwap: {swapped} attention modules on a fused kernel"
                 + (f", {reverted} kept their own (parity)" if reverted else "")
