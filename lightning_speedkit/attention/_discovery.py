@@ -25,7 +25,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_speedkit.attention._traced import (
@@ -80,7 +79,6 @@ class _Trace:
         self.producer: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.calls: list[_Call] = []
         self.open: list[_Call] = []
-        self.paused = 0
         self.depth = _NESTING[0]
         self.broken = False
 
@@ -144,7 +142,7 @@ class _Recorder(TorchFunctionMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         trace = self.trace
-        if not trace.paused and not trace.broken and _NESTING[0] == trace.depth:
+        if not trace.broken and _NESTING[0] == trace.depth:
             try:
                 trace.record(func, args, kwargs, out)
             except Exception:  # never the user's step: this module just stays unswapped
@@ -313,10 +311,16 @@ def _describe(
 class Discovery:
     """Probes on candidate modules; the first call that reaches one is traced.
 
+    The probes are forward hooks under one hook id, the same on every module:
+    ``torch.compile`` guards on a module's hook ids, and blocks of one class
+    must stay alike to share a compiled graph. A trace runs compiled regions
+    eagerly (its record must see their calls), and removes the probes of every
+    module it saw before anything is compiled with them; a probe reached inside
+    compiled code does nothing.
+
     Args:
         model: the model whose attention is looked for.
         candidates: module -> name, the modules that may own an attention.
-        paused: modules whose calls are not looked into (other families' swaps).
         install: called with each attention found, after its probes are gone.
         nothing_found: called when a trace found no attention, with the traced module.
     """
@@ -325,7 +329,6 @@ class Discovery:
         self,
         model: nn.Module,
         candidates: dict[nn.Module, str],
-        paused: list[nn.Module],
         install: Callable[[Found, str], None],
         nothing_found: Callable[[str], None],
     ) -> None:
@@ -335,36 +338,47 @@ class Discovery:
         self.nothing_found = nothing_found
         self.trace: _Trace | None = None
         self.recorder: _Recorder | None = None
-        self.probes: dict[nn.Module, list[RemovableHandle]] = {}
+        self.eager: Any = None
+        self.probes: set[nn.Module] = set()
+        self.hook_id: int | None = None
         for module in candidates:
-            self.probes[module] = [
-                module.register_forward_pre_hook(self._enter, with_kwargs=True),
-                module.register_forward_hook(self._exit, always_call=True),
-            ]
+            self._probe(module)
             _PROBED[id(module)] = self
-        self.pauses: list[RemovableHandle] = []
-        for module in paused:
-            self.pauses.append(module.register_forward_pre_hook(self._pause))
-            self.pauses.append(module.register_forward_hook(self._resume, always_call=True))
 
     @property
     def pending(self) -> bool:
         """Some candidate has not been called yet."""
         return bool(self.probes)
 
-    def _pause(self, module: nn.Module, args: Any) -> None:
-        if self.trace is not None:
-            self.trace.paused += 1
+    def _probe(self, module: nn.Module) -> None:
+        if self.hook_id is None:
+            self.hook_id = module.register_forward_pre_hook(self._enter, with_kwargs=True).id
+        hook_id = self.hook_id
+        module._forward_pre_hooks[hook_id] = self._enter
+        module._forward_pre_hooks_with_kwargs[hook_id] = True
+        module._forward_hooks[hook_id] = self._exit
+        module._forward_hooks_always_called[hook_id] = True
+        self.probes.add(module)
 
-    def _resume(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.trace is not None:
-            self.trace.paused -= 1
+    def _unprobe(self, module: nn.Module) -> None:
+        assert self.hook_id is not None
+        for hooks in (
+            module._forward_pre_hooks,
+            module._forward_pre_hooks_with_kwargs,
+            module._forward_hooks,
+            module._forward_hooks_always_called,
+        ):
+            hooks.pop(self.hook_id, None)
+        self.probes.discard(module)
+        _PROBED.pop(id(module), None)
 
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.trace is None:
             if torch.compiler.is_compiling() or module not in self.probes:
                 return
             self.trace = _Trace(module)
+            self.eager = torch.compiler.set_stance("force_eager")
+            self.eager.__enter__()
             self.recorder = _Recorder(self.trace)
             self.recorder.__enter__()
         self.trace.enter(module, args, kwargs)
@@ -375,7 +389,8 @@ class Discovery:
             return
         assert self.recorder is not None
         self.recorder.__exit__(None, None, None)
-        self.trace = self.recorder = None
+        self.eager.__exit__(None, None, None)
+        self.trace = self.recorder = self.eager = None
         self._finish(trace)
 
     def _finish(self, trace: _Trace) -> None:
@@ -387,13 +402,7 @@ class Discovery:
                 log.debug("finding attention failed", exc_info=True)
         # Every module called in the trace is decided: its probes go before any check runs.
         for call in trace.calls:
-            for handle in self.probes.pop(call.module, []):
-                handle.remove()
-            _PROBED.pop(id(call.module), None)
-        if not self.probes:
-            for handle in self.pauses:
-                handle.remove()
-            self.pauses = []
+            self._unprobe(call.module)
         for item in found:
             self.install(item, self.candidates[item.owner])
         if not found:

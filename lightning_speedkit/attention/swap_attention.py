@@ -322,8 +322,7 @@ def _discover(
             warned.append(name)
             _warn_nothing_found(type(model).__name__)
 
-    paused = [modules[name] for name in excluded if name in modules]
-    return Discovery(model, candidates, paused, install, nothing_found)
+    return Discovery(model, candidates, install, nothing_found)
 
 
 def _call(model: nn.Module, sample: Any) -> Any:

@@ -388,6 +388,49 @@ def test_swapped_model_compiles_and_matches() -> None:
     )
 
 
+def test_blocks_compiled_in_place_compile_once_after_the_traced_first_call() -> None:
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    model = nn.Sequential(Block(ViTAttention()), Block(ViTAttention()))
+    reference = copy.deepcopy(model)
+    report = swap_attention(model, "sdpa")
+    for block in model:
+        block.compile(backend=counter)
+    model(_x(2, 7, 32))  # traced (compiled code runs eagerly meanwhile), found, checked
+    assert counter.frame_count == 0
+    assert report.swapped == ["0.attention", "1.attention"]
+    torch.testing.assert_close(model(_x(2, 7, 32)), reference(_x(2, 7, 32)), rtol=1e-5, atol=1e-5)
+    compiled = counter.frame_count
+    assert compiled > 0
+    model(_x(2, 7, 32))
+    assert counter.frame_count == compiled  # nothing the discovery left changes a guard
+
+
+def test_probes_left_in_compiled_blocks_do_not_make_them_compile_apart() -> None:
+    """The structural family claims these blocks' attention; their MLPs stay probed (a probe
+    inside compiled code does nothing) and must not make the blocks of one class differ."""
+    from torch._dynamo.testing import CompileCounter
+
+    from speedkit_examples.vlm.model import VisionBlock
+
+    counts = []
+    for swap in (False, True):
+        torch._dynamo.reset()
+        counter = CompileCounter()
+        torch.manual_seed(0)
+        model = nn.Sequential(*(VisionBlock(32, 4, 2) for _ in range(3)))
+        if swap:
+            swap_attention(model, "sdpa")
+        for block in model:
+            block.compile(backend=counter)
+        for _ in range(3):
+            model(_x(2, 7, 32))
+        counts.append(counter.frame_count)
+    assert counts[1] == counts[0]
+
+
 def test_einops_rearrange_is_followed() -> None:
     einops = pytest.importorskip("einops")
 
