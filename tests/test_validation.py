@@ -250,7 +250,8 @@ def test_a_keyword_the_parent_strategy_takes_is_still_accepted() -> None:
     )  # fmt: skip
     assert ddp._ddp_kwargs["bucket_cap_mb"] == 25
     assert kit.DDPHalfPrecisionStrategy("bf16", static_graph=True)._ddp_kwargs == {
-        "static_graph": True
+        "static_graph": True,
+        "gradient_as_bucket_view": True,
     }
     fsdp = kit.FSDPZeRO2Strategy(
         limit_all_gathers=False, use_orig_params=True, state_dict_type="sharded",

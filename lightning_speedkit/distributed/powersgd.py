@@ -27,7 +27,12 @@ Tuning guide:
   most; raise to 2-4 if accuracy suffers. Communication grows linearly with it.
   Compare a few hundred steps with plain DDP before a long run: the example VLM,
   trained with AdamW, stays on a loss plateau at rank 1 and matches DDP at rank 4
-  (``benchmarks/powersgd_rank.py``).
+  (``benchmarks/powersgd_rank.py``). With an Adam-family optimizer (Adam, AdamW,
+  NAdam, RAdam, Adamax, their fused and 8-bit variants) and a rank below 4 the
+  strategy warns at setup and names rank 4. The default stays 1: with SGD it is the
+  paper's setting, and a changed default would change, unasked, the numerics of
+  every run that names the strategy, and throw away the warm-start factors of
+  every run resumed across the change.
 - ``start_iter`` (100): plain all-reduce for this many iterations first. Early
   training moves fast and compresses badly; torch suggests about 10% of the
   run for accuracy-sensitive jobs. Must be at least 2 with error feedback or
@@ -37,6 +42,12 @@ Tuning guide:
 - ``error_feedback`` / ``warm_start`` (on): keep both on; they are what makes
   rank-1 PowerSGD converge like plain SGD.
 - ``compress_dtype`` (None): also send the factors in ``"fp16"`` or ``"bf16"``.
+
+Memory: gradients are views into DDP's buckets (``gradient_as_bucket_view=True``,
+the kit's default), 4 bytes per fp32 parameter less than Lightning's ``"ddp"``, also
+through DDP's bucket rebuild and through gradient accumulation (see
+``_KitDDPStrategy``; ``plan_memory(..., gradient_as_bucket_view=True)`` plans it).
+Once compressing, error feedback keeps one more fp32 copy of each bucket.
 
 Logs ``powersgd/compression_ratio`` (elements before over after compression,
 over the run so far).
@@ -55,6 +66,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
@@ -62,6 +74,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
     _should_compress,
     powerSGD_hook,
 )
+from torch.nn.parallel import DistributedDataParallel
 
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit.errors import SpeedkitConfigError
@@ -130,6 +143,7 @@ class _ParameterBook:
         self._ids: dict[int, tuple[int, ...]] = {}  # the same, as ids: the per-step check
         self.pending: dict[str, dict[str, Tensor]] = {}  # name -> {"error", "p", "q"}
         self.calls = 0
+        self.rank_changed = False  # restored factors of another rank were dropped
 
     def _compressed(self, layout: _Layout) -> list[tuple[str, int, int, int]]:
         """(name, rows, cols, rank) of the compressed matrices, in the order of P and Q memory.
@@ -173,6 +187,18 @@ class _ParameterBook:
                 [self.pending[n].pop("error").to(like) for n in names]
             )
         compressed = self._compressed(layout)
+        for name, n, m, r in compressed:  # factors saved at another rank cannot be reused
+            piece = self.pending.get(name, {})
+            sizes = {"p": n * r, "q": m * r}
+            if any(key in piece and piece[key].numel() != sizes[key] for key in sizes):
+                piece.pop("p", None), piece.pop("q", None)
+                if not self.rank_changed:
+                    self.rank_changed = True
+                    rank_zero_warn(
+                        f"DDPPowerSGDStrategy: the checkpoint's warm-start factors were made at "
+                        f"another `rank` than this run's {self.state.matrix_approximation_rank}; "
+                        f"they start afresh (error feedback and the iteration count are kept)."
+                    )
         if compressed and all({"p", "q"} <= set(self.pending.get(n, {})) for n, *_ in compressed):
             self.state.p_memory_dict[index] = torch.cat(
                 [self.pending[n].pop("p").to(like) for n, *_ in compressed]
@@ -343,25 +369,226 @@ def check_ddp_kwargs(owner: str, ddp_kwargs: dict[str, Any]) -> None:
     """
     accepted = _validation.accepted_keywords(
         DDPStrategy.__init__,
-        torch.nn.parallel.DistributedDataParallel.__init__,
+        DistributedDataParallel.__init__,
         exclude=("module", "device_ids"),  # Lightning passes these itself
     )
     _validation.check_keywords(owner, ddp_kwargs, accepted)
 
 
-class DDPPowerSGDStrategy(DDPStrategy):
+#: Optimizers that rescale each coordinate of the gradient by its own running second
+#: moment, matched by class name (torch's Adam, AdamW, NAdam, RAdam, Adamax, fused and
+#: 8-bit variants): PowerSGD's low-rank error is rescaled with it.
+_ADAM_FAMILY = "adam"
+#: The lowest rank that matched plain DDP's loss with AdamW (benchmarks/powersgd_rank.py).
+_ADAM_SAFE_RANK = 4
+
+
+def _has_rebuilt_buckets(model: DistributedDataParallel) -> bool:
+    """Whether DDP has laid out its buckets again in gradient-ready order (torch's own flag).
+
+    torch keeps this in a private attribute; if a release renames it, the answer is
+    True, which only turns off the early release below.
+    """
+    return bool(getattr(model, "_has_rebuilt_buckets", True))
+
+
+def _adam_family(optimizers: list[torch.optim.Optimizer]) -> str | None:
+    """The class name of the first Adam-family optimizer in ``optimizers`` (None: none).
+
+    Example::
+
+        >>> _adam_family([torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])])
+        'AdamW'
+        >>> _adam_family([torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)]) is None
+        True
+    """
+    for optimizer in optimizers:
+        if any(_ADAM_FAMILY in kind.__name__.lower() for kind in type(optimizer).__mro__):
+            return type(optimizer).__name__
+    return None
+
+
+class _KitDDPStrategy(DDPStrategy):
+    """What the kit's DDP strategies share: gradients that stay views into DDP's buckets.
+
+    ``gradient_as_bucket_view=True`` makes every gradient a view into DDP's
+    communication buckets instead of a second fp32 copy beside them: 4 bytes per
+    parameter less. torch alone still makes the second copy at two moments, which this
+    class removes:
+
+    - DDP lays its buckets out again in the second iteration's forward (in the order
+      gradients became ready) while the gradients, views of the first buckets, keep
+      those alive: Lightning zeroes them only after ``training_step``. Before that
+      forward each gradient becomes a one-element zero expanded to its shape: the
+      first buckets are freed before the new ones are allocated, and DDP, which copies
+      defined gradients into its new buckets, still makes each one a view of them.
+    - With gradient accumulation Lightning sets the gradients to None when a window
+      opens, and under ``no_sync`` DDP's hooks do not run: autograd would allocate new
+      gradients until the synchronised micro-batch. The bucket views, taken after the
+      forward, are put back zeroed before the first backward of the window, which
+      gives the sums ``zero_grad(set_to_none=False)`` would (not with
+      ``find_unused_parameters`` or ``static_graph``, where DDP may leave a parameter
+      without a gradient, which None keeps out of the optimizer step).
+
+    Both act only where Lightning sets the gradients to None right after the forward
+    (automatic optimization, the LightningModule's own ``optimizer_zero_grad``, the
+    first batch of an accumulation window).
+    """
+
+    def __init__(
+        self,
+        gradient_as_bucket_view: bool = True,
+        bucket_cap_mb: float | None = None,
+        static_graph: bool = False,
+        **ddp_kwargs: Any,
+    ) -> None:
+        gradient_as_bucket_view = _validation.boolean(
+            "gradient_as_bucket_view", gradient_as_bucket_view
+        )
+        static_graph = _validation.boolean("static_graph", static_graph)
+        check_ddp_kwargs(type(self).__name__, ddp_kwargs)
+        ddp_kwargs = {**ddp_kwargs, "gradient_as_bucket_view": gradient_as_bucket_view}
+        if bucket_cap_mb is not None:
+            ddp_kwargs["bucket_cap_mb"] = _validation.positive_number(
+                "bucket_cap_mb", bucket_cap_mb, example=25, hint="megabytes per bucket"
+            )
+        if static_graph:
+            ddp_kwargs["static_graph"] = True
+        super().__init__(**ddp_kwargs)
+        self._window_closed = False  # no backward yet: no gradients to release
+        self._opens_window = False
+        self._views: list[tuple[torch.nn.Parameter, Tensor | None]] = []
+        self.released_before_rebuild = False
+        """Whether the first buckets' gradients were freed before DDP's bucket rebuild."""
+        self.kept_views_in_no_sync = False
+        """Whether gradients stayed bucket views through an accumulation window."""
+
+    def setup(self, trainer: L.Trainer) -> None:
+        if self._ddp_kwargs.get("static_graph") and trainer.accumulate_grad_batches > 1:
+            _validation.fail(
+                "static_graph", True,
+                f"cannot be combined with gradient accumulation (accumulate_grad_batches="
+                f"{trainer.accumulate_grad_batches}): torch's DDP fails an internal assertion "
+                f"in the first backward under no_sync with a static graph",
+                "leave `static_graph` out, or accumulate with `accumulate_grad_batches=1`",
+            )  # fmt: skip
+        super().setup(trainer)
+
+    def post_backward(self, closure_loss: Tensor) -> None:
+        super().post_backward(closure_loss)
+        model = self.model
+        if isinstance(model, DistributedDataParallel):
+            # False inside no_sync: an accumulation window goes on; True: it closed.
+            self._window_closed = bool(model.require_backward_grad_sync)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        self._opens_window = self._window_closed and self._zeroes_after_forward()
+        self._window_closed = False  # until a synchronised backward closes this one
+        self._views = []
+        model = self.model
+        if not self._opens_window or not isinstance(model, DistributedDataParallel):
+            return
+        if not _has_rebuilt_buckets(model) and self._rebuilds():
+            # DDP may lay out new buckets in this forward and copy each gradient into
+            # them. Gradients that are views of the old buckets would keep those alive
+            # beside the new ones; a zero of one element, expanded, frees them first and
+            # still makes DDP hand each parameter a view of its new bucket.
+            module = self.lightning_module
+            assert module is not None  # checked by _zeroes_after_forward
+            for parameter in module.parameters():
+                if parameter.grad is not None:
+                    zero = torch.zeros((), dtype=parameter.dtype, device=parameter.device)
+                    parameter.grad = zero.expand_as(parameter)
+            self.released_before_rebuild = True
+            log.debug("gradients released before DDP's bucket rebuild (batch %d)", batch_idx)
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        model, module = self.model, self.lightning_module
+        if (
+            self._opens_window
+            and self._keeps_views()
+            and isinstance(model, DistributedDataParallel)
+            and _has_rebuilt_buckets(model)
+            and module is not None
+        ):  # the bucket views, before Lightning sets the gradients to None
+            self._views = [(p, p.grad) for p in module.parameters() if p.grad is not None]
+        return output
+
+    def pre_backward(self, closure_loss: Tensor) -> None:
+        super().pre_backward(closure_loss)
+        views, self._views = self._views, []  # no reference left: autograd adds in place
+        model = self.model
+        if not views or not isinstance(model, DistributedDataParallel):
+            return
+        if model.require_backward_grad_sync:
+            return  # a synchronised backward makes the gradients bucket views itself
+        # Inside no_sync DDP's hooks do not run, and autograd would allocate new gradients
+        # beside the buckets. Zeroed bucket views in their place hold the same sums (what
+        # zero_grad(set_to_none=False) would have left).
+        for parameter, view in views:
+            if parameter.grad is None and view is not None:
+                parameter.grad = view.zero_()
+        self.kept_views_in_no_sync = True
+
+    def _zeroes_after_forward(self) -> bool:
+        """The gradients are DDP bucket views, and Lightning sets them to None after the
+        forward of a batch that opens an accumulation window.
+
+        A synchronised backward closes a window (under Lightning's own rule and under
+        AccumulationScheduler's), so the batch after it opens one: with automatic
+        optimization Lightning zeroes the gradients after its ``training_step``, through
+        the LightningModule's ``optimizer_zero_grad``.
+        """
+        module = self.lightning_module
+        return (
+            bool(self._ddp_kwargs.get("gradient_as_bucket_view"))
+            and isinstance(self.model, DistributedDataParallel)
+            and module is not None
+            and module.automatic_optimization
+            and not is_overridden("optimizer_zero_grad", module, L.LightningModule)
+        )
+
+    def _rebuilds(self) -> bool:
+        """Whether DDP lays its buckets out again (not with unused parameters, unless the
+        graph is static)."""
+        kwargs = self._ddp_kwargs
+        return bool(kwargs.get("static_graph") or not kwargs.get("find_unused_parameters"))
+
+    def _keeps_views(self) -> bool:
+        """Zeroed views may stand for None: DDP gives every parameter a gradient.
+
+        With ``find_unused_parameters`` or ``static_graph`` DDP may leave a parameter
+        without one, which None keeps out of the optimizer step and a zero would not.
+        """
+        kwargs = self._ddp_kwargs
+        return not (kwargs.get("find_unused_parameters") or kwargs.get("static_graph"))
+
+
+class DDPPowerSGDStrategy(_KitDDPStrategy):
     """DDP with PowerSGD gradient compression, on every device and launcher, resumable.
 
     Args:
-        rank: rank of the low-rank approximation per gradient matrix (>= 1).
+        rank: rank of the low-rank approximation per gradient matrix (>= 1). With an
+            Adam-family optimizer a rank below 4 gets a warning at setup: on the example
+            VLM, trained with AdamW, rank 1 stayed on a loss plateau and rank 2 got
+            part of the way where rank 4 matched plain DDP
+            (``benchmarks/powersgd_rank.py``).
         start_iter: iterations of plain all-reduce before compressing.
         min_compression_rate: compress a matrix only if it shrinks more than this.
         error_feedback: add what compression dropped to the next step's gradient.
         warm_start: start each step's power iteration from the last step's factors.
         compress_dtype: None, ``"fp16"`` or ``"bf16"``: also halve the factors' size.
         seed: seed of the random initial factors (the same on every rank).
-        **ddp_kwargs: anything ``DDPStrategy`` takes (``process_group_backend``,
-            ``start_method``, ``bucket_cap_mb``, ...).
+        gradient_as_bucket_view: gradients are views into DDP's buckets, not a second
+            copy (4 bytes per fp32 parameter less; see ``_KitDDPStrategy``). ``False``
+            is Lightning's and torch's default.
+        bucket_cap_mb: DDP's bucket size in megabytes (None: torch's 25).
+        static_graph: tell DDP the graph is the same every step (torch's
+            ``static_graph``; memory is the same either way).
+        **ddp_kwargs: anything else ``DDPStrategy`` or ``DistributedDataParallel``
+            takes (``process_group_backend``, ``start_method``, ...).
 
     See the module docstring for a tuning guide.
 
@@ -383,6 +610,9 @@ class DDPPowerSGDStrategy(DDPStrategy):
         warm_start: bool = True,
         compress_dtype: CompressDtype = None,
         seed: int = 0,
+        gradient_as_bucket_view: bool = True,
+        bucket_cap_mb: float | None = None,
+        static_graph: bool = False,
         **ddp_kwargs: Any,
     ) -> None:
         rank = _validation.positive_int("rank", rank, hint="start with 1")
@@ -406,8 +636,7 @@ class DDPPowerSGDStrategy(DDPStrategy):
                     f"`{key}` cannot be combined with DDPPowerSGDStrategy, which registers its "
                     f"own hook; use `DDPStrategy({key}=...)` for a hook of your own."
                 )
-        check_ddp_kwargs("DDPPowerSGDStrategy", ddp_kwargs)
-        super().__init__(**ddp_kwargs)
+        super().__init__(gradient_as_bucket_view, bucket_cap_mb, static_graph, **ddp_kwargs)
         self.rank = rank
         self.start_iter = start_iter
         self.min_compression_rate = min_compression_rate
@@ -440,6 +669,20 @@ class DDPPowerSGDStrategy(DDPStrategy):
         if trainer is not None:
             _compat.add_callback_once(trainer, _PowerSGDCheckpoint(self))
 
+    def setup(self, trainer: L.Trainer) -> None:
+        super().setup(trainer)  # the optimizers exist from here on
+        adam = _adam_family(self.optimizers)
+        if adam and self.rank < _ADAM_SAFE_RANK:
+            rank_zero_warn(
+                f"DDPPowerSGDStrategy: `rank`={self.rank} with {adam}. PowerSGD's low-rank "
+                f"error is rescaled per coordinate by Adam-family optimizers: on the example VLM "
+                f"trained with AdamW, rank 1 stayed on a loss plateau and rank 2 got part of "
+                f"the way where rank {_ADAM_SAFE_RANK} matched plain DDP "
+                f"(benchmarks/powersgd_rank.py). Pass "
+                f"`DDPPowerSGDStrategy(rank={_ADAM_SAFE_RANK})`, or compare a few hundred steps "
+                f"with plain DDP at this rank before a long run."
+            )
+
     def _restore(self, data: dict[str, Any] | None) -> None:
         if data is None:
             return
@@ -451,7 +694,7 @@ class DDPPowerSGDStrategy(DDPStrategy):
     def _register_ddp_hooks(self) -> None:
         # Lightning registers comm hooks only on CUDA; this registers them everywhere.
         model = self.model
-        assert isinstance(model, torch.nn.parallel.DistributedDataParallel)  # set by configure_ddp
+        assert isinstance(model, DistributedDataParallel)  # set by configure_ddp
         state = PowerSGDState(
             process_group=None,
             matrix_approximation_rank=self.rank,
@@ -474,19 +717,48 @@ class DDPPowerSGDStrategy(DDPStrategy):
         log.debug("registered PowerSGD (rank %d) on %s", self.rank, self.root_device)
 
 
-class DDPHalfPrecisionStrategy(DDPStrategy):
+class DDPHalfPrecisionStrategy(_KitDDPStrategy):
     """DDP that all-reduces gradients in fp16 or bf16 (halving the bytes), on every device.
 
     Gradients are cast for communication and back after, so the optimizer sees
     full-precision averages of half-precision sums. bf16 keeps fp32's range (no
     overflow) at less precision; fp16 keeps more precision but can overflow on
     very large gradients.
+
+    Args:
+        compress_dtype: ``"fp16"`` (``"ddp_fp16_compress"``) or ``"bf16"``
+            (``"ddp_bf16_compress"``).
+        gradient_as_bucket_view: gradients are views into DDP's buckets, not a second
+            copy (4 bytes per fp32 parameter less). ``False`` is torch's default.
+        bucket_cap_mb: DDP's bucket size in megabytes (None: torch's 25).
+        static_graph: torch DDP's ``static_graph`` (memory is the same either way).
+        **ddp_kwargs: anything else ``DDPStrategy`` or ``DistributedDataParallel`` takes.
+
+    Example::
+
+        >>> import lightning as L
+        >>> strategy = DDPHalfPrecisionStrategy("bf16", bucket_cap_mb=50)
+        >>> strategy._ddp_kwargs
+        {'gradient_as_bucket_view': True, 'bucket_cap_mb': 50.0}
+        >>> trainer = L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False)
     """
 
-    def __init__(self, compress_dtype: Literal["fp16", "bf16"] = "fp16", **ddp_kwargs: Any) -> None:
+    def __init__(
+        self,
+        compress_dtype: Literal["fp16", "bf16"] = "fp16",
+        gradient_as_bucket_view: bool = True,
+        bucket_cap_mb: float | None = None,
+        static_graph: bool = False,
+        **ddp_kwargs: Any,
+    ) -> None:
         _validation.choice("compress_dtype", compress_dtype, ("fp16", "bf16"))
-        check_ddp_kwargs("DDPHalfPrecisionStrategy", ddp_kwargs)
-        super().__init__(**ddp_kwargs)
+        for key in ("ddp_comm_hook", "ddp_comm_state", "ddp_comm_wrapper"):
+            if ddp_kwargs.get(key) is not None:  # LightningCLI passes DDPStrategy's None
+                raise SpeedkitConfigError(
+                    f"`{key}` cannot be combined with DDPHalfPrecisionStrategy, which registers "
+                    f"its own hook; use `DDPStrategy({key}=...)` for a hook of your own."
+                )
+        super().__init__(gradient_as_bucket_view, bucket_cap_mb, static_graph, **ddp_kwargs)
         self.compress_dtype: Literal["fp16", "bf16"] = compress_dtype
         self.hook_calls = 0
 
@@ -502,7 +774,7 @@ class DDPHalfPrecisionStrategy(DDPStrategy):
 
     def _register_ddp_hooks(self) -> None:
         model = self.model
-        assert isinstance(model, torch.nn.parallel.DistributedDataParallel)
+        assert isinstance(model, DistributedDataParallel)
         inner = half_precision_hook(self.compress_dtype)
 
         @_comm_hook

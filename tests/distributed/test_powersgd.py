@@ -1,16 +1,18 @@
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from lightning_speedkit import DDPHalfPrecisionStrategy, DDPPowerSGDStrategy, SpeedkitConfigError
-from lightning_speedkit.distributed.powersgd import _ParameterBook
+from lightning_speedkit.distributed.powersgd import _KitDDPStrategy, _ParameterBook
 
 from ..helpers.multiprocess import run_script
 
@@ -24,6 +26,9 @@ def test_strategy_names_are_registered_on_import() -> None:
     bf16 = L.Trainer(strategy="ddp_bf16_compress", accelerator="cpu", devices=2, logger=False)
     assert isinstance(bf16.strategy, DDPHalfPrecisionStrategy)
     assert bf16.strategy.compress_dtype == "bf16"
+    for name in ("ddp_powersgd", "ddp_fp16_compress", "ddp_bf16_compress"):
+        named = L.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False).strategy
+        assert named._ddp_kwargs["gradient_as_bucket_view"] is True  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
@@ -214,3 +219,150 @@ def test_compression_ratio_is_logged_from_the_live_state() -> None:
     trainer.global_step = 51  # type: ignore[attr-defined]
     _PowerSGDCheckpoint(strategy).on_train_batch_end(trainer)  # type: ignore[arg-type]
     assert len(recorder.rows) == 1  # only every log_every_n_steps
+
+
+# --- gradients as bucket views, DDP settings, Adam-family warning ----------------------------
+
+
+@pytest.mark.parametrize("cls", [DDPPowerSGDStrategy, DDPHalfPrecisionStrategy])
+def test_ddp_settings_are_passed_to_ddp_and_checked(cls: type[_KitDDPStrategy]) -> None:
+    assert cls()._ddp_kwargs == {"gradient_as_bucket_view": True}
+    chosen = cls(gradient_as_bucket_view=False, bucket_cap_mb=50, static_graph=True)
+    assert chosen._ddp_kwargs == {
+        "gradient_as_bucket_view": False, "bucket_cap_mb": 50.0, "static_graph": True,
+    }  # fmt: skip
+    bad = [({"bucket_cap_mb": 0}, "bucket_cap_mb"), ({"bucket_cap_mb": "25"}, "bucket_cap_mb"),
+           ({"gradient_as_bucket_view": "yes"}, "gradient_as_bucket_view"),
+           ({"static_graph": 1}, "static_graph"), ({"ddp_comm_hook": print}, "ddp_comm_hook"),
+           ({"bucket_cap": 25}, "bucket_cap")]  # fmt: skip
+    for kwargs, argument in bad:
+        with pytest.raises(SpeedkitConfigError, match=f"`{argument}`"):
+            cls(**kwargs)
+
+
+def test_static_graph_with_accumulation_is_refused_at_setup() -> None:
+    # torch's DDP fails an internal assertion in the first accumulated backward otherwise
+    strategy = DDPHalfPrecisionStrategy("fp16", static_graph=True)
+    trainer: Any = SimpleNamespace(accumulate_grad_batches=2)
+    with pytest.raises(SpeedkitConfigError, match=r"`static_graph`.*accumulate_grad_batches=2"):
+        strategy.setup(trainer)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "rank", "warns"),
+    [("AdamW", 1, True), ("NAdam", 2, True), ("AdamW", 4, False), ("SGD", 1, False)],
+)
+def test_adam_family_below_rank_4_is_warned_at_setup(
+    monkeypatch: pytest.MonkeyPatch, optimizer: str, rank: int, warns: bool
+) -> None:
+    monkeypatch.setattr(DDPStrategy, "setup", lambda self, trainer: None)  # no process group
+    strategy = DDPPowerSGDStrategy(rank=rank)
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    strategy.optimizers = [getattr(torch.optim, optimizer)(params, lr=0.1)]
+    trainer: Any = SimpleNamespace(accumulate_grad_batches=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        strategy.setup(trainer)
+    messages = [str(w.message) for w in caught if "DDPPowerSGDStrategy" in str(w.message)]
+    if not warns:
+        assert messages == []
+        return
+    (message,) = messages
+    assert f"`rank`={rank} with {optimizer}" in message
+    assert "DDPPowerSGDStrategy(rank=4)" in message
+    assert "benchmarks/powersgd_rank.py" in message
+
+
+def test_factors_saved_at_another_rank_start_afresh() -> None:
+    """A run resumed with another `rank` (as the Adam warning advises) keeps the error
+    feedback and drops the warm-start factors, which no longer fit."""
+    a = torch.nn.Parameter(torch.zeros(32, 32))
+    state = PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2)
+    book = _ParameterBook(state, {id(a): "a"})
+    rng = _ParameterBook(PowerSGDState(None), {}).export()["rng"]
+    at_rank_1 = {"error": torch.full((1024,), 5.0), "p": torch.ones(32), "q": torch.ones(32)}
+    saved = {"iter": 7, "rng": rng, "numel_before": 0, "numel_after": 0}
+    book.restore({**saved, "params": {"a": at_rank_1}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        book.on_bucket(_Bucket(0, [a]))
+    assert state.error_dict[0].tolist() == [5.0] * 1024
+    assert 0 not in state.p_memory_dict  # powerSGD_hook draws fresh factors of rank 4
+    assert book.rank_changed
+    assert any("start afresh" in str(w.message) for w in caught)
+    assert state.iter == 7
+    # factors of the run's own rank are taken back as they were saved
+    same = _ParameterBook(PowerSGDState(None, matrix_approximation_rank=1), {id(a): "a"})
+    same.restore({**saved, "params": {"a": at_rank_1}})
+    same.on_bucket(_Bucket(0, [a]))
+    assert same.state.p_memory_dict[0].tolist() == [1.0] * 32
+    assert not same.rank_changed
+
+
+@pytest.mark.multiprocess
+def test_gradients_stay_bucket_views_and_hold_4_bytes_per_parameter_less(
+    tmp_path: Path,
+) -> None:
+    """Two AdamW ranks with gradient accumulation: the kit's default holds what
+    plan_memory(gradient_as_bucket_view=True) plans, 4 bytes per parameter less than
+    gradient_as_bucket_view=False, and less than Lightning's own
+    DDPStrategy(gradient_as_bucket_view=True), whose first buckets meet the rebuilt ones
+    (the peak the kit avoids). Same losses and weights as with a copy of the gradients."""
+    from lightning_speedkit.distributed import plan_memory
+
+    common = ["--measure-memory", "--optimizer", "adamw", "--width", "256", "--depth", "16",
+              "--steps", "4", "--accumulate", "2", "--start-iter", "100"]  # fmt: skip
+    runs = {
+        "view": run_script("powersgd_ddp.py", tmp_path / "view", *common),
+        "copy": run_script(
+            "powersgd_ddp.py", tmp_path / "copy", *common, "--gradient-as-bucket-view", "0"
+        ),
+        "lightning": run_script(
+            "powersgd_ddp.py", tmp_path / "lightning", *common, "--strategy", "ddp_view"
+        ),
+    }
+    psi = runs["view"][0]["n_params"]
+    for rank in runs["view"]:
+        assert rank["ddp_kwargs"]["gradient_as_bucket_view"] is True
+        assert rank["released_before_rebuild"] is True
+        assert rank["kept_views_in_no_sync"] is True
+        assert rank["rebuilt_buckets"] is True
+    peak = {name: max(r["peak_bytes"] for r in ranks) for name, ranks in runs.items()}
+
+    def planned(view: bool) -> int:
+        plan = plan_memory(psi, 2, optimizer="adamw", precision="fp32", device="cpu",
+                           gradient_as_bucket_view=view)  # fmt: skip
+        return plan.per_device("ddp").total
+
+    # the plan leaves out the activations and AdamW's per-tensor temporaries (~1 byte)
+    assert peak["view"] == pytest.approx(planned(True), rel=0.1)
+    assert peak["copy"] == pytest.approx(planned(False), rel=0.1)
+    assert peak["copy"] - peak["view"] == pytest.approx(4 * psi, rel=0.05)
+    # Lightning's: the first buckets beside the rebuilt ones, then, with accumulation,
+    # gradients beside the buckets in every window's first micro-batch
+    assert peak["lightning"] - peak["view"] > 3.5 * psi
+
+    # numerics: the same sums, whether the gradients are views or copies
+    assert runs["view"][0]["losses"] == runs["copy"][0]["losses"]
+    for rank in (0, 1):
+        assert _max_diff(_params(tmp_path / "view", rank), _params(tmp_path / "copy", rank)) == 0
+    warned = [w for w in runs["view"][0]["warnings"] if "DDPPowerSGDStrategy" in w]
+    assert len(warned) == 1  # rank 0 only
+    assert "`rank`=1 with AdamW" in warned[0]
+    assert not [w for w in runs["view"][1]["warnings"] if "DDPPowerSGDStrategy" in w]
+
+
+@pytest.mark.multiprocess
+def test_static_graph_frees_the_first_buckets_one_iteration_later(tmp_path: Path) -> None:
+    common = ["--measure-memory", "--optimizer", "adamw", "--width", "256", "--depth", "16",
+              "--steps", "4", "--start-iter", "100", "--rank", "4"]  # fmt: skip
+    static = run_script("powersgd_ddp.py", tmp_path / "static", *common, "--static-graph")
+    dynamic = run_script("powersgd_ddp.py", tmp_path / "dynamic", *common)
+    for rank in static:
+        assert rank["ddp_kwargs"]["static_graph"] is True
+        assert rank["released_before_rebuild"] is True
+        assert rank["rebuilt_buckets"] is True
+        assert rank["warnings"] == [w for w in rank["warnings"] if "DDPPowerSGD" not in w]
+    psi = static[0]["n_params"]
+    peaks = [max(r["peak_bytes"] for r in ranks) for ranks in (static, dynamic)]
+    assert peaks[0] == pytest.approx(peaks[1], abs=0.25 * psi)  # the same bytes
