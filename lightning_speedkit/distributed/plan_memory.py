@@ -26,8 +26,9 @@ _GIB = 2**30
 #: really allocate. The order is also the order of preference when several fit:
 #: less communication and no offload first.
 PAPER = ("ddp", "zero1", "zero2", "zero3")
-PRESETS = ("fsdp_zero2", "deepspeed_zero2", "deepspeed_zero2_offload")
-_PREFERENCE = ("ddp", "fsdp_zero2", "deepspeed_zero2", "zero1", "deepspeed_zero2_offload", "zero3")
+PRESETS = ("fsdp_zero2", "fsdp2_zero2", "deepspeed_zero2", "deepspeed_zero2_offload")
+_PREFERENCE = ("ddp", "fsdp_zero2", "fsdp2_zero2", "deepspeed_zero2", "zero1",
+               "deepspeed_zero2_offload", "zero3")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,10 @@ class MemoryEstimate:
     gradient partition DeepSpeed's step makes)."""
     compute_only: int = 0
     """Model states that exist only from forward to the end of backward (the unsharded
-    weights FSDP's ``SHARD_GRAD_OP`` keeps)."""
+    weights FSDP's ``SHARD_GRAD_OP`` and FSDP2's ``reshard_after_forward=False`` keep)."""
+    buckets: int = 0
+    """DDP's gradient buckets beside the gradients (``gradient_as_bucket_view=False``):
+    a second copy of them, alive in both phases."""
 
     @property
     def model_states(self) -> int:
@@ -66,12 +70,13 @@ class MemoryEstimate:
     @property
     def compute_peak(self) -> int:
         """Forward and backward: model states, activations, their temporaries."""
-        return self.model_states - self.step_only + self.activations + self.compute_transient
+        return (self.model_states - self.step_only + self.activations + self.compute_transient
+                + self.buckets)  # fmt: skip
 
     @property
     def step_peak(self) -> int:
         """The optimizer step: model states and the step's temporaries."""
-        return self.model_states - self.compute_only + self.transient
+        return self.model_states - self.compute_only + self.transient + self.buckets
 
     @property
     def total(self) -> int:
@@ -95,6 +100,10 @@ class MemoryPlan:
     estimates: dict[str, MemoryEstimate] = field(repr=False)
     device: str = "cuda"
     """Where the optimizer steps (``"cuda"``: any accelerator; ``"cpu"``)."""
+    gradient_as_bucket_view: bool = False
+    """DDP's gradients as views into its buckets (the kit's DDP strategies) or beside them."""
+    static_graph: bool = False
+    """DDP's ``static_graph`` (the same bytes either way)."""
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -175,8 +184,12 @@ class MemoryPlan:
         lines = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
                            enumerate(zip(r, widths, strict=True))) for r in rows]  # fmt: skip
         host = self.estimates["deepspeed_zero2_offload"].host
+        buckets = self.estimates["ddp"].buckets
+        ddp = (f"ddp's total holds {_gib(buckets)} GiB of DDP's gradient buckets beside the "
+               f"gradients (Lightning's default), which the kit's DDP strategies "
+               f"(gradient_as_bucket_view=True) do not; " if buckets else "")  # fmt: skip
         lines.append(f"(GiB per device; step tmp: the optimizer step's temporaries; total: the "
-                     f"higher of the forward/backward and the optimizer step's peaks; "
+                     f"higher of the forward/backward and the optimizer step's peaks; {ddp}"
                      f"deepspeed_zero2_offload also needs {_gib(host)} GiB of host memory, "
                      f"DeepSpeed's estimate)")  # fmt: skip
         return "\n".join(lines)
@@ -233,6 +246,8 @@ def plan_memory(
     n_heads: int | None = None,
     fused_attention: bool = False,
     device: DeviceName = "cuda",
+    gradient_as_bucket_view: bool = False,
+    static_graph: bool = False,
 ) -> MemoryPlan:
     """Per-device memory of DDP, ZeRO-1/2/3 and the kit's ZeRO-2 presets.
 
@@ -253,6 +268,13 @@ def plan_memory(
     - ``"fsdp_zero2"``: the fp32 flat parameter, its gradient and the moments
       sharded (4 + 4 + 8 per parameter over N), and the unsharded compute copy of the
       weights alive from forward to the end of backward (2 bytes, or 4 in fp32).
+    - ``"fsdp2_zero2"``: FSDP2's fp32 parameter shards, gradient shards and moments
+      (16 / N between steps), and every unit's parameters gathered in fp32 from its
+      forward to the end of its backward: 4 + 16 / N when backward begins, in fp32 and
+      under the Trainer's ``"bf16-mixed"`` (autocast keeps the parameters fp32). With
+      ``MixedPrecisionPolicy(param_dtype=torch.bfloat16)`` the gathered copy is 2 bytes
+      (2 + 16 / N, as ``"fsdp_zero2"``); under ``"bf16-true"`` everything is bf16,
+      2 + 8 / N and 8 / N between steps. Neither is a row here.
 
     Frozen parameters hold weights only: no gradients, no optimizer state.
 
@@ -267,12 +289,17 @@ def plan_memory(
       and FSDP's many tensors (two copies of the largest one, which the plan does not
       know), 8 bytes per parameter of the flat partition that DeepSpeed and the
       ``zero*`` rows hand the optimizer. None when the step is offloaded, none for SGD.
-    - DDP's ``compute_transient``: one more copy of the gradients alive with the
-      activations. DDP rebuilds its gradient buckets at the second step's forward,
-      while the gradients (views of the first buckets with
-      ``gradient_as_bucket_view=True``) are still referenced, since Lightning zeroes
-      them after forward. Without ``gradient_as_bucket_view`` (Lightning's default)
-      the buckets sit beside the gradients at every step, the same bytes for good.
+    - DDP's ``buckets``: without ``gradient_as_bucket_view`` (Lightning's and torch's
+      default) DDP's communication buckets are a second copy of the gradients, alive
+      in both phases (4 bytes per trainable parameter). With it (the kit's DDP
+      strategies' default) the gradients are views into the buckets. DDP lays its
+      buckets out again in the second iteration's forward, while the gradients, views
+      of the first ones, are still referenced (Lightning zeroes them after forward):
+      the kit's strategies free them just before, so no second copy ever exists.
+      Lightning's own ``DDPStrategy(gradient_as_bucket_view=True)`` does not: its
+      forward/backward peak is that of ``gradient_as_bucket_view=False``, its step's
+      that of ``True``. ``static_graph`` moves the rebuild to the third iteration and
+      changes no byte (measured).
     - DeepSpeed's fp32 gradient partition (``step_only``) exists only in the step;
       FSDP's unsharded weights (``compute_only``) only in forward and backward.
 
@@ -294,6 +321,12 @@ def plan_memory(
         fused_attention: attention by a fused kernel (no ``s^2`` matrices kept).
         device: where the optimizer steps: ``"cuda"`` (any accelerator; foreach Adam)
             or ``"cpu"`` (single-tensor Adam).
+        gradient_as_bucket_view: DDP's gradients as views into its buckets, as the
+            kit's DDP strategies (``ddp_powersgd``, ``ddp_fp16_compress``,
+            ``ddp_bf16_compress``) run by default; ``False`` (Lightning's
+            ``strategy="ddp"``) adds the buckets' 4 bytes per trainable parameter to
+            the ``"ddp"`` row.
+        static_graph: DDP's ``static_graph``; recorded, the bytes are the same.
 
     Example::
 
@@ -302,6 +335,10 @@ def plan_memory(
         104.3
         >>> round(plan.per_device("zero2").model_states / 2**30, 1)  # 2 + 14 / 8
         24.4
+        >>> lightning = plan.per_device("ddp").total  # Lightning's "ddp": + its buckets
+        >>> kit = plan_memory(7e9, 8, gradient_as_bucket_view=True).per_device("ddp").total
+        >>> round((lightning - kit) / 7e9)  # bytes per parameter
+        4
     """
     total = int(_validation.number("n_params", n_params, low=1, example=7e9))
     devices = _validation.positive_int("n_devices", n_devices, example=8)
@@ -326,6 +363,8 @@ def plan_memory(
     _validation.optional(_validation.positive_int, "n_heads", n_heads)
     _validation.boolean("fused_attention", fused_attention)
     _validation.choice("device", device, _DEVICES, hint="where the optimizer steps")
+    bucket_view = _validation.boolean("gradient_as_bucket_view", gradient_as_bucket_view)
+    static = _validation.boolean("static_graph", static_graph)
     states = _STATES[optimizer]
     mixed = precision == "mixed"
     weight = 2 if mixed else 4  # bytes of the weights (and gradients) compute uses
@@ -352,10 +391,13 @@ def plan_memory(
         )
 
     estimates = {name: stage(level) for level, name in enumerate(PAPER)}
-    # DDP's bucket rebuild at the second step: one more gradient copy with the activations.
-    # fp32 in either precision: torch autocast (Lightning's "*-mixed") keeps fp32 weights
-    # and gradients, the same 16 bytes as the paper's split of 2 + 2 + 12.
-    estimates["ddp"] = replace(estimates["ddp"], compute_transient=4 * trainable)
+    # DDP's buckets: fp32 in either precision (torch autocast, Lightning's "*-mixed", keeps
+    # fp32 weights and gradients, the same 16 bytes as the paper's split of 2 + 2 + 12).
+    # Beside the gradients for good, unless the gradients are views into them; then the
+    # kit's strategies free the first buckets before DDP lays out the second ones. The
+    # static graph moves that rebuild one iteration later and changes no byte.
+    if not bucket_view:
+        estimates["ddp"] = replace(estimates["ddp"], buckets=4 * trainable)
     # DeepSpeed ZeRO-2 keeps a 16-bit and an fp32 gradient partition in mixed precision,
     # and an fp32 copy of its weight partition in any precision (a clone even in fp32).
     # In fp32 its step still flattens the reduced partition into a new tensor beside it
@@ -388,6 +430,21 @@ def plan_memory(
         transient=_div(step_temp * trainable, n),
         compute_only=weight * total,
     )
+    # FSDP2 keeps fp32 parameter shards (DTensors), gradient shards and moments: 16 / N
+    # between steps. With reshard_after_forward=False each unit's parameters, gathered in
+    # fp32 under the Trainer's "32-true" and "bf16-mixed" (autocast casts per operation),
+    # stay whole from its forward to the end of its backward: all of them at once when
+    # backward begins, 4 + 16 / N. (Its MixedPrecisionPolicy with bf16 parameters gathers
+    # 2 bytes instead; one unit's unsharded gradient lives briefly before its
+    # reduce-scatter, as the unit frees its parameters.)
+    estimates["fsdp2_zero2"] = MemoryEstimate(
+        params=_div(4 * total, n) + 4 * total,
+        grads=_div(4 * trainable, n),
+        optimizer=_div(moments * trainable, n),
+        activations=0,
+        transient=_div(step_temp * trainable, n),
+        compute_only=4 * total,
+    )
 
     activations = checkpointed = None
     if batch_size and seq_len and hidden_size and n_layers:
@@ -400,7 +457,7 @@ def plan_memory(
         checkpointed = activation_bytes(*shape_args, bytes_per_value=act_bytes, recompute=True)
         estimates = {name: replace(e, activations=activations) for name, e in estimates.items()}
     return MemoryPlan(total, trainable, devices, optimizer, precision, activations,
-                      checkpointed, estimates, device)  # fmt: skip
+                      checkpointed, estimates, device, bucket_view, static)  # fmt: skip
 
 
 def _div(value: int, n: int) -> int:

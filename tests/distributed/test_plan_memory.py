@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -92,6 +93,51 @@ def test_fsdp_zero2_allocations() -> None:
     assert (mixed.params, mixed.grads, mixed.optimizer) == (2 * psi + psi, psi, 2 * psi)
 
 
+@pytest.mark.parametrize("precision", ["mixed", "fp32"])
+@pytest.mark.parametrize("n", [1, 2, 8, 64])
+def test_fsdp2_zero2_follows_fully_shard(n: int, precision: str) -> None:
+    # fp32 parameter shards, gradient shards and Adam's moments: 16 / N between steps; the
+    # units' parameters gathered in fp32 ("32-true", and "bf16-mixed", whose autocast keeps
+    # fp32 parameters) alive from forward to backward: 4 + 16 / N
+    psi = 1_000_000
+    plan = plan_memory(psi, n, precision=precision, device="cpu")
+    fsdp2 = plan.per_device("fsdp2_zero2")
+    assert (fsdp2.params, fsdp2.grads, fsdp2.optimizer) == (
+        4 * psi + math.ceil(4 * psi / n),
+        math.ceil(4 * psi / n),
+        math.ceil(8 * psi / n),
+    )
+    assert fsdp2.compute_only == 4 * psi
+    assert fsdp2.compute_peak == pytest.approx((4 + 16 / n) * psi, abs=3)
+    assert fsdp2.step_peak == pytest.approx(16 / n * psi, abs=3)
+    frozen = plan_memory(psi, n, trainable_params=psi // 4).per_device("fsdp2_zero2")
+    assert frozen.grads == math.ceil(psi // 4 * 4 / n)  # frozen weights: no gradient
+    assert frozen.optimizer == math.ceil(psi // 4 * 8 / n)
+
+
+@pytest.mark.parametrize("static_graph", [False, True])
+def test_ddp_buckets_follow_gradient_as_bucket_view(static_graph: bool) -> None:
+    """Lightning's default keeps DDP's buckets beside the gradients (4 bytes per trainable
+    parameter, in forward/backward and in the step); the kit's DDP strategies make the
+    gradients views of them. A static graph changes no byte."""
+    psi, trainable = 1_000_000, 600_000
+    lightning = plan_memory(psi, 4, trainable_params=trainable, static_graph=static_graph)
+    kit = plan_memory(psi, 4, trainable_params=trainable, gradient_as_bucket_view=True,
+                      static_graph=static_graph)  # fmt: skip
+    assert (lightning.gradient_as_bucket_view, kit.gradient_as_bucket_view) == (False, True)
+    assert lightning.static_graph is kit.static_graph is static_graph
+    before, after = lightning.per_device("ddp"), kit.per_device("ddp")
+    assert before.model_states == after.model_states == 16 * trainable + 2 * (psi - trainable)
+    assert (before.buckets, after.buckets) == (4 * trainable, 0)
+    assert before.compute_peak - after.compute_peak == 4 * trainable
+    assert before.step_peak - after.step_peak == 4 * trainable
+    for name in lightning.names:  # nothing else moves
+        if name != "ddp":
+            assert lightning.per_device(name) == kit.per_device(name)
+    assert "DDP's gradient buckets" in lightning.table()
+    assert "DDP's gradient buckets" not in kit.table()
+
+
 def test_activations_follow_korthikanti() -> None:
     s, b, h, a, layers = 2048, 4, 4096, 32, 24
     eager = activation_bytes(b, s, h, layers, a)
@@ -102,8 +148,11 @@ def test_activations_follow_korthikanti() -> None:
     assert plan.per_device("zero2").activations == eager
     assert plan.per_device("zero2", checkpointing=True).activations == layers * 2 * s * b * h
     ddp = plan.per_device("ddp")
-    # the peak is in backward: the activations and DDP's rebuilt gradient buckets
+    # the peak is in backward: the activations and DDP's buckets beside the gradients
     assert ddp.total == ddp.compute_peak == ddp.model_states + eager + 4 * 1_000_000_000
+    view = plan_memory(1e9, 8, batch_size=b, seq_len=s, hidden_size=h, n_layers=layers,
+                       n_heads=a, gradient_as_bucket_view=True).per_device("ddp")  # fmt: skip
+    assert view.total == view.compute_peak == ddp.model_states + eager
 
 
 def test_total_counts_the_optimizer_steps_temporaries() -> None:
@@ -112,13 +161,15 @@ def test_total_counts_the_optimizer_steps_temporaries() -> None:
     adam = plan_memory(psi, 4)
     assert adam.per_device("ddp").transient == 4 * psi
     assert adam.per_device("zero2").transient == adam.per_device("fsdp_zero2").transient == psi
+    assert adam.per_device("fsdp2_zero2").transient == psi
     assert adam.per_device("deepspeed_zero2").transient == psi
     assert adam.per_device("deepspeed_zero2_offload").transient == 0  # stepped on the host
     assert plan_memory(psi, 4, optimizer="sgd").per_device("ddp").transient == 0
     for name in adam.names:  # no activations asked for: the step is the peak...
         estimate = adam.per_device(name)
         # ...but for FSDP, whose unsharded weights outweigh the step's temporaries
-        peak = estimate.compute_peak if name == "fsdp_zero2" else estimate.step_peak
+        fsdp = name in ("fsdp_zero2", "fsdp2_zero2")
+        peak = estimate.compute_peak if fsdp else estimate.step_peak
         assert estimate.total == peak > 0
 
 
@@ -129,6 +180,7 @@ def test_on_cpu_adam_steps_one_tensor_at_a_time() -> None:
     cpu = plan_memory(psi, n, device="cpu", precision="fp32")
     assert cpu.device == "cpu"
     assert cpu.per_device("ddp").transient == cpu.per_device("fsdp_zero2").transient == 0
+    assert cpu.per_device("fsdp2_zero2").transient == 0
     assert cpu.per_device("deepspeed_zero2").transient == 8 * psi // n
     assert cpu.per_device("zero2").transient == 8 * psi // n
     cuda = plan_memory(psi, n, precision="fp32")
@@ -155,10 +207,19 @@ def test_each_peak_counts_only_what_is_alive_then() -> None:
     fsdp = plan.per_device("fsdp_zero2")
     assert fsdp.compute_peak == fsdp.total == 12 * psi + acts
     assert fsdp.step_peak == 8 * psi
-    # DDP: the rebuilt gradient buckets meet the activations; the CPU step adds nothing
+    # DDP (Lightning's default): the buckets beside the gradients, in both phases; the
+    # CPU step adds nothing
     ddp = plan.per_device("ddp")
     assert ddp.compute_peak == ddp.total == 20 * psi + acts
-    assert ddp.step_peak == 16 * psi
+    assert ddp.step_peak == 20 * psi
+    # the kit's DDP strategies: the gradients are the buckets
+    kit = plan_memory(psi, n, precision="fp32", device="cpu", gradient_as_bucket_view=True,
+                      **shape).per_device("ddp")  # fmt: skip
+    assert (kit.compute_peak, kit.step_peak) == (16 * psi + acts, 16 * psi)
+    # FSDP2, no reshard after forward: every unit gathered in fp32 when backward begins
+    fsdp2 = plan.per_device("fsdp2_zero2")
+    assert fsdp2.compute_peak == fsdp2.total == (4 + 16 // n) * psi + acts
+    assert fsdp2.step_peak == 16 * psi // n
 
 
 @given(
@@ -179,7 +240,7 @@ def test_more_devices_never_need_more_memory_per_device(
             assert more.per_device(name, ckpt).total <= fewer.per_device(name, ckpt).total
         # on CPU a flat partition's single-tensor Adam temporaries can outweigh DDP's
         assert fewer.per_device(name).total <= fewer.per_device("ddp").total or name in (
-            "deepspeed_zero2", "fsdp_zero2",
+            "deepspeed_zero2", "fsdp_zero2", "fsdp2_zero2",  # the unsharded weights on top
         ) or device == "cpu"  # fmt: skip
 
 
@@ -206,6 +267,8 @@ def test_recommendation_is_the_fastest_that_fits() -> None:
         ((7e9, 8), {"trainable_params": 8e9}, "trainable_params"),
         ((7e9, 8), {"batch_size": 4, "seq_len": 2048}, "hidden_size"),
         ((7e9, 8), {"device": "gpu"}, "device"),
+        ((7e9, 8), {"gradient_as_bucket_view": "yes"}, "gradient_as_bucket_view"),
+        ((7e9, 8), {"static_graph": 1}, "static_graph"),
     ],
 )
 def test_bad_input(args: tuple[float, int], kwargs: dict[str, object], match: str) -> None:
