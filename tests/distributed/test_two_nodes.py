@@ -47,6 +47,7 @@ def _launch(link: Any, launcher: str, port: int, out: Path, *args: str) -> list[
         for node in (0, 1):
             script = [str(SCRIPT), "--out", str(out), *args]
             env = link.node_env(node, port + attempt, base=clean_env())
+            env["OMP_NUM_THREADS"] = "1"  # else Lightning gives each "node" every core of this one
             if launcher == "torchrun":
                 for name in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "NODE_RANK", "LOCAL_RANK"):
                     del env[name]  # torchrun sets them for its worker from its flags

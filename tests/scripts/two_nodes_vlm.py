@@ -57,7 +57,9 @@ class Report(L.Callback):
         rank = trainer.global_rank
         torch.save({k: v.detach().clone() for k, v in pl_module.state_dict().items()},
                    self.out / f"params{rank}.pt")  # fmt: skip
-        after = state.total_numel_after_compression if state is not None else 0
+        ratio = None  # elements before over after compression, over the run
+        if state is not None and state.total_numel_after_compression:
+            ratio = state.total_numel_before_compression / state.total_numel_after_compression
         result = {
             "global_rank": rank,
             "node_rank": trainer.node_rank,
@@ -71,7 +73,7 @@ class Report(L.Callback):
             "wire": self.wire,
             "hook_calls": strategy.hook_calls,
             "powersgd_iter": state.iter if state is not None else None,
-            "ratio": state.total_numel_before_compression / after if after else None,
+            "ratio": ratio,
             "grad_bytes": sum(4 * p.numel() for p in pl_module.parameters() if p.requires_grad),
         }
         (self.out / f"rank{rank}.json").write_text(json.dumps(result))
