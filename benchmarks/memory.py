@@ -1,16 +1,29 @@
-"""Per-rank peak memory under ddp, fsdp_zero2 and deepspeed_zero2, against plan_memory.
+"""Per-rank peak memory under ddp, the kit's DDP, fsdp_zero2, fsdp2_zero2 and deepspeed_zero2.
 
 Part 1 trains the example VLM (``base``, 290 M parameters, AdamW, fp32 on CPU or
 bf16-mixed on CUDA) for a few steps on two processes under each strategy, with and
 without ActivationCheckpointing, and records each rank's peak memory: on CUDA
 ``torch.cuda.max_memory_allocated``; on CPU the same quantity from torch's own
 allocation records (the profiler's memory events, from before the model is built: the
-peak of the bytes its tensors held), and beside it the process's peak resident set
+peak of the bytes its tensors held; a tensor freed on one of gloo's threads leaves no
+record and counts until its address is allocated again, see ``_peak_held``), and
+beside it the process's peak resident set
 (VmHWM) above what it held at the start, which adds libraries and allocator slack. The
 plan's prediction is ``plan_memory(..., device=...).per_device(name)`` with the VLM's
 two towers' activations: the higher of its forward/backward and optimizer-step peaks.
 Images are 112 pixels and captions 32 tokens, so a CPU step takes seconds: model
 states dominate there.
+
+The DDP rows: ``ddp`` is Lightning's ``strategy="ddp"`` as users write it (DDP's
+buckets beside the gradients), planned with ``gradient_as_bucket_view=False``;
+``ddp_powersgd`` is the kit's DDP (gradients as bucket views, the first buckets freed
+before DDP lays out new ones), planned with ``gradient_as_bucket_view=True``. It runs
+before PowerSGD starts (``start_iter`` 100, past the run's steps): all-reduces in place,
+as ``ddp_fp16_compress`` would without its half-precision copy of each bucket, which
+gloo frees on its own threads, where torch's CPU allocation records do not see it.
+``--static-graph`` passes ``static_graph=True`` to the kit's DDP. Both DDP rows seed
+the model and skip DDP's initial broadcast (``init_sync=False``): gloo sometimes frees
+its buffer on its own threads, and the records would count it for the whole run.
 
 Part 2 is the activation side on one process (``small`` preset, batch 32): bytes
 autograd saves for backward with and without checkpointing, and the median step time
@@ -31,6 +44,7 @@ import platform
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import replace
 from datetime import datetime, timezone
@@ -41,8 +55,14 @@ import torch
 import torch.nn.functional as F
 
 HERE = Path(__file__).resolve()
-STRATEGIES = ("ddp", "fsdp_zero2", "deepspeed_zero2")
+STRATEGIES = ("ddp", "ddp_powersgd", "fsdp_zero2", "fsdp2_zero2", "deepspeed_zero2")
 GIB = 2**30
+#: Each benchmarked strategy: the plan's row for it, and whether DDP's gradients are
+#: views into its buckets (None: not DDP).
+PLANNED: dict[str, tuple[str, bool | None]] = {
+    "ddp": ("ddp", False), "ddp_powersgd": ("ddp", True), "fsdp_zero2": ("fsdp_zero2", None),
+    "fsdp2_zero2": ("fsdp2_zero2", None), "deepspeed_zero2": ("deepspeed_zero2", None),
+}  # fmt: skip
 
 
 # --- process memory ------------------------------------------------------------------------
@@ -59,18 +79,48 @@ def _reset_peak_rss() -> None:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux >= 4.0)
 
 
-def _peak_tensor_bytes(prof: torch.profiler.profile) -> int:
-    """The most bytes torch's CPU tensors held at once while ``prof`` recorded memory."""
-    records = sorted(
-        (e.start_ns(), e.nbytes())
-        for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
-        if e.name() == "[memory]" and e.device_type() == torch.autograd.DeviceType.CPU
-    )
+def _memory_records(prof: torch.profiler.profile) -> list[tuple[int, int]]:
+    """``(bytes, address)`` of each CPU tensor allocation (+) and free (-) ``prof`` recorded,
+    in time order (the addresses are in the profiler's trace, not in its event objects)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        trace = Path(tmp) / "trace.json"
+        prof.export_chrome_trace(str(trace))
+        events = json.loads(trace.read_text())["traceEvents"]
+    memory = [e for e in events if e.get("name") == "[memory]"
+              and e["args"].get("Device Type") == 0]  # fmt: skip
+    memory.sort(key=lambda e: e["ts"])  # stable: ties keep the trace's order
+    return [(int(e["args"]["Bytes"]), int(e["args"]["Addr"])) for e in memory]
+
+
+def _peak_held(records: list[tuple[int, int]]) -> int:
+    """The most bytes held at once, from ``(bytes, address)`` allocations and frees.
+
+    The profiler records what the profiled thread allocates and frees. A tensor freed
+    on another thread (gloo frees some of FSDP's and DDP's communication buffers on its
+    own) leaves no record, so a plain running sum would count it for the rest of the
+    run. Its address tells: a block whose address is allocated again was freed by
+    then, and counts until that moment, at most.
+
+    Example::
+
+        >>> _peak_held([(100, 1), (50, 2), (-50, 2), (100, 1), (-100, 1)])  # 1 reused
+        150
+    """
+    live: dict[int, int] = {}
     held = peak = 0
-    for _, nbytes in records:
-        held += nbytes
+    for nbytes, address in records:
+        if nbytes > 0:
+            held += nbytes - live.pop(address, 0)
+            live[address] = nbytes
+        else:
+            held -= live.pop(address, -nbytes)
         peak = max(peak, held)
     return peak
+
+
+def _peak_tensor_bytes(prof: torch.profiler.profile) -> int:
+    """The most bytes torch's CPU tensors held at once while ``prof`` recorded memory."""
+    return _peak_held(_memory_records(prof))
 
 
 # --- part 1: one strategy on two processes (the worker) --------------------------------------
@@ -107,10 +157,11 @@ def worker(args: argparse.Namespace) -> None:
     from lightning.pytorch.strategies import DDPStrategy
     from torch.utils.data import DataLoader, Dataset
 
-    from lightning_speedkit import ActivationCheckpointing
+    from lightning_speedkit import ActivationCheckpointing, DDPPowerSGDStrategy
     from speedkit_examples.vlm import VLMTask
 
     torch.set_num_threads(1)
+    L.seed_everything(0, verbose=False)  # the same weights on every rank
     config = vlm_config(args.size, args.image_size, args.text_len)
 
     class Synthetic(Dataset[dict[str, torch.Tensor]]):
@@ -136,9 +187,12 @@ def worker(args: argparse.Namespace) -> None:
             steps.append(time.perf_counter() - self.start)
 
     cuda = args.accelerator == "cuda"
-    strategy: Any = DDPStrategy(gradient_as_bucket_view=True) if args.strategy == "ddp" else (
-        args.strategy
-    )  # fmt: skip
+    strategy: Any = args.strategy
+    if args.strategy == "ddp":  # Lightning's "ddp" (see the docstring for init_sync)
+        strategy = DDPStrategy(init_sync=False)
+    elif args.strategy == "ddp_powersgd":  # rank 4: what AdamW needs; PowerSGD not started
+        strategy = DDPPowerSGDStrategy(rank=4, start_iter=max(100, args.steps + 1),
+                                       static_graph=args.static_graph, init_sync=False)  # fmt: skip
     callbacks: list[L.Callback] = [Measure()]
     if args.checkpointing:
         callbacks.append(ActivationCheckpointing(verbose=False))
@@ -176,6 +230,7 @@ def run_strategy(args: argparse.Namespace, strategy: str, checkpointing: bool) -
            "--image-size", str(args.image_size), "--text-len", str(args.text_len),
            "--batch", str(args.batch), "--devices", str(args.devices)]  # fmt: skip
     cmd += ["--checkpointing"] if checkpointing else []
+    cmd += ["--static-graph"] if args.static_graph else []
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     ranks = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.json"))]
     if proc.returncode != 0 and len(ranks) < args.devices:
@@ -191,22 +246,27 @@ def part1(args: argparse.Namespace) -> list[dict[str, Any]]:
     with torch.device("meta"):
         n_params = sum(p.numel() for p in VLM(config).parameters())
     cuda = args.accelerator == "cuda"
-    plan = plan_memory(n_params, args.devices, optimizer="adamw",
-                       precision="mixed" if cuda else "fp32", device=args.accelerator)  # fmt: skip
     rows = []
     for strategy in args.strategies:
+        row_name, bucket_view = PLANNED[strategy]
+        plan = plan_memory(n_params, args.devices, optimizer="adamw",
+                           precision="mixed" if cuda else "fp32", device=args.accelerator,
+                           gradient_as_bucket_view=bool(bucket_view))  # fmt: skip
         for checkpointing in (False, True):
             run = run_strategy(args, strategy, checkpointing)
             acts = vlm_activations(config, args.batch, 2 if cuda else 4, checkpointing)
-            estimate = replace(plan.per_device(strategy), activations=acts)
+            estimate = replace(plan.per_device(row_name), activations=acts)
             planned = estimate.total
             peak = max(r["peak_bytes"] for r in run["ranks"])
-            run.update({"n_params": n_params, "planned_bytes": planned,
+            run.update({"plan": row_name, "gradient_as_bucket_view": bucket_view,
+                        "static_graph": args.static_graph if bucket_view else None,
+                        "n_params": n_params, "planned_bytes": planned,
                         "planned_phase": "step" if estimate.step_peak >= estimate.compute_peak
                         else "forward/backward",
                         "planned_model_states": estimate.model_states,
                         "planned_step_temporaries": estimate.transient,
                         "planned_compute_temporaries": estimate.compute_transient,
+                        "planned_buckets": estimate.buckets,
                         "planned_activations": acts, "measured_bytes": peak,
                         "ratio": peak / planned,
                         "step_s": max(r["step_s"] for r in run["ranks"])})  # fmt: skip
@@ -291,6 +351,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--strategies", nargs="+", choices=STRATEGIES, default=list(STRATEGIES))
+    parser.add_argument("--static-graph", action="store_true",
+                        help="static_graph=True for the kit's DDP (ddp_powersgd)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=5, help="part 2: timed steps per variant")
     parser.add_argument("--work", default="/tmp/speedkit_memory_bench")
     parser.add_argument("--out", default=str(HERE.parent / "results" / "memory_cpu.json"))
