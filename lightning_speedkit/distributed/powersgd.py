@@ -29,10 +29,10 @@ Tuning guide:
   trained with AdamW, stays on a loss plateau at rank 1 and matches DDP at rank 4
   (``benchmarks/powersgd_rank.py``). With an Adam-family optimizer (Adam, AdamW,
   NAdam, RAdam, Adamax, their fused and 8-bit variants) and a rank below 4 the
-  strategy warns at setup and names rank 4. The default stays 1: with SGD it is the
-  paper's setting, and a changed default would change, unasked, the numerics of
-  every run that names the strategy, and throw away the warm-start factors of
-  every run resumed across the change.
+  strategy warns at setup and names rank 4. The default stays 1: with SGD the
+  paper's models kept their accuracy from rank 1 up, and a changed default would
+  change, unasked, the numerics of every run that names the strategy, and throw
+  away the warm-start factors of every run resumed across the change.
 - ``start_iter`` (100): plain all-reduce for this many iterations first. Early
   training moves fast and compresses badly; torch suggests about 10% of the
   run for accuracy-sensitive jobs. Must be at least 2 with error feedback or
