@@ -7,7 +7,6 @@ from typing import Any
 import lightning as L
 import torch
 import torch.nn.functional as F
-from lightning.pytorch.loggers import Logger
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -78,32 +77,6 @@ class Losses(L.Callback):
     ) -> None:
         self.losses.append(float(outputs["loss"].detach()))
         self.batches.append(batch)
-
-
-class Recorder(Logger):
-    """Keeps every ``log_metrics`` call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recorder"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append((step or 0, dict(metrics)))
-
-    def last(self, key: str) -> float | None:
-        values = [row[key] for _, row in self.rows if key in row]
-        return values[-1] if values else None
 
 
 def trainer(steps: int, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:

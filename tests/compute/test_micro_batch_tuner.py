@@ -26,7 +26,8 @@ from lightning_speedkit.compute import (
 )
 from lightning_speedkit.data import LengthBucketBatchSampler
 
-from .models import Losses, Net, Recorder, dataset, trainer
+from ..helpers.recorder import Recorder
+from .models import Losses, Net, dataset, trainer
 
 # Seconds per step by micro-batch: samples/s 100, 160, 200, 229, 213, 188 -> 8 is the fastest
 SECONDS = {1: 0.010, 2: 0.0125, 4: 0.020, 8: 0.035, 16: 0.075, 32: 0.170}

@@ -23,7 +23,8 @@ from lightning_speedkit import (
 from lightning_speedkit.compute import CompileWatch, compile_blocks, compiled_blocks
 from lightning_speedkit.distributed import checkpoint_blocks
 
-from .models import Block, Losses, Net, Recorder, dataset, loader, trainer
+from ..helpers.recorder import Recorder
+from .models import Block, Losses, Net, dataset, loader, trainer
 
 RTOL = 1e-5
 

@@ -10,7 +10,6 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import Logger
 
 from lightning_speedkit import SpeedkitConfigError, SpeedMonitor
 from lightning_speedkit.measure import speed_monitor as sm
@@ -18,28 +17,7 @@ from lightning_speedkit.measure.speed_monitor import SUMMARY_KEYS, _BatchInfo, _
 
 from ..helpers.models import MLP, SlowDataset, loader
 from ..helpers.multiprocess import run_script
-
-
-class Recorder(Logger):
-    """Keeps every log_metrics call."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.rows: list[tuple[int, dict[str, float]]] = []
-
-    @property
-    def name(self) -> str:
-        return "recorder"
-
-    @property
-    def version(self) -> int:
-        return 0
-
-    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
-        pass
-
-    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
-        self.rows.append((step or 0, dict(metrics)))
+from ..helpers.recorder import Recorder
 
 
 def _fit(model: L.LightningModule, monitor: SpeedMonitor, steps: int, **loader_kw: Any) -> Recorder:
