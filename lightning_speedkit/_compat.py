@@ -151,3 +151,16 @@ def torch_profiler_enabled() -> bool:
             f"version."
         )
     return bool(enabled())
+
+
+def has_compiled_parts(model: Any) -> bool:
+    """Whether ``model`` holds modules that ``torch.compile`` compiles at their first call:
+    compiled in place (``nn.Module.compile``, the kit's RegionalCompile) or wrapped
+    (``torch.compile(module)``, an ``OptimizedModule``)."""
+    import torch
+
+    optimized = getattr(torch._dynamo.eval_frame, "OptimizedModule", ())
+    return any(
+        getattr(module, "_compiled_call_impl", None) is not None or isinstance(module, optimized)
+        for module in model.modules()
+    )

@@ -239,10 +239,16 @@ class _Kit:
 
     @classmethod
     def build(cls, config: DemoConfig, on_cuda: bool) -> _Kit:
+        # The profiler counts batches: with a global batch, several per optimizer step.
+        batches = config.steps * (
+            1
+            if config.global_batch is None
+            else accumulation_for(config.global_batch, config.batch_size, config.devices)
+        )
         return cls(
             tuner=NumWorkersTuner(progress=False),
             profiler=ProfilerSchedule(
-                skip_first=max(config.steps - 4, 0),  # the last steps: the figures stay clean
+                skip_first=max(batches - 4, 0),  # the last batches: the figures stay clean
                 wait=0,
                 warmup=1,
                 active=3,

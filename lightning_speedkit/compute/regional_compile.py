@@ -236,6 +236,8 @@ class CompileWatch:
         """Compilations of a frame that had been compiled before."""
         self.seconds = 0.0
         """Wall time spent compiling, forward and backward graphs."""
+        self.compilations = 0
+        """Compilations begun, backward graphs included."""
         self.by_frame: Counter[str] = Counter()
         """Recompilations per frame id."""
         self._started: float | None = None
@@ -260,6 +262,7 @@ class CompileWatch:
 
     def _start(self, *args: Any) -> None:
         self._started = time.perf_counter()
+        self.compilations += 1
 
     def _end(self, *args: Any) -> None:
         if self._started is not None:

@@ -21,6 +21,7 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerAction, ProfilerActivity
 
 from lightning_speedkit import _compat, _validation
+from lightning_speedkit.compute.regional_compile import CompileWatch
 from lightning_speedkit.measure.report import Report, amend_for_callbacks, analyze_trace
 
 __all__ = ["ProfilerSchedule"]
@@ -203,12 +204,19 @@ class ProfilerSchedule(L.Callback):
         self._rank = 0
         self._windows = 0
         self._steps = 0
-        self._resumed: tuple[int, int] | None = None
+        self._resumed: tuple[int, int, int] | None = None
         self._warned: set[str] = set()
         self._failure: tuple[str, str] | None = None
         self._disabled = False
         self._start_step = 0
         self._written = 0
+        # torch.compile: a window waits until the model has stopped compiling (see _schedule).
+        self._compiles = CompileWatch()
+        self._compiled_before_step = 0
+        self._held = False
+        self._held_step = -1
+        self._delay = self._start_delay = 0
+        self._base_schedule: Any = None
 
     # -- failure handling: say it once, go on -------------------------------------------------
 
@@ -232,6 +240,7 @@ class ProfilerSchedule(L.Callback):
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
+        self._compiles.remove()
 
     def _raise_pending(self) -> None:
         """Give up on a trace write that failed inside torch's ``step()``/``stop()``, now
@@ -255,9 +264,12 @@ class ProfilerSchedule(L.Callback):
         for timings in self._unprofiled:
             timings.clear()
         # A resumed run goes on with its schedule: the windows it took are not taken again.
-        self._steps, self._windows = self._resumed or (0, 0)
+        self._steps, self._windows, self._delay = self._resumed or (0, 0, 0)
+        self._start_delay = self._delay
         self._start_step = self._steps
         self._resumed = None
+        self._held = _compat.has_compiled_parts(pl_module)
+        self._base_schedule, self._held_step = None, -1
         other = self._other_profiler(trainer)
         if other:
             # torch has one profiling session per process: two profilers share it, and
@@ -287,13 +299,7 @@ class ProfilerSchedule(L.Callback):
         try:
             self._profiler = torch.profiler.profile(
                 activities=activities,
-                schedule=torch.profiler.schedule(
-                    skip_first=self.skip_first,
-                    wait=self.wait,
-                    warmup=self.warmup,
-                    active=self.active,
-                    repeat=self.repeat,
-                ),
+                schedule=self._schedule,
                 on_trace_ready=self._write_trace,
                 record_shapes=self.record_shapes,
                 with_stack=self.with_stack,
@@ -306,10 +312,37 @@ class ProfilerSchedule(L.Callback):
             # A profiler that did not start owns no session: stopping it could end another's.
             self._give_up("starting the profiler", f"{type(error).__name__}: {error}", stop=False)
             return
+        self._compiles.install()
+        self._compiled_before_step = self._compiles.compilations
         for name, child in _top_level(pl_module):
             self._hooks.append(child.register_forward_pre_hook(self._module_enter(name)))
             self._hooks.append(child.register_forward_hook(self._module_exit(name)))
         rank_zero_info(f"ProfilerSchedule: traces go to {directory}")
+
+    def _schedule(self, step: int) -> ProfilerAction:
+        """torch's schedule, shifted by the steps a window waited for torch.compile.
+
+        Compiling under the profiler records every operator the compiler runs on fake
+        tensors (with Python stacks: tens of GB of events for a small model, and an
+        out-of-memory kill), so while a model with compiled parts has not yet run a step
+        without compiling, a window that is due is held back a step.
+        """
+        if self._base_schedule is None:
+            self._base_schedule = torch.profiler.schedule(
+                skip_first=self.skip_first, wait=self.wait, warmup=self.warmup,
+                active=self.active, repeat=self.repeat)  # fmt: skip
+        position = step - self._delay
+        if position < 0:
+            return ProfilerAction.NONE
+        if self._held:
+            # torch may ask twice for one step: hold each step back once.
+            due = self._base_schedule(position) != ProfilerAction.NONE
+            if due and step != self._held_step:
+                self._delay += 1
+                self._held_step = step
+            return ProfilerAction.NONE
+        action: ProfilerAction = self._base_schedule(position)
+        return action
 
     @staticmethod
     def _other_profiler(trainer: L.Trainer) -> str | None:
@@ -381,8 +414,21 @@ class ProfilerSchedule(L.Callback):
         self._regions.exit_all()
         if self._profiler is None:
             return
-        self._batch_end = None if self._recording() else time.perf_counter()
+        recording = self._recording()
+        self._batch_end = None if recording else time.perf_counter()
         self._steps += 1
+        compiled = self._compiles.compilations - self._compiled_before_step
+        self._compiled_before_step = self._compiles.compilations
+        if self._held and not compiled:
+            self._held = False  # a whole step ran compiled code without compiling
+        if compiled and recording and "compile" not in self._warned:
+            self._warned.add("compile")
+            rank_zero_warn(
+                f"ProfilerSchedule: torch.compile compiled {compiled} graph(s) during a "
+                f"profiled step, so this window's trace and report describe the compiler as "
+                f"much as the step. Raise `skip_first` past the steps that compile (shapes "
+                f"that change recompile: pad or mark them dynamic)."
+            )
         try:
             self._profiler.step()  # may end a window: _write_trace runs here
         except Exception as error:  # profiling must never stop training
@@ -417,14 +463,18 @@ class ProfilerSchedule(L.Callback):
         schedule = torch.profiler.schedule(skip_first=self.skip_first, wait=self.wait,
                                            warmup=self.warmup, active=self.active,
                                            repeat=self.repeat)  # fmt: skip
-        step = self._start_step
-        horizon = self._start_step + self.skip_first + self.wait + self.warmup + self.active
-        while step < horizon and schedule(step) != ProfilerAction.RECORD_AND_SAVE:
-            step += 1
-        needed = step + 1 - self._start_step
+        # Positions in torch's schedule; the steps held for torch.compile come on top.
+        position = self._start_step - self._start_delay
+        horizon = position + self.skip_first + self.wait + self.warmup + self.active
+        while position < horizon and schedule(position) != ProfilerAction.RECORD_AND_SAVE:
+            position += 1
+        held = self._delay - self._start_delay
+        needed = position + 1 - (self._start_step - self._start_delay) + held
         if self._start_step == 0:
             arithmetic = (f"skip_first + wait + warmup + active = {self.skip_first} + "
-                          f"{self.wait} + {self.warmup} + {self.active} = {needed}")  # fmt: skip
+                          f"{self.wait} + {self.warmup} + {self.active}"
+                          + (f" + {held} held while torch.compile compiled"
+                             if held else "") + f" = {needed}")  # fmt: skip
         else:
             arithmetic = f"{needed} more, resuming at step {self._start_step}"
         rank_zero_warn(
@@ -440,10 +490,11 @@ class ProfilerSchedule(L.Callback):
     # -- checkpoints -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, Any]:
-        return {"steps": self._steps, "windows": self._windows}
+        return {"steps": self._steps, "windows": self._windows, "delay": self._delay}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._resumed = (int(state_dict["steps"]), int(state_dict["windows"]))
+        self._resumed = (int(state_dict["steps"]), int(state_dict["windows"]),
+                         int(state_dict.get("delay", 0)))  # fmt: skip
 
     # -- traces and reports -----------------------------------------------------------------------
 

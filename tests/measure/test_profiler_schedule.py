@@ -290,3 +290,60 @@ def test_a_trace_over_the_cap_is_not_analysed(
     with pytest.warns(UserWarning, match="neither kept nor analysed"):
         fit(callback, steps=4)
     assert analysed == []
+
+
+# ------------------------------------------------------------------ torch.compile
+
+
+def _fit_compiled(callback: ProfilerSchedule, steps: int, n: int = 256) -> L.Trainer:
+    torch._dynamo.reset()  # an earlier test's compiled MLP would be reused, not compiled
+    model = MLP()
+    model.net.compile(backend="eager", dynamic=False)  # compiles at its first call
+    trainer = L.Trainer(accelerator="cpu", max_steps=steps, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback])  # fmt: skip
+    trainer.fit(model, loader(n=n, batch_size=16))
+    return trainer
+
+
+def _recorded_steps(path: Path) -> list[str]:
+    return sorted(e["name"] for e in events(path) if e.get("name", "").startswith("ProfilerStep#"))
+
+
+def test_a_window_waits_until_the_model_has_stopped_compiling(
+    tmp_path: Path, recwarn: pytest.WarningsRecorder
+) -> None:
+    # Compiling under the profiler records the compiler's own operators (an out-of-memory
+    # kill with stacks on a real model). Step 0 compiles, step 1 shows it has settled:
+    # the window torch's schedule puts at steps 0-2 runs at steps 2-4.
+    callback = ProfilerSchedule(skip_first=0, wait=0, warmup=1, active=2, dirpath=tmp_path)
+    _fit_compiled(callback, steps=6)
+    (trace,) = callback.traces
+    assert _recorded_steps(trace) == ["ProfilerStep#3", "ProfilerStep#4"]
+    assert callback.state_dict() == {"steps": 6, "windows": 1, "delay": 2}
+    assert not [w for w in recwarn if "ProfilerSchedule" in str(w.message)]
+
+
+def test_an_uncompiled_model_keeps_torchs_schedule(tmp_path: Path) -> None:
+    callback = ProfilerSchedule(skip_first=0, wait=0, warmup=1, active=2, dirpath=tmp_path)
+    fit(callback, steps=4)
+    (trace,) = callback.traces
+    assert _recorded_steps(trace) == ["ProfilerStep#1", "ProfilerStep#2"]
+    assert callback.state_dict()["delay"] == 0
+
+
+def test_a_recompile_inside_a_window_is_named(tmp_path: Path) -> None:
+    # batches of 16, 16, 16 and 8: the last one's shape recompiles, inside the window
+    callback = ProfilerSchedule(skip_first=0, wait=0, warmup=1, active=2, dirpath=tmp_path)
+    with pytest.warns(UserWarning, match=r"torch.compile compiled \d+ graph\(s\) during a "
+                      r"profiled step") as record:  # fmt: skip
+        _fit_compiled(callback, steps=5, n=56)
+    assert sum("during a profiled step" in str(w.message) for w in record) == 1
+
+
+def test_a_held_window_counts_in_the_nothing_recorded_arithmetic(tmp_path: Path) -> None:
+    callback = ProfilerSchedule(skip_first=0, wait=0, warmup=1, active=2, dirpath=tmp_path)
+    with pytest.warns(UserWarning, match=r"ran 1 steps.* = 0 \+ 0 \+ 1 \+ 2 \+ 2 held while "
+                      r"torch.compile compiled = 5 steps"):  # fmt: skip
+        _fit_compiled(callback, steps=1)
+    assert callback.traces == []
