@@ -6,5 +6,20 @@ from lightning_speedkit.schedule.accumulation_scheduler import (
     CommShare,
     accumulation_for,
 )
+from lightning_speedkit.schedule.policies import (
+    AccumulationPolicy,
+    AdaptiveToCommunication,
+    StepSchedule,
+    TargetGlobalBatch,
+)
 
-__all__ = ["AccumulationChange", "AccumulationScheduler", "CommShare", "accumulation_for"]
+__all__ = [
+    "AccumulationChange",
+    "AccumulationPolicy",
+    "AccumulationScheduler",
+    "AdaptiveToCommunication",
+    "CommShare",
+    "StepSchedule",
+    "TargetGlobalBatch",
+    "accumulation_for",
+]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import math
 import statistics
 import time
 from collections.abc import Mapping
@@ -20,81 +19,24 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit.errors import SpeedkitConfigError
+from lightning_speedkit.schedule.policies import (
+    AccumulationPolicy,
+    AdaptiveToCommunication,
+    CommShare,
+    ScheduleUnit,
+    StepSchedule,
+    TargetGlobalBatch,
+    accumulation_for,
+    check_schedule,
+)
 
 __all__ = ["AccumulationChange", "AccumulationScheduler", "CommShare", "accumulation_for"]
 
 log = logging.getLogger(__name__)
 
 LrScaling = Literal["linear", "sqrt"]
-ScheduleUnit = Literal["step", "epoch"]
 _LR_POWER: dict[str, float] = {"linear": 1.0, "sqrt": 0.5}
 _WARMUP_WINDOWS = 2  # optimizer steps left out of a measurement after fit starts
-_RECHECK_STEPS = 100  # once the share is below the threshold, measure again this much later
-
-
-def accumulation_for(global_batch: int, micro_batch: int, world_size: int) -> int:
-    """Micro-batches per optimizer step that come closest to ``global_batch`` (at least 1).
-
-    Example::
-
-        >>> accumulation_for(256, micro_batch=8, world_size=4)
-        8
-        >>> accumulation_for(100, micro_batch=8, world_size=4)  # 96 samples: the closest
-        3
-    """
-    return max(1, math.floor(global_batch / (micro_batch * world_size) + 0.5))
-
-
-@dataclass(frozen=True)
-class CommShare:
-    """How much of an optimizer step is communication nobody overlapped, measured.
-
-    Medians over several optimizer steps of ``accumulation`` micro-batches each. The
-    micro-batches that run under DDP's ``no_sync`` give the forward and backward time
-    of one micro-batch without gradient traffic; the one that synchronises takes longer
-    by the all-reduce time that backward did not hide. That difference is ``comm_s``.
-    """
-
-    accumulation: int
-    step_s: float
-    """Wall time of one optimizer step: loading, forward, backward, sync, optimizer."""
-    micro_batch_s: float
-    """Forward and backward of one micro-batch under ``no_sync``."""
-    comm_s: float
-    """Exposed communication per optimizer step."""
-    optimizer_s: float
-    """The optimizer step itself."""
-
-    @property
-    def share(self) -> float:
-        """Exposed communication as a fraction of the step."""
-        return self.comm_s / self.step_s if self.step_s > 0 else 0.0
-
-    def _per_micro_batch(self) -> float:
-        return max(0.0, self.step_s - self.comm_s - self.optimizer_s) / self.accumulation
-
-    def predicted_share(self, accumulation: int) -> float:
-        """The share at another accumulation.
-
-        Communication and the optimizer step are paid once per optimizer step; loading,
-        forward and backward once per micro-batch.
-        """
-        step = accumulation * self._per_micro_batch() + self.comm_s + self.optimizer_s
-        return self.comm_s / step if step > 0 else 0.0
-
-    def smallest_accumulation(self, threshold: float, lowest: int, highest: int) -> int:
-        """The smallest accumulation in ``[lowest, highest]`` predicted at or below ``threshold``.
-
-        ``share(k) <= t`` solves to ``k >= (comm (1 - t) / t - optimizer) / micro``; when no
-        accumulation up to ``highest`` gets there, ``highest``.
-        """
-        per_micro = self._per_micro_batch()
-        if self.comm_s <= threshold * (self.comm_s + self.optimizer_s):
-            return lowest  # under the threshold at any accumulation
-        if per_micro <= 0:
-            return highest
-        needed = (self.comm_s * (1 - threshold) / threshold - self.optimizer_s) / per_micro
-        return min(highest, max(lowest, math.ceil(needed - 1e-9)))
 
 
 @dataclass(frozen=True)
@@ -171,23 +113,6 @@ def _positive_int(value: Any, argument: str) -> int:
     return _validation.positive_int(argument, value, example=64)
 
 
-def _check_schedule(schedule: Mapping[int, int], unit: str) -> dict[int, int]:
-    if not isinstance(schedule, Mapping) or not schedule:
-        raise SpeedkitConfigError(
-            f"`schedule` must be a non-empty dict of {unit} -> global batch, e.g. "
-            f"{{0: 64, 1000: 256}}; got {schedule!r}."
-        )
-    checked: dict[int, int] = {}
-    for key, value in schedule.items():
-        if isinstance(key, bool) or not isinstance(key, int) or key < 0:
-            raise SpeedkitConfigError(
-                f"`schedule` keys are {unit}s counted from 0; got {key!r}. Use ints, e.g. "
-                f"{{0: 64, 1000: 256}}."
-            )
-        checked[key] = _positive_int(value, f"schedule[{key}]")
-    return dict(sorted(checked.items()))
-
-
 class AccumulationScheduler(L.Callback):
     """Gradient accumulation set by a global batch, a schedule, or the measured communication.
 
@@ -212,6 +137,14 @@ class AccumulationScheduler(L.Callback):
       accumulation after that first measurement. Needs DDP (any of the kit's DDP
       strategies): FSDP and DeepSpeed ZeRO reduce gradients on every micro-batch,
       so accumulating does not save their communication.
+
+    Each mode is a policy of :mod:`lightning_speedkit.schedule.policies`
+    (:class:`~lightning_speedkit.schedule.policies.TargetGlobalBatch`,
+    :class:`~lightning_speedkit.schedule.policies.StepSchedule`,
+    :class:`~lightning_speedkit.schedule.policies.AdaptiveToCommunication`), built for
+    the fit's micro-batch and world size and asked at each window's first micro-batch;
+    this callback counts the windows, times them for the adaptive policy, and wires the
+    answer into Lightning.
 
     Changes take effect only at optimizer-step boundaries. Each step's loss is the mean
     over its micro-batches, as Lightning does (the loss is divided by the accumulation);
@@ -277,7 +210,7 @@ class AccumulationScheduler(L.Callback):
         _validation.boolean("adaptive", adaptive)
         _validation.boolean("verbose", verbose)
         if schedule is not None:
-            schedule = _check_schedule(schedule, schedule_unit)
+            schedule = check_schedule(schedule, schedule_unit)
         if target_global_batch is None and schedule is None and not adaptive:
             raise SpeedkitConfigError(
                 "AccumulationScheduler needs a mode: `target_global_batch=N`, "
@@ -345,15 +278,13 @@ class AccumulationScheduler(L.Callback):
         self._restore_loop: Any = None
         self._hooks: list[Any] = []
         self._saved_lrs: dict[int, list[float]] = {}
-        self._warned: set[str] = set()
-        # adaptive
+        # the policy answers how many micro-batches each window gets; built at the first window
+        self._policy: AccumulationPolicy | None = None
         self._adaptive_on = False
-        self._floor = 1
-        self._ceiling = 1
-        self._probed = False
-        self._probing = False
+        self._probed = False  # carried through checkpoints when no adaptive policy runs
         self._next_check = 0
         self._resumed_global_batch: int | None = None
+        # timing for the adaptive policy's measurements
         self._clock: _Clock | None = None
         self._windows: list[_Window] = []
         self._open: _Window | None = None
@@ -554,99 +485,63 @@ class AccumulationScheduler(L.Callback):
     def _start_window(self, trainer: L.Trainer, batch: Any) -> None:
         if self._micro is None:
             self._micro = int(extract_batch_size(batch))
-        previous = self._accumulation
-        accumulation, reason = self._decide(trainer)
+        if self._policy is None:  # the fit's first window
+            self._policy = self._make_policy()
+        elif isinstance(self._policy, AdaptiveToCommunication):
+            self._observe(trainer, self._policy)
+        policy = self._policy
+        accumulation = policy.accumulation(trainer.global_step, trainer.current_epoch)
         self._count = 1
         self._window_step = trainer.global_step
-        if accumulation != previous:
-            self._apply(trainer, accumulation, reason)
-        if self._adaptive_on and self._accumulation > 1 and trainer.global_step >= self._next_check:
-            self._open = _Window(self._accumulation, self._last_end)
-        else:
-            self._open = None
+        if accumulation != self._accumulation:
+            self._apply(trainer, accumulation, policy.reason)
+        timed = isinstance(policy, AdaptiveToCommunication) and policy.measures(trainer.global_step)
+        self._open = _Window(self._accumulation, self._last_end) if timed else None
+
+    def _make_policy(self) -> AccumulationPolicy:
+        """The policy the constructor's arguments ask for, for this fit's sizes."""
+        micro = self._micro or 1
+        if self.schedule is not None:
+            return StepSchedule(self.schedule, micro, self._world, self.schedule_unit)
+        start = TargetGlobalBatch(self.target_global_batch, micro, self._world)
+        if not self._adaptive_on:  # not adaptive, or adaptive where it cannot apply
+            return start
+        assert self.max_global_batch is not None  # the constructor requires it with adaptive
+        return AdaptiveToCommunication(
+            start,
+            self.max_global_batch,
+            self.comm_threshold,
+            resumed_global_batch=self._resumed_global_batch,
+            probed=self._probed,
+            next_check=self._next_check,
+        )
 
     def _global_batch(self, accumulation: int) -> int:
         return accumulation * (self._micro or 1) * self._world
 
-    def _accumulation_for(self, global_batch: int) -> int:
-        micro = self._micro or 1
-        accumulation = accumulation_for(global_batch, micro, self._world)
-        used = self._global_batch(accumulation)
-        key = f"{global_batch}/{micro}/{self._world}"
-        if used != global_batch and key not in self._warned:
-            self._warned.add(key)
-            rank_zero_warn(
-                f"AccumulationScheduler: a global batch of {global_batch} cannot be made of "
-                f"micro-batches of {micro} on {self._world} rank(s); using {accumulation} "
-                f"micro-batch(es) per step, a global batch of {used}."
-            )
-        return accumulation
-
-    def _decide(self, trainer: L.Trainer) -> tuple[int, str]:
-        if self.schedule is not None:
-            where = trainer.global_step if self.schedule_unit == "step" else trainer.current_epoch
-            keys = [key for key in self.schedule if key <= where]
-            if not keys:
-                return 1, "before the schedule's first key"
-            value = self.schedule[keys[-1]]
-            return self._accumulation_for(value), f"schedule[{keys[-1]}] = {value}"
-        if self._accumulation == 0:  # the fit's first window
-            return self._first_adaptive_or_target()
-        if self._adaptive_on:
-            return self._adapt(trainer)
-        return self._accumulation, ""
-
-    def _first_adaptive_or_target(self) -> tuple[int, str]:
-        floor, reason = 1, "one micro-batch per step"
-        if self.target_global_batch is not None:
-            floor = self._accumulation_for(self.target_global_batch)
-            reason = f"target global batch {self.target_global_batch}"
-        if not self.adaptive:
-            return floor, reason
-        if self.max_global_batch is not None:
-            self._ceiling = max(floor, self.max_global_batch // ((self._micro or 1) * self._world))
-        self._floor = floor
-        resumed = self._resumed_global_batch
-        if resumed is not None and self._adaptive_on:
-            accumulation = min(self._ceiling, max(floor, self._accumulation_for(resumed)))
-            return accumulation, f"resumed at global batch {resumed}"
-        if floor == 1 and self._adaptive_on and self._ceiling >= 2 and not self._probed:
-            self._probed = self._probing = True
-            return 2, "adaptive probe: one unsynchronised micro-batch to measure communication"
-        return floor, reason
-
-    def _adapt(self, trainer: L.Trainer) -> tuple[int, str]:
+    def _observe(self, trainer: L.Trainer, policy: AdaptiveToCommunication) -> None:
+        """Measure the timed windows once there are enough, and give the policy the result."""
         usable = [w for w in self._windows[_WARMUP_WINDOWS:] if not w.tainted]
         if len(usable) < self.measure_steps:
-            return self._accumulation, ""
-        decision: tuple[int, CommShare | None] = (self._accumulation, None)
+            return
+        measured: CommShare | None = None
         if trainer.global_rank == 0:
             assert self._clock is not None
             measured = _measure(usable, self._clock)
-            if measured is not None:
-                # After the probe the floor is open again; later, accumulation only rises.
-                lowest = self._floor if self._probing else self._accumulation
-                chosen = measured.smallest_accumulation(self.comm_threshold, lowest, self._ceiling)
-                decision = (chosen, measured)
-        # collective: every rank reaches this window start together; once per measurement
-        chosen, measured = trainer.strategy.broadcast(decision, src=0)
+        # collective: every rank reaches this window start together; once per measurement.
+        # Every rank's policy then makes rank 0's decision from the same numbers.
+        measured = trainer.strategy.broadcast(measured, src=0)
         self._windows = []
-        self._probing = False
+        policy.observe(measured, trainer.global_step)
         if measured is None:
-            return self._accumulation, ""
+            return
         self.measurements.append(measured)
-        log.debug("AccumulationScheduler measured %s, chose %d", measured, chosen)
-        self._log(trainer, {"accumulation/comm_share": measured.share})
-        if chosen == self._accumulation:
-            self._next_check = trainer.global_step + _RECHECK_STEPS
-            return chosen, ""
-        predicted = measured.predicted_share(chosen)
-        capped = " (the most `max_global_batch` allows)" if predicted > self.comm_threshold else ""
-        return chosen, (
-            f"communication {measured.share:.0%} of the step at accumulation "
-            f"{measured.accumulation} (threshold {self.comm_threshold:.0%}); predicted "
-            f"{predicted:.0%} at {chosen}{capped}"
+        log.debug(
+            "AccumulationScheduler measured %s, chose %d",
+            measured,
+            policy.accumulation(trainer.global_step),
         )
+        self._log(trainer, {"accumulation/comm_share": measured.share})
 
     def _apply(self, trainer: L.Trainer, accumulation: int, reason: str) -> None:
         self._accumulation = accumulation
@@ -715,12 +610,13 @@ class AccumulationScheduler(L.Callback):
         return self.measurements[-1] if self.measurements else None
 
     def state_dict(self) -> dict[str, Any]:
+        policy = self._policy if isinstance(self._policy, AdaptiveToCommunication) else None
         return {
             "accumulation": self._accumulation,
             "global_batch": self._global_batch(self._accumulation) if self._accumulation else None,
             "base_global_batch": self._base,
-            "probed": self._probed,
-            "next_check": self._next_check,
+            "probed": policy.probed if policy is not None else self._probed,
+            "next_check": policy.next_check if policy is not None else self._next_check,
             "history": [asdict(change) for change in self.history],
             "measurements": [asdict(measured) for measured in self.measurements],
         }
