@@ -80,29 +80,43 @@ def test_ddp_powersgd_accumulates_with_no_sync(tmp_path: Path) -> None:
         assert result["last_loss"] < result["first_loss"]
 
 
+# The adaptive runs read a virtual clock (accumulation_ddp_virtual_time.py): the script's
+# delays advance it instead of sleeping, so the measurements are exact and the same on any
+# machine. Delays in binary fractions of a second keep every sum exact.
+MS = 2.0**-10  # "about a millisecond" of compute per micro-batch
+
+
 def test_adaptive_raises_accumulation_over_a_slow_all_reduce(tmp_path: Path) -> None:
-    ranks = run_script("accumulation_ddp.py", tmp_path, "--mode", "adaptive", "--slow-comm",
-                       "0.05", "--max-global-batch", "256", "--steps", "14",
-                       "--samples", "2048")  # fmt: skip
+    slow = 64 * MS  # 62.5 ms of all-reduce against ~1 ms of compute
+    ranks = run_script("accumulation_ddp_virtual_time.py", tmp_path, "--mode", "adaptive",
+                       "--slow-comm", str(slow), "--step-delay", str(MS), "--max-global-batch",
+                       "256", "--steps", "14", "--samples", "2048")  # fmt: skip
     assert ranks[0]["history"] == ranks[1]["history"]  # every rank follows rank 0's decision
     probe, raised = ranks[0]["history"]
     assert (probe["accumulation"], probe["step"]) == (2, 0)
-    # 50 ms of all-reduce against ~1 ms of compute: up to the ceiling, 256 / (8 x 2) = 16
-    assert (raised["accumulation"], raised["global_batch"]) == (16, 256)
+    # share 64 / 66: up to the ceiling, 256 / (8 x 2) = 16, after the probe's 5 steps
+    assert (raised["step"], raised["accumulation"], raised["global_batch"]) == (5, 16, 256)
     before, after = ranks[0]["measurements"]
-    assert before["accumulation"] == 2
+    # the synchronising micro-batch is slower by exactly the all-reduce: no_sync on the others
+    assert before == {"accumulation": 2, "step_s": 2 * MS + slow, "micro_batch_s": MS,
+                      "comm_s": slow, "optimizer_s": 0.0}  # fmt: skip
     assert before["comm_s"] > 0.04
     assert before["comm_s"] / before["step_s"] > 0.3
-    assert after["accumulation"] == 16
+    assert after == {"accumulation": 16, "step_s": 16 * MS + slow, "micro_batch_s": MS,
+                     "comm_s": slow, "optimizer_s": 0.0}  # fmt: skip
     assert after["comm_s"] / after["step_s"] < before["comm_s"] / before["step_s"]
 
 
 def test_adaptive_keeps_one_micro_batch_when_compute_dominates(tmp_path: Path) -> None:
-    ranks = run_script("accumulation_ddp.py", tmp_path, "--mode", "adaptive", "--step-delay",
-                       "0.02", "--steps", "10", "--samples", "2048")  # fmt: skip
+    delay = 32 * MS
+    ranks = run_script("accumulation_ddp_virtual_time.py", tmp_path, "--mode", "adaptive",
+                       "--step-delay", str(delay), "--steps", "10",
+                       "--samples", "2048")  # fmt: skip
     assert ranks[0]["history"] == ranks[1]["history"]
     assert [c["accumulation"] for c in ranks[0]["history"]] == [2, 1]  # probe, then back
     (measured,) = ranks[0]["measurements"]
+    assert measured == {"accumulation": 2, "step_s": 2 * delay, "micro_batch_s": delay,
+                        "comm_s": 0.0, "optimizer_s": 0.0}  # fmt: skip
     assert measured["comm_s"] / measured["step_s"] < 0.3
     assert measured["micro_batch_s"] >= 0.02
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -204,6 +205,34 @@ def test_resume_mid_schedule_continues_it(tmp_path: Path) -> None:
     assert_same(model, expected.layer)
     assert resumed.history == straight.history
     assert [(c.step, c.accumulation) for c in resumed.history] == [(0, 1), (3, 2), (7, 3)]
+
+
+# What an adaptive run's checkpoint held before the modes became policies (the keys are
+# the format: a checkpoint written then must load now, and one written now must read the same).
+EARLIER_STATE: dict[str, Any] = {
+    "accumulation": 2,
+    "global_batch": 16,
+    "base_global_batch": 16,
+    "probed": True,
+    "next_check": 205,
+    "history": [
+        {"step": 0, "accumulation": 2, "global_batch": 16, "reason": "target global batch 16"}
+    ],
+    "measurements": [
+        {"accumulation": 2, "step_s": 0.5625, "micro_batch_s": 0.03125, "comm_s": 0.5,
+         "optimizer_s": 0.0}
+    ],
+}  # fmt: skip
+
+
+def test_an_earlier_checkpoint_loads_and_is_written_back_the_same() -> None:
+    callback = AccumulationScheduler(target_global_batch=16, adaptive=True, max_global_batch=64)
+    callback.load_state_dict(copy.deepcopy(EARLIER_STATE))
+    assert callback.comm_share == CommShare(2, 0.5625, 0.03125, 0.5, 0.0)
+    model, _ = fit(callback, max_steps=2)
+    assert_same(model, reference([[0, 1], [2, 3]]))
+    # one process: adaptive holds the target; the probe and the next check are carried over
+    assert callback.state_dict() == EARLIER_STATE
 
 
 @pytest.mark.parametrize(("micro_batch_size", "expected"), [(8, 4), (None, 10)])
