@@ -8,7 +8,7 @@ from lightning_speedkit.attention.adapters import (
 )
 from lightning_speedkit.attention.attention_swap import AttentionSwap
 from lightning_speedkit.attention.backends import BACKENDS, Attend
-from lightning_speedkit.attention.swap_attention import ModuleSwap, SwapReport, swap_attention
+from lightning_speedkit.attention.swap import ModuleSwap, SwapReport, swap_attention
 
 __all__ = [
     "BACKENDS",

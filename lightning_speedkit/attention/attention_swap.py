@@ -9,7 +9,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_speedkit import _validation
 from lightning_speedkit.attention.backends import BackendChoice, check_backend
-from lightning_speedkit.attention.swap_attention import (
+from lightning_speedkit.attention.swap import (
     SwapReport,
     agree_across_ranks,
     swap_attention,
@@ -36,6 +36,10 @@ class AttentionSwap(L.Callback):
         backend: ``"auto"`` (default: time the candidates on the first real
             inputs and keep the fastest that passes), or one of ``"sdpa"``,
             ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"flex"``, ``"math"``.
+            The default is ``"auto"`` where :func:`~lightning_speedkit.swap_attention`'s
+            is ``"sdpa"``: timing can pick differently on each rank and in each run, and
+            the callback is what settles that, every rank taking rank 0's picks after
+            the first batch and a resumed run keeping the checkpoint's.
         tolerance: largest relative parity error that passes (default by
             dtype: 1e-4 fp32, 3e-2 bf16).
         measure: time own vs fused at the check for the report's speedups.

@@ -13,7 +13,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_speedkit import AttentionSwap, SpeedkitConfigError
-from lightning_speedkit.attention.swap_attention import swapped_modules
+from lightning_speedkit.attention.swap import swapped_modules
 from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VLMTask
 
 from ..conftest import SMALL_CORPUS

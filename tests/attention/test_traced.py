@@ -9,7 +9,6 @@ structural adapter knows.
 from __future__ import annotations
 
 import copy
-import importlib
 import math
 import warnings
 from typing import Any
@@ -20,9 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_speedkit import count_flops, swap_attention
-from lightning_speedkit.attention.swap_attention import swapped_modules
-
-swap_module = importlib.import_module("lightning_speedkit.attention.swap_attention")
+from lightning_speedkit.attention.swap import swapped_modules
 
 
 class ViTAttention(nn.Module):

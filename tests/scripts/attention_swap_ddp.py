@@ -12,7 +12,6 @@ its parity check fails one module (``--revert-on-rank-1``).
 from __future__ import annotations
 
 import argparse
-import importlib
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +19,10 @@ import lightning as L
 import torch
 
 from lightning_speedkit import AttentionSwap
-from lightning_speedkit.attention.swap_attention import swapped_modules
+from lightning_speedkit.attention import swap as _swap_module
+from lightning_speedkit.attention.swap import swapped_modules
 from speedkit_examples.vlm import CaptionTokenizer, CorpusConfig, VLMConfig, VLMDataModule, VLMTask
 from tests.helpers.multiprocess import finish_rank
-
-_swap_module = importlib.import_module("lightning_speedkit.attention.swap_attention")
 
 
 class DisagreeingSwap(AttentionSwap):

@@ -176,6 +176,12 @@ def swap_attention(
             ``"efficient"``, ``"cudnn"``, ``"flex"``, ``"math"``, or ``"auto"`` (time
             the candidates on the first real inputs, keep the fastest that passes).
             A backend the device cannot run falls back to ``"sdpa"``, said once.
+            The default is ``"sdpa"`` where :class:`~lightning_speedkit.AttentionSwap`'s
+            is ``"auto"``: ``auto`` picks by timing, which can pick differently on each
+            rank and in each run. The callback makes every rank take rank 0's picks
+            after the first batch and keeps them in checkpoints; called on its own,
+            nothing does that for you (:func:`agree_across_ranks` is the first half), so
+            the default here is the backend that times nothing.
         sample: what ``model`` is called with: a tensor, a tuple of positional
             arguments or a dict of keyword arguments. The model runs it once (in
             eval mode, output discarded) so that each swapped module is checked,

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_speedkit import SpeedkitConfigError, count_flops, swap_attention
-from lightning_speedkit.attention.swap_attention import swapped_modules
+from lightning_speedkit.attention.swap import swapped_modules
 from speedkit_examples.vlm import VLM, VLMConfig
 
 
