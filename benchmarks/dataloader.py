@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from lightning_speedkit.data import LengthBucketBatchSampler, tune_num_workers
-from lightning_speedkit.data.tuner import _measure, cpu_budget, rebuild_dataloader
+from lightning_speedkit.data.worker_search import _measure, cpu_budget, rebuild_dataloader
 from speedkit_examples.vlm import VLMConfig, VLMDataModule
 
 

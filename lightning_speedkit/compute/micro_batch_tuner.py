@@ -53,7 +53,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import BatchSampler, DataLoader
 
 from lightning_speedkit import _compat, _validation
-from lightning_speedkit.data.tuner import _generators, rebuild_dataloader
+from lightning_speedkit.data.worker_search import _generators, rebuild_dataloader
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.schedule.accumulation_scheduler import AccumulationScheduler
 

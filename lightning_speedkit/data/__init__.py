@@ -5,7 +5,7 @@ from lightning_speedkit.data.cache import SampleCache
 from lightning_speedkit.data.mixin import SpeedDataModuleMixin
 from lightning_speedkit.data.num_workers_tuner import NumWorkersTuner
 from lightning_speedkit.data.packing import PackingCollate, document_mask
-from lightning_speedkit.data.tuner import TuneResult, rebuild_dataloader, tune_num_workers
+from lightning_speedkit.data.worker_search import TuneResult, rebuild_dataloader, tune_num_workers
 
 __all__ = [
     "LengthBucketBatchSampler",

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit.data.mixin import SpeedDataModuleMixin
-from lightning_speedkit.data.tuner import (
+from lightning_speedkit.data.worker_search import (
     TuneResult,
     check_tune_arguments,
     cpu_budget,
@@ -43,7 +43,7 @@ class NumWorkersTuner(L.Callback):
 
     Training on CPU, the search at ``fit`` start leaves torch's threads their
     cores. When the verdict is that data loading holds the model back so far that
-    the compute leaves cores idle (:func:`~lightning_speedkit.data.tuner.spare_cores`),
+    the compute leaves cores idle (:func:`~lightning_speedkit.data.worker_search.spare_cores`),
     it measures the loader again with workers on those cores, pausing training for
     the search, and the train loader uses the best from the next epoch on (not when
     ``max_workers`` is given: that is the most it tries).

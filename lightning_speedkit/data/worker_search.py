@@ -243,11 +243,13 @@ def _measure(
     max_seconds: float,
     timeout: float,
     min_seconds: float = 0.0,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> float:
     """Batches/s after start-up and ``warmup`` batches; raises on crash, hang or pickling.
 
     Times at least ``batches`` batches and at least ``min_seconds`` (a longer window
-    evens out a shared machine's hiccups), at most ``max_seconds``.
+    evens out a shared machine's hiccups), at most ``max_seconds``, on ``clock``
+    (seconds), read once before the first timed batch and once after each.
     """
     if loader.num_workers > 0:
         # Iterate a private copy: with workers, DataLoader raises if one takes longer than
@@ -260,18 +262,17 @@ def _measure(
         try:
             for _ in range(warmup):
                 next(iterator)  # includes worker start-up: not timed
-            start = time.perf_counter()
-            seen = 0
+            start = clock()
+            seen, elapsed = 0, 0.0
             while True:
                 try:
                     next(iterator)
                 except StopIteration:
                     break
                 seen += 1
-                elapsed = time.perf_counter() - start
+                elapsed = clock() - start  # up to the latest batch
                 if (seen >= batches and elapsed >= min_seconds) or elapsed > max_seconds:
                     break
-            elapsed = time.perf_counter() - start
             finished = True
         finally:
             # After a failure a worker may hang, and the orderly shutdown would wait for it:
@@ -375,6 +376,10 @@ def _write_cache(path: Path, result: TuneResult) -> None:
 
 
 # --- the search --------------------------------------------------------------------------
+
+#: The clock the search times its candidates and its ``time_budget`` on (a test can set
+#: its own: one that advances by a set time per batch makes every rate an exact figure).
+_clock: Callable[[], float] = time.perf_counter
 
 
 def _worker_counts(budget: int) -> list[int]:
@@ -510,12 +515,13 @@ def tune_num_workers(
     generators = _generators(dataloader)
     generator_states = [g.get_state() for g in generators]
     pin = torch.cuda.is_available()
-    start = time.perf_counter()
+    start = _clock()
     table: list[dict[str, Any]] = []
 
     def timed(trial: DataLoader[Any]) -> float:
-        remaining = time_budget - (time.perf_counter() - start)
-        return _measure(trial, warmup_batches, batches, max(1.0, remaining), timeout, min_seconds)
+        remaining = time_budget - (_clock() - start)
+        return _measure(trial, warmup_batches, batches, max(1.0, remaining), timeout, min_seconds,
+                        clock=_clock)  # fmt: skip
 
     def attempt(settings: dict[str, Any]) -> float | None:
         row: dict[str, Any] = {**settings, "batches_per_sec": None, "skipped": None, "given": False}
@@ -560,11 +566,11 @@ def tune_num_workers(
                 best, best_rate = settings, rate
             elif n >= 2:
                 break  # more workers stopped helping
-            if time.perf_counter() - start > time_budget:
+            if _clock() - start > time_budget:
                 rank_zero_warn(f"NumWorkersTuner: time budget of {time_budget:.0f} s spent; "
                                f"stopping at num_workers={n}.")  # fmt: skip
                 break
-        if best and time.perf_counter() - start < time_budget:
+        if best and _clock() - start < time_budget:
             deeper = {**best, "prefetch_factor": 4}
             rate = attempt(deeper)
             if rate is not None and rate > best_rate * (1 + min_gain):
@@ -597,7 +603,7 @@ def tune_num_workers(
             "prefetch_factor": None,
         }
         rank_zero_warn("NumWorkersTuner: every candidate failed; keeping num_workers=0.")
-    result = TuneResult(best, table, best_rate, given_rate, seconds=time.perf_counter() - start)
+    result = TuneResult(best, table, best_rate, given_rate, seconds=_clock() - start)
     failed = sum(1 for row in table if row["skipped"])
     if cache and not failed:
         _write_cache(cache_path, result)

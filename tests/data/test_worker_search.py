@@ -1,0 +1,435 @@
+"""tune_num_workers and its measuring: the pick from set figures and a fake clock, the
+rebuilt loader, failures, the cache; one test on the wall clock."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, RandomSampler
+
+from lightning_speedkit import SpeedkitConfigError, tune_num_workers
+from lightning_speedkit.data import worker_search
+from lightning_speedkit.data.worker_search import rebuild_dataloader, spare_cores
+
+from ..helpers.models import SlowDataset, loader
+from .conftest import Figures, Rates, StepClock
+
+
+def _collate(items: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {"x": torch.stack(items)}
+
+
+def _init(worker_id: int) -> None:
+    torch.manual_seed(1234 + worker_id)
+
+
+def _user_loader(delay: float = 0.0, **kwargs: Any) -> DataLoader[Any]:
+    return DataLoader(
+        SlowDataset(n=60, delay=delay), batch_size=4, shuffle=True, drop_last=True,
+        collate_fn=_collate, worker_init_fn=_init,
+        generator=torch.Generator().manual_seed(7), **kwargs,
+    )  # fmt: skip
+
+
+def _xs(dl: DataLoader[Any]) -> list[torch.Tensor]:
+    return [b["x"] for b in dl]
+
+
+def test_rebuilt_loader_keeps_everything_but_the_worker_settings() -> None:
+    original = _user_loader()
+    state = original.generator.get_state()  # type: ignore[union-attr]
+    expected = _xs(original)
+    original.generator.set_state(state)  # type: ignore[union-attr]
+    rebuilt = rebuild_dataloader(
+        original, num_workers=2, persistent_workers=True, prefetch_factor=4
+    )
+    assert (rebuilt.num_workers, rebuilt.prefetch_factor) == (2, 4)
+    assert rebuilt.sampler is original.sampler  # shuffle and generator
+    assert (rebuilt.batch_size, rebuilt.drop_last) == (4, True)
+    assert rebuilt.collate_fn is _collate
+    assert rebuilt.worker_init_fn is _init
+    got = _xs(rebuilt)
+    assert len(got) == 15
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_distributed_sampler_is_kept() -> None:
+    dataset = SlowDataset(n=40)
+    sampler = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=False)
+    original = DataLoader(dataset, batch_size=5, sampler=sampler)
+    rebuilt = rebuild_dataloader(original, num_workers=1)
+    assert rebuilt.sampler is sampler
+    assert torch.equal(torch.cat(list(rebuilt)), dataset.data[1::2])
+
+
+def test_tuning_consumes_no_randomness_the_user_would_see(
+    paced: Callable[[Rates], Figures],
+) -> None:
+    paced({0: 50.0, 1: 80.0, (1, 4): 80.0})  # every candidate iterates its trial loader
+    original = _user_loader()
+    state = original.generator.get_state()  # type: ignore[union-attr]
+    expected = _xs(original)
+    original.generator.set_state(state)  # type: ignore[union-attr]
+    global_state = torch.get_rng_state()
+    result = tune_num_workers(original, max_workers=1, batches=3, cache=False, progress=False)
+    assert torch.equal(torch.get_rng_state(), global_state)
+    assert result.dataloader is not None
+    assert result.dataloader.num_workers == 1
+    got = _xs(result.dataloader)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def test_tuning_leaves_a_samplers_own_generator_where_it_was(
+    paced: Callable[[Rates], Figures],
+) -> None:
+    """A sampler seeded apart from the loader (``RandomSampler(ds, generator=g)``) is
+    shared with the trial loaders; its first real epoch must be the one it would have had."""
+    paced({0: 50.0, 1: 80.0, (1, 4): 80.0})
+
+    def user_loader() -> DataLoader[Any]:
+        dataset = SlowDataset(n=60)
+        sampler = RandomSampler(dataset, generator=torch.Generator().manual_seed(3))
+        return DataLoader(dataset, batch_size=4, sampler=sampler, collate_fn=_collate)
+
+    expected = _xs(user_loader())
+    result = tune_num_workers(user_loader(), max_workers=1, batches=3, cache=False, progress=False)
+    assert result.dataloader is not None
+    got = _xs(result.dataloader)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+
+
+def _rows(table: list[dict[str, Any]]) -> list[tuple[int, int | None, bool, float | None]]:
+    return [(r["num_workers"], r["prefetch_factor"], r["given"], r["batches_per_sec"])
+            for r in table]  # fmt: skip
+
+
+def _rate(figure: float) -> Any:
+    """A rate as the search measures it on the paced clock: the figure, but for rounding."""
+    return pytest.approx(figure, rel=1e-9)
+
+
+def test_more_workers_win_at_the_rate_they_were_measured_at(
+    paced: Callable[[Rates], Figures],
+) -> None:
+    """The search's own measuring loop, on a clock where 2 workers deliver 115 batches/s
+    against 62.5 in the training process: 2 workers win, each rate is the one measured,
+    and the deeper prefetch, 2.6% faster, is inside the noise band (``min_gain``)."""
+    figures = paced({0: 62.5, 1: 60.0, 2: 115.0, (2, 4): 118.0})
+    result = tune_num_workers(loader(n=400, batch_size=4), max_workers=2, batches=15,
+                              cache=False, progress=False)  # fmt: skip
+    assert figures.seen == [(0, None), (1, 2), (2, 2), (2, 4)]
+    assert _rows(result.table) == [
+        (0, None, True, _rate(62.5)),  # the loader as given; also the num_workers=0 candidate
+        (1, 2, False, _rate(60.0)),
+        (2, 2, False, _rate(115.0)),
+        (2, 4, False, _rate(118.0)),
+    ]
+    assert (result.best["num_workers"], result.best["prefetch_factor"]) == (2, 2)
+    assert result.best["persistent_workers"] is True
+    assert result.best_batches_per_sec == _rate(115.0)
+    assert result.given_batches_per_sec == _rate(62.5)
+    assert result.dataloader is not None
+    assert (result.dataloader.num_workers, result.dataloader.prefetch_factor) == (2, 2)
+
+
+@pytest.mark.filterwarnings("ignore:This DataLoader will create 4 worker processes")
+@pytest.mark.parametrize(
+    ("min_gain", "seen", "best", "rate"),
+    [
+        # 2 workers are 4% faster than 1, inside a 5% band: the search stops there (4 is
+        # never tried, however fast), and the deeper prefetch, 4.5% faster, loses too.
+        (0.05, [(0, None), (1, 2), (2, 2), (1, 4)], (1, 2), 20.0),
+        # In a 3% band 2 workers count as faster, so 4 are tried and win.
+        (0.03, [(0, None), (1, 2), (2, 2), (4, 2), (4, 4)], (4, 2), 40.0),
+    ],
+)
+def test_a_gain_inside_min_gain_does_not_count(
+    paced: Callable[[Rates], Figures],
+    min_gain: float,
+    seen: list[tuple[int, int | None]],
+    best: tuple[int, int],
+    rate: float,
+) -> None:
+    figures = paced({0: 10.0, 1: 20.0, 2: 20.8, (1, 4): 20.9, 4: 40.0, (4, 4): 40.5})
+    result = tune_num_workers(loader(n=400, batch_size=4), max_workers=4, batches=5,
+                              min_gain=min_gain, cache=False, progress=False)  # fmt: skip
+    assert figures.seen == seen
+    assert (result.best["num_workers"], result.best["prefetch_factor"]) == best
+    assert result.best_batches_per_sec == _rate(rate)
+
+
+@pytest.mark.parametrize(
+    ("workers_rate", "best"),
+    [(4.9, 0), (5.1, 1)],  # against 10 batches/s in the training process
+    ids=["below-half", "above-half"],
+)
+def test_workers_win_unless_they_deliver_less_than_half_the_in_process_rate(
+    workers_rate: float, best: int
+) -> None:
+    """Workers overlap loading with the step, so they win down to half the in-process rate.
+    The loader as given (one worker, prefetch 3) is the slowest, so it decides nothing."""
+    dl = DataLoader(SlowDataset(n=64), batch_size=8, num_workers=1, prefetch_factor=3)
+    measure = Figures({(1, 3): 3.0, 0: 10.0, 1: workers_rate, 2: workers_rate})
+    result = tune_num_workers(dl, max_workers=2, cache=False, progress=False, measure=measure)
+    assert measure.seen == [(1, 3), (0, None), (1, 2), (2, 2), (1, 4)]
+    assert result.best["num_workers"] == best
+    assert result.best_batches_per_sec == (10.0 if best == 0 else workers_rate)
+
+
+def test_the_search_stops_when_its_time_budget_is_spent(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each reading of the search's clock is one second after the last: the budget of 2.5 s
+    is spent at the check after 2 workers, so 4 and 8 and the deeper prefetch are not tried."""
+    monkeypatch.setattr(worker_search, "_clock", StepClock(1.0))
+    measure = Figures(lambda trial: 10.0 * (1 + trial.num_workers))  # more is always faster
+    with pytest.warns(UserWarning, match="time budget of 2 s spent; stopping at num_workers=2"):
+        result = tune_num_workers(loader(), max_workers=8, time_budget=2.5, cache=False,
+                                  progress=False, measure=measure)  # fmt: skip
+    assert measure.seen == [(0, None), (1, 2), (2, 2)]
+    assert result.best["num_workers"] == 2
+    assert result.seconds == 5.0  # readings: start, after 0, 1 and 2 workers, before the
+    # deeper prefetch (not tried: the budget is spent), at the end
+
+
+def test_real_timing_measures_what_the_loader_delivers() -> None:
+    """The one test on the wall clock: a loader that sleeps 16 ms a batch cannot be
+    measured faster than 62.5 batches/s in the training process (a sleep only ever takes
+    longer on a busy machine), and the search measures every candidate on it."""
+    slow = loader(n=400, batch_size=4, delay=0.004)
+    in_process = worker_search._measure(slow, warmup=1, batches=5, max_seconds=30, timeout=30)
+    assert 0 < in_process <= 62.5
+    result = tune_num_workers(slow, max_workers=2, batches=5, min_seconds=0.0, cache=False,
+                              progress=False)  # fmt: skip
+    rates = {(r["num_workers"], r["prefetch_factor"]): r["batches_per_sec"] for r in result.table}
+    assert set(rates) >= {(0, None), (1, 2), (2, 2)}
+    assert 0 < rates[0, None] <= 62.5
+    assert all(rate > 0 for rate in rates.values())
+    pick = (result.best["num_workers"], result.best["prefetch_factor"])
+    assert result.best_batches_per_sec == rates[pick]
+
+
+class _CrashInWorkers(SlowDataset):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if torch.utils.data.get_worker_info() is not None:
+            os._exit(3)
+        return super().__getitem__(i)
+
+
+class _HangInWorkers(SlowDataset):
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if torch.utils.data.get_worker_info() is not None:
+            time.sleep(3600)
+        return super().__getitem__(i)
+
+
+class _Unpicklable(SlowDataset):
+    def __init__(self) -> None:
+        super().__init__(n=64)
+        self.transform = lambda x: x  # a lambda cannot be pickled for spawned workers
+
+
+@pytest.mark.parametrize(
+    ("dataset", "context", "reason"),
+    [
+        (_CrashInWorkers(n=64), None, "a worker crashed"),
+        (_HangInWorkers(n=64), None, "workers hung"),
+        (_Unpicklable(), "spawn", "cannot be sent to worker processes"),
+    ],
+    ids=["crash", "hang", "unpicklable"],
+)
+def test_failing_candidates_are_skipped_with_the_reason(
+    paced: Callable[[Rates], Figures], dataset: Dataset[Any], context: str | None, reason: str
+) -> None:
+    paced(lambda trial: 20.0)  # the workers' own failures decide; a timeout is real seconds
+    workers = 1 if context else 0  # a multiprocessing context needs workers
+    bad = DataLoader(dataset, batch_size=4, num_workers=workers, multiprocessing_context=context)
+    start = time.perf_counter()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = tune_num_workers(
+            bad, max_workers=2, batches=3, timeout=2, cache=False, progress=False
+        )
+    assert time.perf_counter() - start < 60  # never hangs
+    assert result.best["num_workers"] == 0
+    skipped = [row for row in result.table if row["skipped"]]
+    assert skipped
+    assert all(reason in row["skipped"] for row in skipped)
+    assert all(row["num_workers"] > 0 for row in skipped)
+    assert any(reason in str(w.message) for w in caught)
+    assert result.dataloader is not None
+    assert len(list(result.dataloader)) == 16  # and the data is all there
+
+
+def test_results_are_cached_and_force_retunes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, paced: Callable[[Rates], Figures]
+) -> None:
+    paced({0: 10.0, 1: 20.0, (1, 4): 20.0})
+    dl = loader(n=64)
+    first = tune_num_workers(dl, max_workers=1, batches=3, cache_dir=tmp_path, progress=False)
+    assert not first.cached
+    assert first.best["num_workers"] == 1
+    assert list(tmp_path.glob("*.json"))
+
+    def no_measuring(*args: Any, **kwargs: Any) -> float:
+        raise AssertionError("measured although cached")
+
+    monkeypatch.setattr(worker_search, "_measure", no_measuring)
+    second = tune_num_workers(dl, max_workers=1, batches=3, cache_dir=tmp_path, progress=False)
+    assert second.cached
+    assert second.best == first.best
+    assert second.seconds == 0.0
+    with pytest.warns(UserWarning, match="every candidate failed"):
+        forced = tune_num_workers(dl, max_workers=1, batches=3, cache_dir=tmp_path, force=True,
+                                  progress=False)  # fmt: skip
+    assert not forced.cached
+
+
+class _Fixable(SlowDataset):
+    """A dataset whose workers crash until it is fixed; its fingerprint does not change."""
+
+    fingerprint = "captions-v1"
+    broken = True
+
+
+@pytest.mark.parametrize("in_process_works", [False, True], ids=["all-fail", "workers-fail"])
+def test_a_result_forced_by_failures_is_not_cached(tmp_path: Path, in_process_works: bool) -> None:
+    """Issue 21: once the dataset is fixed, the next run tunes for real, not from a cache
+    holding the num_workers=0 that the failures forced."""
+    dl = DataLoader(_Fixable(n=64), batch_size=8)
+
+    def measure(trial: DataLoader[Any]) -> float:
+        if _Fixable.broken and (trial.num_workers > 0 or not in_process_works):
+            raise RuntimeError("DataLoader worker (pid 4242) exited unexpectedly")
+        return {0: 10.0, 1: 11.0, 2: 25.0}[trial.num_workers]
+
+    kw: dict[str, Any] = {"max_workers": 2, "cache_dir": tmp_path, "progress": False}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # one warning per failed candidate
+        failed = tune_num_workers(dl, measure=measure, **kw)
+    assert failed.best["num_workers"] == 0
+    assert any(row["skipped"] for row in failed.table)
+    assert list(tmp_path.iterdir()) == []  # nothing cached
+
+    _Fixable.broken = False
+    try:
+        fixed = tune_num_workers(dl, measure=measure, **kw)
+    finally:
+        _Fixable.broken = True
+    assert not fixed.cached
+    assert fixed.best["num_workers"] == 2
+    assert fixed.best_batches_per_sec == 25.0
+    (entry,) = tmp_path.glob("*.json")  # the measured result is cached
+    assert json.loads(entry.read_text())["best"]["num_workers"] == 2
+    again = tune_num_workers(dl, measure=measure, **kw)
+    assert again.cached
+    assert again.best == fixed.best
+
+
+def test_a_cache_entry_holding_failures_is_measured_again(tmp_path: Path) -> None:
+    """An entry written by an earlier release, with a candidate that failed, is not trusted."""
+    dl = DataLoader(SlowDataset(n=64), batch_size=8)
+    measure = Figures({0: 10.0, 1: 11.0, (1, 4): 11.0})
+    first = tune_num_workers(dl, max_workers=1, cache_dir=tmp_path, progress=False,
+                             measure=measure)  # fmt: skip
+    (entry,) = tmp_path.glob("*.json")
+    data = json.loads(entry.read_text())
+    data["table"][1]["skipped"] = "a worker crashed (RuntimeError: ...)"
+    entry.write_text(json.dumps(data))
+    second = tune_num_workers(dl, max_workers=1, cache_dir=tmp_path, progress=False,
+                              measure=measure)  # fmt: skip
+    assert not second.cached
+    assert len(measure.seen) == 2 * len(first.table)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "argument"),
+    [({"batches": 0}, "batches"), ({"max_workers": -1}, "max_workers"),
+     ({"time_budget": 0}, "time_budget"), ({"local_world_size": 0}, "local_world_size")],
+)  # fmt: skip
+def test_bad_arguments_name_themselves(kwargs: dict[str, Any], argument: str) -> None:
+    with pytest.raises(SpeedkitConfigError, match=f"`{argument}`"):
+        tune_num_workers(loader(), progress=False, cache=False, **kwargs)
+
+
+def test_one_worker_beats_loading_in_the_training_process() -> None:
+    """Alone, one worker decodes no faster than the main process; it wins by overlapping
+    with training, so within the noise band (``min_gain``) of the in-process rate the
+    tuner prefers it."""
+    measure = Figures({0: 10.0, 1: 9.6, (1, 4): 9.7})  # 4% slower: noise
+    result = tune_num_workers(loader(n=200), max_workers=1, cache=False, progress=False,
+                              measure=measure)  # fmt: skip
+    assert result.best["num_workers"] == 1
+    assert result.best["persistent_workers"] is True
+    assert measure.seen == [(0, None), (1, 2), (1, 4)]  # the given loader is num_workers=0
+
+
+@pytest.mark.parametrize(
+    ("given", "rates", "expected"),
+    [
+        # The issue's case: one worker measured at 0.84x of the loader as given.
+        ({}, {0: 10.3, 1: 8.65, (1, 4): 8.7, 2: 9.0}, {"num_workers": 0, "prefetch_factor": None}),
+        # The loader as given has workers that no candidate beats: it is kept as it is.
+        ({"num_workers": 2, "prefetch_factor": 3},
+         {(2, 3): 20.0, 0: 12.0, 1: 13.0, (1, 4): 13.0, (2, 2): 14.0, (2, 4): 13.5},
+         {"num_workers": 2, "prefetch_factor": 3, "persistent_workers": False}),
+    ],
+    ids=["given-in-process", "given-with-workers"],
+)  # fmt: skip
+def test_a_setting_measured_slower_than_the_loader_as_given_is_not_chosen(
+    given: dict[str, Any], rates: dict[Any, float], expected: dict[str, Any]
+) -> None:
+    dl = DataLoader(SlowDataset(n=64), batch_size=8, **given)
+    result = tune_num_workers(dl, max_workers=2, cache=False, progress=False,
+                              measure=Figures(rates))  # fmt: skip
+    assert result.given_batches_per_sec == max(rates.values())  # the fastest by far
+    assert result.best_batches_per_sec == result.given_batches_per_sec
+    assert {k: result.best[k] for k in expected} == expected
+    assert result.dataloader is not None
+    assert result.dataloader.num_workers == dl.num_workers
+    measured = [row["num_workers"] for row in result.table if row["batches_per_sec"]]
+    assert len(measured) >= 3  # the candidates were measured, and lost
+
+
+@pytest.mark.parametrize(
+    ("cores", "threads", "model", "process", "spare"),
+    [
+        (2, 2, 731.0, 10.3, 2),  # the issue: the model needs 0.06 cores at the loader's pace
+        (2, 2, 34.0, 94.0, 0),  # the demo: not data-bound, the compute needs both cores
+        (2, 2, 15.0, 10.0, 0),  # data-bound by 1.5x: the compute still needs both cores
+        (2, 1, 40.0, 10.0, 1),  # one thread, busy half the time at two processes' pace
+        (8, 4, 100.0, 10.0, 5),  # 8 cores, 4 threads busy 80% of the time: 3.2 cores
+        (2, 2, 100.0, 0.0, 0),  # no loader rate known: nothing to go on
+    ],
+)
+def test_spare_cores_are_the_ones_the_compute_does_not_need(
+    cores: int, threads: int, model: float, process: float, spare: int
+) -> None:
+    assert spare_cores(cores, threads, model, process) == spare
+
+
+def test_a_clean_measurement_shuts_its_workers_down_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Workers terminated under a live pin-memory thread leave it a ConnectionResetError
+    traceback (seen on a GPU); after a clean run the workers get the orderly shutdown."""
+    import multiprocessing.process
+
+    terminated: list[str] = []
+    real = multiprocessing.process.BaseProcess.terminate
+
+    def terminate(self: multiprocessing.process.BaseProcess) -> None:
+        terminated.append(self.name)
+        real(self)
+
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "terminate", terminate)
+    rate = worker_search._measure(_user_loader(num_workers=2), warmup=1, batches=4,
+                              max_seconds=30, timeout=10)  # fmt: skip
+    assert rate > 0
+    assert terminated == []
