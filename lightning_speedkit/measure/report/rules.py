@@ -2,9 +2,9 @@
 
 A rule reads the :class:`Evidence` measured from a trace, and the findings of the rules
 before it, and returns a :class:`Finding` (what, how much of the step, the numbers behind
-it, the kit's fix) or None. A new kind of finding is a new rule function, appended to
-:data:`RULES` with its kind appended to :data:`KINDS`; no other rule changes. The
-thresholds are the constants below (``DATA_SHARE`` ...).
+it, the kit's fix and where to import it) or None. A new kind of finding is a new rule
+function, appended to :data:`RULES` with its kind appended to :data:`KINDS`; no other rule
+changes. The thresholds are the constants below (``DATA_SHARE`` ...).
 """
 
 from __future__ import annotations
@@ -105,8 +105,10 @@ def data_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None:
             data,
             f"data wait {data:.0%} of the step ({data * step_ms:.1f} of {step_ms:.1f} ms): "
             "the model waits for the loader",
-            "add NumWorkersTuner() to the callbacks (or SpeedDataModuleMixin); pin_memory=True "
-            "on GPUs; LengthBucketBatchSampler for variable-length captions",
+            "add NumWorkersTuner() to the callbacks (or SpeedDataModuleMixin; "
+            "`from lightning_speedkit import NumWorkersTuner, SpeedDataModuleMixin`); "
+            "pin_memory=True on GPUs; LengthBucketBatchSampler for variable-length captions "
+            "(`from lightning_speedkit.data import LengthBucketBatchSampler`)",
         )
     return None
 
@@ -143,7 +145,8 @@ def attention_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | No
             attention,
             f"unfused attention (softmax and batched matmuls, no fused kernel) takes "
             f"{attention:.0%} of the step",
-            "add AttentionSwap() to the callbacks (or swap_attention(model, 'auto')): fused "
+            "add AttentionSwap() to the callbacks (or swap_attention(model, 'auto'); "
+            "`from lightning_speedkit import AttentionSwap, swap_attention`): fused "
             "SDPA/flash kernels, parity-checked",
         )
     return None
@@ -157,8 +160,9 @@ def communication_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding 
             "communication",
             comm,
             f"exposed gradient communication {comm:.0%} of the step (not overlapped with compute)",
-            "strategy='ddp_powersgd' (or 'ddp_bf16_compress' on fast links); "
-            "AccumulationScheduler(adaptive=True) to sync less often",
+            "strategy='ddp_powersgd' (or 'ddp_bf16_compress' on fast links; both names "
+            "registered by `import lightning_speedkit`); AccumulationScheduler(adaptive=True) "
+            "to sync less often (`from lightning_speedkit import AccumulationScheduler`)",
         )
     return None
 
@@ -175,7 +179,8 @@ def vision_encoder_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding
                 f"the vision tower `{name}` takes {forward_share:.0%} of forward time, "
                 f"about {share:.0%} of the step",
                 "freeze it and cache its features if it is not trained; lower the image "
-                "resolution or token count; AttentionSwap() for its attention",
+                "resolution or token count; AttentionSwap() for its attention "
+                "(`from lightning_speedkit import AttentionSwap`)",
             )
     return None
 
@@ -190,7 +195,9 @@ def memory_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None:
             f"peak memory {memory['peak_bytes'] / 2**30:.1f} of "
             f"{memory['device_bytes'] / 2**30:.1f} GiB ({memory['share']:.0%})",
             "`speedkit plan --model MODULE:FACTORY --gpus N --gpu-mem GIB` for a preset that "
-            "fits (strategy='fsdp_zero2' or 'deepspeed_zero2'); ActivationCheckpointing()",
+            "fits (strategy='fsdp_zero2' or 'deepspeed_zero2', registered by "
+            "`import lightning_speedkit`); ActivationCheckpointing() "
+            "(`from lightning_speedkit import ActivationCheckpointing`)",
         )
     return None
 
@@ -243,7 +250,8 @@ def compute_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None
         )
         fix = (
             "bf16-mixed precision if not already, a larger micro-batch, torch.compile; "
-            "SpeedMonitor's MFU says how far from the hardware's peak"
+            "SpeedMonitor's MFU (`from lightning_speedkit import SpeedMonitor`) says how far "
+            "from the hardware's peak"
         )
     share = compute + (idle if evidence.on_device else 0.0)
     return Finding("compute", share, evidence_text, fix)
@@ -277,8 +285,9 @@ _ALREADY_ON = {
         "NumWorkersTuner is already on and this is what it could do: the loader has no "
         "spare cores for more workers here. Make each sample cheaper: decode it once "
         "(SpeedDataModuleMixin's speed_dataloader(..., cache=True), for a dataset that "
-        "fits in memory and augments after loading), smaller images; or give the loader "
-        "cores",
+        "fits in memory and augments after loading; "
+        "`from lightning_speedkit import SpeedDataModuleMixin`), smaller images; or give "
+        "the loader cores",
     ),
     "attention": (
         "AttentionSwap",
