@@ -13,7 +13,8 @@ from lightning_speedkit.measure.report.timeline import CATEGORIES
 
 @dataclass
 class Report:
-    """A window's diagnosis; see the module docstring for how each figure is made."""
+    """A window's diagnosis; how each figure is made is in the package docstring
+    (:mod:`lightning_speedkit.measure.report`)."""
 
     source: str
     device: str
