@@ -1,11 +1,30 @@
-"""Every place the kit reads something Lightning does not type publicly, in one module."""
+"""Every place the kit reads something torch or Lightning does not offer publicly, in one module.
+
+Private names (a leading underscore, reached from torch, Lightning or DeepSpeed) are read
+here and nowhere else in the package; tests/test_compat.py scans the package to keep it so,
+and checks that every name read here resolves on the installed versions. A name gone from
+an installed version raises an error that says which, and which feature needs it.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import lightning as L
+import torch
+
+try:  # the base class of count_flops' counter
+    from torch.utils._python_dispatch import TorchDispatchMode as TorchDispatchMode
+except ImportError as error:  # pragma: no cover - only on a torch that moved it
+    raise ImportError(
+        f"This torch ({torch.__version__}) has no "
+        f"`torch.utils._python_dispatch.TorchDispatchMode`, which count_flops and SpeedMonitor "
+        f"count FLOPs with. Please report the version."
+    ) from error
+
+if TYPE_CHECKING:
+    from torch._ops import OpOverload as OpOverload  # the operators a dispatch mode sees
 
 
 def log_every_n_steps(trainer: L.Trainer) -> int:
@@ -122,7 +141,6 @@ def default_process_group_store() -> Any:
     torch keeps it private (``distributed_c10d._get_default_store``); HangWatchdog talks
     to the other ranks through it, outside every collective.
     """
-    import torch
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()):
@@ -141,8 +159,6 @@ def default_process_group_store() -> Any:
 def torch_profiler_enabled() -> bool:
     """Whether a torch.profiler session is running in this process (torch has one per
     process; a second profiler must not start or stop it)."""
-    import torch
-
     enabled = getattr(torch.autograd, "_profiler_enabled", None)
     if enabled is None:
         raise RuntimeError(
@@ -157,10 +173,207 @@ def has_compiled_parts(model: Any) -> bool:
     """Whether ``model`` holds modules that ``torch.compile`` compiles at their first call:
     compiled in place (``nn.Module.compile``, the kit's RegionalCompile) or wrapped
     (``torch.compile(module)``, an ``OptimizedModule``)."""
-    import torch
-
     optimized = getattr(torch._dynamo.eval_frame, "OptimizedModule", ())
     return any(
         getattr(module, "_compiled_call_impl", None) is not None or isinstance(module, optimized)
         for module in model.modules()
     )
+
+
+# --- torch and Lightning names the kit's other modules need --------------------------------------
+#
+# Each function below reads one private name. Where the name is gone from the installed
+# torch or Lightning, it raises the error _missing builds: the version, the name, and the
+# feature that needs it. tests/test_compat.py lists every private name read here and checks
+# that each one resolves on the installed versions.
+
+
+def _missing(library: Literal["torch", "Lightning"], name: str, feature: str) -> RuntimeError:
+    version = torch.__version__ if library == "torch" else L.__version__
+    return RuntimeError(
+        f"This {library} ({version}) has no `{name}`, which {feature}. The kit is tested "
+        f"with torch 2.x up to 2.13 and Lightning 2.x up to 2.6; please report the version."
+    )
+
+
+def require_hook(base: type, name: str, feature: str) -> None:
+    """Check that Lightning's ``base`` still has the private method ``name``, which one of
+    the kit's strategies overrides (Lightning calls it during its own set-up).
+
+    Called from the strategy's constructor: were the method renamed, the override would
+    silently never run.
+    """
+    if not callable(getattr(base, name, None)):
+        raise _missing("Lightning", f"{base.__name__}.{name}", feature)
+
+
+def ddp_kwargs(strategy: Any) -> dict[str, Any]:
+    """The keyword arguments a ``DDPStrategy`` passes to ``DistributedDataParallel``."""
+    kwargs = getattr(strategy, "_ddp_kwargs", None)
+    if kwargs is None:
+        raise _missing(
+            "Lightning",
+            "DDPStrategy._ddp_kwargs",
+            "the kit's DDP strategies read DDP's options from",
+        )
+    return cast("dict[str, Any]", kwargs)
+
+
+def fsdp_state_dict_type(strategy: Any) -> str:
+    """An ``FSDPStrategy``'s ``state_dict_type`` (``"full"`` or ``"sharded"``)."""
+    value = getattr(strategy, "_state_dict_type", None)
+    if value is None:
+        raise _missing(
+            "Lightning", "FSDPStrategy._state_dict_type",
+            "FSDPZeRO2Strategy reads to save checkpoints on CPU",
+        )  # fmt: skip
+    return str(value)
+
+
+def set_data_parallel_only(strategy: Any, size: int) -> None:
+    """Make a ``ModelParallelStrategy`` build a one-dimensional mesh: ``size`` processes of
+    data parallelism, no tensor parallelism (what its ``setup_environment`` then reads)."""
+    for name in ("_data_parallel_size", "_tensor_parallel_size"):
+        if not hasattr(strategy, name):
+            raise _missing(
+                "Lightning", f"ModelParallelStrategy.{name}",
+                "FSDP2ZeRO2Strategy sets to put every process in one data-parallel dimension",
+            )  # fmt: skip
+    strategy._data_parallel_size = size
+    strategy._tensor_parallel_size = 1
+
+
+def materialize_distributed_module(module: Any, device: Any) -> None:
+    """Lightning's ``_materialize_distributed_module``: parameters left on the meta device
+    after sharding are materialised on ``device`` (``reset_parameters``)."""
+    try:
+        from lightning.fabric.utilities.init import _materialize_distributed_module
+    except ImportError:
+        raise _missing(
+            "Lightning", "lightning.fabric.utilities.init._materialize_distributed_module",
+            "FSDP2ZeRO2Strategy uses to materialise a sharded model",
+        ) from None  # fmt: skip
+    _materialize_distributed_module(module, device)
+
+
+def optimizers_to_device(optimizers: Any, device: Any) -> None:
+    """Lightning's ``_optimizers_to_device``: moves the optimizers' state to ``device``."""
+    try:
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+    except ImportError:
+        raise _missing(
+            "Lightning", "lightning.fabric.utilities.optimizer._optimizers_to_device",
+            "FSDP2ZeRO2Strategy uses to move optimizer state to the device",
+        ) from None  # fmt: skip
+    _optimizers_to_device(optimizers, device)
+
+
+def init_deepspeed_distributed(strategy: Any) -> None:
+    """``DeepSpeedStrategy._init_deepspeed_distributed``: DeepSpeed's process group set-up."""
+    init = getattr(strategy, "_init_deepspeed_distributed", None)
+    if init is None:
+        raise _missing(
+            "Lightning", "DeepSpeedStrategy._init_deepspeed_distributed",
+            "DeepSpeedZeRO2Strategy calls to set DeepSpeed up on CPU",
+        )  # fmt: skip
+    init()
+
+
+def powersgd_compresses(rows: int, cols: int, rank: int, min_compression_rate: float) -> bool:
+    """Whether torch's ``powerSGD_hook`` compresses a ``rows`` x ``cols`` matrix at ``rank``
+    (its private ``_should_compress``)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
+
+    should_compress = getattr(powerSGD_hook, "_should_compress", None)
+    if should_compress is None:
+        raise _missing(
+            "torch", "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook._should_compress",
+            "DDPPowerSGDStrategy uses to lay PowerSGD's state out by parameter",
+        )  # fmt: skip
+    return bool(should_compress(rows, cols, rank, min_compression_rate)[0])
+
+
+def compiled_call_impl(module: Any) -> Callable[..., Any] | None:
+    """The call ``nn.Module.compile`` installed on ``module`` (torch keeps it in the
+    private ``_compiled_call_impl``), or None where the module is not compiled in place."""
+    return cast("Callable[..., Any] | None", getattr(module, "_compiled_call_impl", None))
+
+
+def compiled_and_eager_calls(module: Any) -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """A module compiled in place: the call ``nn.Module.compile`` installed, and the
+    module's eager one (``nn.Module._call_impl``)."""
+    compiled = compiled_call_impl(module)
+    eager = getattr(module, "_call_impl", None)
+    if compiled is None or eager is None:
+        name = "nn.Module._compiled_call_impl" if compiled is None else "nn.Module._call_impl"
+        raise _missing("torch", name, "RegionalCompile reads to run a block eagerly")
+    return compiled, cast("Callable[..., Any]", eager)
+
+
+def set_compiled_call(module: Any, call: Callable[..., Any]) -> None:
+    """Make ``call`` what ``module(...)`` runs in place of the call ``nn.Module.compile``
+    installed (see :func:`compiled_and_eager_calls`)."""
+    if compiled_call_impl(module) is None:
+        raise _missing("torch", "nn.Module._compiled_call_impl", "RegionalCompile replaces")
+    module._compiled_call_impl = call
+
+
+def dispatch_mode_active() -> bool:
+    """Whether a ``TorchDispatchMode`` (a FLOP count, say) is active in this thread."""
+    depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
+    if depth is None:
+        raise _missing(
+            "torch", "torch._C._len_torch_dispatch_stack",
+            "RegionalCompile reads to run a block eagerly under a FLOP count",
+        )  # fmt: skip
+    return bool(depth() > 0)
+
+
+def dynamo_callback_handler() -> Any:
+    """torch's ``torch._dynamo.callback.callback_handler``: where callbacks that run around
+    every compilation are registered (``register_start_callback`` and the like)."""
+    try:
+        from torch._dynamo.callback import callback_handler
+    except ImportError:
+        raise _missing(
+            "torch", "torch._dynamo.callback.callback_handler",
+            "CompileWatch listens to, to count compilations",
+        ) from None  # fmt: skip
+    return callback_handler
+
+
+def cpp_compiler() -> Any:
+    """The C++ compiler inductor builds CPU kernels with (``torch._inductor.cpp_builder``);
+    raises when there is none."""
+    try:
+        from torch._inductor import cpp_builder
+    except ImportError:
+        raise _missing(
+            "torch", "torch._inductor.cpp_builder",
+            "RegionalCompile asks whether inductor can build CPU kernels",
+        ) from None  # fmt: skip
+    return cpp_builder.get_cpp_compiler()
+
+
+def foreach_kernel_devices() -> list[str]:
+    """The device types torch has foreach optimizer kernels for."""
+    try:
+        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+    except ImportError:
+        raise _missing(
+            "torch", "torch.utils._foreach_utils._get_foreach_kernels_supported_devices",
+            "FusedOptimizer reads to decide where foreach kernels run",
+        ) from None  # fmt: skip
+    return list(_get_foreach_kernels_supported_devices())
+
+
+def qualified_op_name(packet: Any) -> str:
+    """An operator packet's ``"namespace::name"`` (``aten::mm``), as torch's own FLOP
+    formulas are keyed (``OpOverloadPacket._qualified_op_name``)."""
+    try:
+        return str(packet._qualified_op_name)
+    except AttributeError:
+        raise _missing(
+            "torch", "torch._ops.OpOverloadPacket._qualified_op_name",
+            "count_flops reads to find an operator's FLOP formula",
+        ) from None  # fmt: skip

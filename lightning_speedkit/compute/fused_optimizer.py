@@ -31,7 +31,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_speedkit import _validation
+from lightning_speedkit import _compat, _validation
 
 __all__ = ["FusedOptimizer", "OptimizerSwitch", "fuse_optimizers"]
 
@@ -129,9 +129,7 @@ def _choose(optimizer: torch.optim.Optimizer) -> tuple[Implementation | None, st
         return None, f"already foreach; {fused_no}"
     if "foreach" not in optimizer.defaults:
         return None, f"{fused_no}, nor a foreach one"
-    from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
-
-    foreach_devices = _get_foreach_kernels_supported_devices()
+    foreach_devices = _compat.foreach_kernel_devices()
     if not all(device.type in foreach_devices for device, _ in places):
         return None, (
             f"{fused_no}, and its foreach kernels run on {', '.join(foreach_devices)} only "

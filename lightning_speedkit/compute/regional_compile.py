@@ -93,7 +93,7 @@ def _resolve(model: nn.Module, blocks: BlockChoice) -> list[type[nn.Module]]:
 
 
 def _is_compiled(module: nn.Module) -> bool:
-    return getattr(module, "_compiled_call_impl", None) is not None
+    return _compat.compiled_call_impl(module) is not None
 
 
 def compiled_blocks(model: nn.Module) -> list[str]:
@@ -106,9 +106,7 @@ def _cpu_compiler_missing(backend: Any) -> str | None:
     if backend != "inductor":
         return None
     try:
-        from torch._inductor import cpp_builder
-
-        cpp_builder.get_cpp_compiler()
+        _compat.cpp_compiler()
     except Exception as exc:  # torch raises its own error types here, which move between versions
         return f"inductor builds CPU kernels with a C++ compiler, and none was found ({exc})"
     return None
@@ -194,15 +192,14 @@ def _compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:
     is active, the block's own call runs; otherwise the compiled one.
     """
     module.compile(**options)
-    compiled: Callable[..., Any] = module._compiled_call_impl  # type: ignore[assignment]
-    eager = module._call_impl
+    compiled, eager = _compat.compiled_and_eager_calls(module)
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() > 0:
+        if not torch.compiler.is_compiling() and _compat.dispatch_mode_active():
             return eager(*args, **kwargs)
         return compiled(*args, **kwargs)
 
-    module._compiled_call_impl = call
+    _compat.set_compiled_call(module, call)
 
 
 # --- what dynamo compiles ----------------------------------------------------------------------
@@ -245,8 +242,7 @@ class CompileWatch:
 
     def install(self) -> CompileWatch:
         if not self._installed:
-            from torch._dynamo.callback import callback_handler as handler
-
+            handler = _compat.dynamo_callback_handler()
             handler.register_start_callback(self._start)
             handler.register_end_callback(self._end)
             self._installed = True
@@ -254,8 +250,7 @@ class CompileWatch:
 
     def remove(self) -> None:
         if self._installed:
-            from torch._dynamo.callback import callback_handler as handler
-
+            handler = _compat.dynamo_callback_handler()
             handler.remove_start_callback(self._start)
             handler.remove_end_callback(self._end)
             self._installed = False

@@ -12,7 +12,7 @@ from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
-from lightning_speedkit import _imports, _validation
+from lightning_speedkit import _compat, _imports, _validation
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["DeepSpeedZeRO2Strategy", "zero2_bucket_size"]
@@ -94,6 +94,11 @@ class DeepSpeedZeRO2Strategy(DeepSpeedStrategy):
                     f"`{fixed}` is fixed by the ZeRO-2 preset; use Lightning's "
                     f"`DeepSpeedStrategy({fixed}=...)` for another stage."
                 )
+        _compat.require_hook(
+            DeepSpeedStrategy,
+            "_setup_model_and_optimizer",
+            "DeepSpeedZeRO2Strategy overrides to set DeepSpeed up on CPU",
+        )
         kwargs.setdefault("overlap_comm", True)
         kwargs.setdefault("contiguous_gradients", True)
         super().__init__(stage=2, offload_optimizer=offload_optimizer, **kwargs)
@@ -129,7 +134,7 @@ class DeepSpeedZeRO2Strategy(DeepSpeedStrategy):
         # Lightning validates CUDA device indices here; CPU devices have none.
         reset_seed()
         self.set_world_ranks()
-        self._init_deepspeed_distributed()
+        _compat.init_deepspeed_distributed(self)
 
     def setup(self, trainer: Any) -> None:
         config: dict[str, Any] = self.config if self.config is not None else {}

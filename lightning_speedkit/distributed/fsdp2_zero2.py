@@ -7,8 +7,6 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import lightning as L
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_info
@@ -24,7 +22,7 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
-from lightning_speedkit import _validation
+from lightning_speedkit import _compat, _validation
 from lightning_speedkit._blocks import block_instances, repeated_block_types
 
 if TYPE_CHECKING:
@@ -225,6 +223,11 @@ class FSDP2ZeRO2Strategy(ModelParallelStrategy):
                                  f"leave it out (or pass {preset!r}); for other layouts use "
                                  "Lightning's `ModelParallelStrategy` with a `configure_model`"
                                  )  # fmt: skip
+        _compat.require_hook(
+            ModelParallelStrategy,
+            "_configure_launcher",
+            "FSDP2ZeRO2Strategy overrides to check the precision early",
+        )
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
@@ -254,8 +257,7 @@ class FSDP2ZeRO2Strategy(ModelParallelStrategy):
 
     def setup_environment(self) -> None:
         # ZeRO-2 is pure data parallelism: one mesh dimension over every process.
-        self._data_parallel_size = self.num_nodes * self.num_processes
-        self._tensor_parallel_size = 1
+        _compat.set_data_parallel_only(self, self.num_nodes * self.num_processes)
         super().setup_environment()
 
     def setup(self, trainer: L.Trainer) -> None:
@@ -270,7 +272,7 @@ class FSDP2ZeRO2Strategy(ModelParallelStrategy):
                              'use `strategy="fsdp_zero2"` for FSDP1, or apply `fully_shard` '
                              "in configure_model instead")  # fmt: skip
         self._shard(self.model)
-        _materialize_distributed_module(self.model, self.root_device)
+        _compat.materialize_distributed_module(self.model, self.root_device)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()
@@ -278,7 +280,7 @@ class FSDP2ZeRO2Strategy(ModelParallelStrategy):
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
         if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            _compat.optimizers_to_device(self.optimizers, self.root_device)
 
     def _shard(self, model: nn.Module) -> None:
         if any(isinstance(m, FSDPModule) for m in model.modules()):

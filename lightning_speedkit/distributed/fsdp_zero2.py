@@ -19,7 +19,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.fsdp.api import FullOptimStateDictConfig
 from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-from lightning_speedkit import _validation
+from lightning_speedkit import _compat, _validation
 from lightning_speedkit._blocks import repeated_block_types
 
 __all__ = ["FSDPZeRO2Strategy"]
@@ -76,6 +76,11 @@ class FSDPZeRO2Strategy(FSDPStrategy):
             exclude=("module", "device_id"),  # Lightning passes these itself
         )
         _validation.check_keywords("FSDPZeRO2Strategy", kwargs, accepted)
+        _compat.require_hook(
+            FSDPStrategy,
+            "_setup_model",
+            "FSDPZeRO2Strategy overrides to find the blocks and wrap on CPU",
+        )
         self._find_blocks = isinstance(auto_wrap_policy, str) and auto_wrap_policy == "auto"
         super().__init__(
             auto_wrap_policy=None if self._find_blocks else auto_wrap_policy,
@@ -130,7 +135,7 @@ class FSDPZeRO2Strategy(FSDPStrategy):
     # gathered copy is already in host memory, so gather without "offloading".
 
     def _cpu_full_state(self) -> Any:
-        if self.root_device.type != "cpu" or self._state_dict_type != "full":
+        if self.root_device.type != "cpu" or _compat.fsdp_state_dict_type(self) != "full":
             return None
         return FullyShardedDataParallel.state_dict_type(
             module=self.model,  # type: ignore[arg-type]
@@ -152,7 +157,7 @@ class FSDPZeRO2Strategy(FSDPStrategy):
         if context is None:
             return super().optimizer_state(optimizer)
         if isinstance(optimizer, LightningOptimizer):
-            optimizer = optimizer._optimizer
+            optimizer = optimizer.optimizer
         with context:
             model: Any = self.model
             state: dict[str, Any] = FullyShardedDataParallel.optim_state_dict(model, optimizer)

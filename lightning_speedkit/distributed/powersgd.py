@@ -69,11 +69,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import (
-    PowerSGDState,
-    _should_compress,
-    powerSGD_hook,
-)
+from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_speedkit import _compat, _validation
@@ -156,7 +152,7 @@ class _ParameterBook:
             n = shape[0] if shape else 1
             m = int(np.prod(shape)) // n if n else 0
             r = min(n, m, self.state.matrix_approximation_rank)
-            if _should_compress(n, m, r, self.state.min_compression_rate)[0]:
+            if _compat.powersgd_compresses(n, m, r, self.state.min_compression_rate):
                 groups[(n, m)].append(name)
         return [(name, n, m, min(n, m, self.state.matrix_approximation_rank))
                 for (n, m), names in groups.items() for name in names]  # fmt: skip
@@ -464,7 +460,7 @@ class _KitDDPStrategy(DDPStrategy):
         """Whether gradients stayed bucket views through an accumulation window."""
 
     def setup(self, trainer: L.Trainer) -> None:
-        if self._ddp_kwargs.get("static_graph") and trainer.accumulate_grad_batches > 1:
+        if _compat.ddp_kwargs(self).get("static_graph") and trainer.accumulate_grad_batches > 1:
             _validation.fail(
                 "static_graph", True,
                 f"cannot be combined with gradient accumulation (accumulate_grad_batches="
@@ -543,7 +539,7 @@ class _KitDDPStrategy(DDPStrategy):
         """
         module = self.lightning_module
         return (
-            bool(self._ddp_kwargs.get("gradient_as_bucket_view"))
+            bool(_compat.ddp_kwargs(self).get("gradient_as_bucket_view"))
             and isinstance(self.model, DistributedDataParallel)
             and module is not None
             and module.automatic_optimization
@@ -553,7 +549,7 @@ class _KitDDPStrategy(DDPStrategy):
     def _rebuilds(self) -> bool:
         """Whether DDP lays its buckets out again (not with unused parameters, unless the
         graph is static)."""
-        kwargs = self._ddp_kwargs
+        kwargs = _compat.ddp_kwargs(self)
         return bool(kwargs.get("static_graph") or not kwargs.get("find_unused_parameters"))
 
     def _keeps_views(self) -> bool:
@@ -562,7 +558,7 @@ class _KitDDPStrategy(DDPStrategy):
         With ``find_unused_parameters`` or ``static_graph`` DDP may leave a parameter
         without one, which None keeps out of the optimizer step and a zero would not.
         """
-        kwargs = self._ddp_kwargs
+        kwargs = _compat.ddp_kwargs(self)
         return not (kwargs.get("find_unused_parameters") or kwargs.get("static_graph"))
 
 
@@ -636,6 +632,9 @@ class DDPPowerSGDStrategy(_KitDDPStrategy):
                     f"`{key}` cannot be combined with DDPPowerSGDStrategy, which registers its "
                     f"own hook; use `DDPStrategy({key}=...)` for a hook of your own."
                 )
+        _compat.require_hook(
+            DDPStrategy, "_register_ddp_hooks", "DDPPowerSGDStrategy overrides to register PowerSGD"
+        )
         super().__init__(gradient_as_bucket_view, bucket_cap_mb, static_graph, **ddp_kwargs)
         self.rank = rank
         self.start_iter = start_iter
@@ -758,6 +757,11 @@ class DDPHalfPrecisionStrategy(_KitDDPStrategy):
                     f"`{key}` cannot be combined with DDPHalfPrecisionStrategy, which registers "
                     f"its own hook; use `DDPStrategy({key}=...)` for a hook of your own."
                 )
+        _compat.require_hook(
+            DDPStrategy,
+            "_register_ddp_hooks",
+            "DDPHalfPrecisionStrategy overrides to register its hook",
+        )
         super().__init__(gradient_as_bucket_view, bucket_cap_mb, static_graph, **ddp_kwargs)
         self.compress_dtype: Literal["fp16", "bf16"] = compress_dtype
         self.hook_calls = 0

@@ -33,14 +33,17 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils import flop_counter as _torch_flops
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.module_tracker import ModuleTracker
 
-from lightning_speedkit import _validation
+from lightning_speedkit import _compat, _validation
+from lightning_speedkit._compat import TorchDispatchMode
+
+if TYPE_CHECKING:
+    from lightning_speedkit._compat import OpOverload
 
 __all__ = ["FlopCount", "count_flops"]
 
@@ -214,12 +217,12 @@ RECOMPUTED_IN_BACKWARD: dict[str, _Formula] = {
 }
 
 
-def _formula_for(func: torch._ops.OpOverload) -> _Formula | None:
+def _formula_for(func: OpOverload) -> _Formula | None:
     packet = func.overloadpacket
     formula = _torch_flops.flop_registry.get(packet)
     if formula is not None:
         return formula
-    return EXTRA_FORMULAS.get(packet._qualified_op_name)
+    return EXTRA_FORMULAS.get(_compat.qualified_op_name(packet))
 
 
 # --- the count ---------------------------------------------------------------------------
@@ -280,7 +283,7 @@ class _Counter(TorchDispatchMode):
 
     def __torch_dispatch__(
         self,
-        func: torch._ops.OpOverload,
+        func: OpOverload,
         types: Sequence[type],
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
@@ -300,7 +303,7 @@ class _Counter(TorchDispatchMode):
         if self.tracker.is_bw and torch.is_grad_enabled():
             self.recomputed += flops
             return out
-        rescore = RECOMPUTED_IN_BACKWARD.get(func.overloadpacket._qualified_op_name)
+        rescore = RECOMPUTED_IN_BACKWARD.get(_compat.qualified_op_name(func.overloadpacket))
         if rescore is not None:
             recomputed = min(flops, int(rescore(*args, **kwargs)))
             self.recomputed += recomputed
