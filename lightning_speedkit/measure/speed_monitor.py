@@ -125,6 +125,11 @@ def _number(value: Any, argument: str) -> float:
 # --- clocks ----------------------------------------------------------------------------------
 
 
+def _host_time() -> float:
+    """The host clock (seconds); tests replace it with a virtual one."""
+    return time.perf_counter()
+
+
 class _HostClock:
     """Host timestamps; on CPU the host is the device."""
 
@@ -139,14 +144,18 @@ class _HostClock:
         self._last_end = None
 
     def batch_start(self) -> None:
-        self._start = time.perf_counter()
+        self._start = _host_time()
 
-    def batch_end(self, keep: bool) -> None:
-        now = time.perf_counter()
-        if keep and self._last_end is not None:
-            self.steps.append(now - self._last_end)
-            self.waits.append(self._start - self._last_end)
+    def batch_end(self, keep: bool) -> bool:
+        """Time the step that ends here if ``keep``; whether it was timed (the first
+        after a gap has no start to time from)."""
+        now, last = _host_time(), self._last_end
         self._last_end = now
+        if not keep or last is None:
+            return False
+        self.steps.append(now - last)
+        self.waits.append(self._start - last)
+        return True
 
     def drain(self) -> tuple[list[float], list[float]]:
         steps, waits = self.steps, self.waits
@@ -173,11 +182,13 @@ class _CudaClock:
     def batch_start(self) -> None:
         self._start = self._event()
 
-    def batch_end(self, keep: bool) -> None:
+    def batch_end(self, keep: bool) -> bool:
         end = self._event()
-        if keep and self._last_end is not None:
+        timed = keep and self._last_end is not None
+        if timed:
             self._pending.append((self._last_end, self._start, end))
         self._last_end = end
+        return timed
 
     def drain(self) -> tuple[list[float], list[float]]:
         pending, self._pending = self._pending, []
@@ -471,8 +482,10 @@ class SpeedMonitor(L.Callback):
     ) -> None:
         info = self._info
         counted_now = self._session is not None
-        keep = not counted_now and self._batches > self.warmup_steps
-        self._clock.batch_end(keep)
+        # Samples and FLOPs count only with a timed step: the first batch after a gap
+        # (a new epoch, validation) has no step time, and counting its samples would
+        # overstate throughput by one batch per gap.
+        keep = self._clock.batch_end(not counted_now and self._batches > self.warmup_steps)
         if self._session is not None and info is not None:
             model, hardware = self._session.close()
             self._session = None

@@ -10,6 +10,11 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 
+def _sleep(seconds: float) -> None:
+    """The modules' and datasets' delays; a test on a virtual clock replaces it."""
+    time.sleep(seconds)
+
+
 class SlowDataset(Dataset[torch.Tensor]):
     """Random vectors; each item takes ``delay`` seconds to "load"."""
 
@@ -22,7 +27,7 @@ class SlowDataset(Dataset[torch.Tensor]):
 
     def __getitem__(self, i: int) -> torch.Tensor:
         if self.delay:
-            time.sleep(self.delay)
+            _sleep(self.delay)
         return self.data[i]
 
 
@@ -39,7 +44,7 @@ class MLP(L.LightningModule):
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         if self.step_delay:
-            time.sleep(self.step_delay)
+            _sleep(self.step_delay)
         return (self.net(batch) - batch).pow(2).mean()
 
     def configure_optimizers(self) -> Any:
