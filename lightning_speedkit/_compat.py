@@ -377,3 +377,74 @@ def qualified_op_name(packet: Any) -> str:
             "torch", "torch._ops.OpOverloadPacket._qualified_op_name",
             "count_flops reads to find an operator's FLOP formula",
         ) from None  # fmt: skip
+
+
+# --- attention/ and data/ -----------------------------------------------------------------------
+
+_HOOK_DICTS = (
+    "_forward_pre_hooks",
+    "_forward_pre_hooks_with_kwargs",
+    "_forward_hooks",
+    "_forward_hooks_always_called",
+)
+
+
+def hook_dicts(
+    module: Any,
+) -> tuple[dict[int, Any], dict[int, Any], dict[int, Any], dict[int, Any]]:
+    """``module``'s forward-hook dicts: pre-hooks, which of them take kwargs, hooks, which
+    of them always run. The traced family's discovery fills them with one shared handle's
+    id for each probed module (a handle per module would cost a registration each)."""
+    found = [getattr(module, name, None) for name in _HOOK_DICTS]
+    for name, value in zip(_HOOK_DICTS, found, strict=True):
+        if value is None:
+            raise _missing("torch", f"nn.Module.{name}", "AttentionSwap's discovery fills")
+    pre, pre_kwargs, post, always = found
+    return pre, pre_kwargs, post, always  # type: ignore[return-value]
+
+
+def mha_same_embed_dim(module: Any) -> bool:
+    """Whether an ``nn.MultiheadAttention`` takes keys and values of the query's size."""
+    same = getattr(module, "_qkv_same_embed_dim", None)
+    if same is None:
+        raise _missing(
+            "torch", "nn.MultiheadAttention._qkv_same_embed_dim",
+            "AttentionSwap reads to build an example input for a MultiheadAttention",
+        )  # fmt: skip
+    return bool(same)
+
+
+def loader_iterator_workers(iterator: Any) -> tuple[list[Any], Callable[[], None] | None]:
+    """A DataLoader iterator's worker processes and its orderly shutdown: the worker search
+    ends a failed candidate's workers itself. An in-process iterator has neither."""
+    return list(getattr(iterator, "_workers", [])), getattr(iterator, "_shutdown_workers", None)
+
+
+def tree_flatten_and_map() -> tuple[Callable[..., Any], Callable[..., Any]]:
+    """torch's pytree ``tree_flatten`` and ``tree_map`` (``torch.utils._pytree``)."""
+    try:
+        from torch.utils._pytree import tree_flatten, tree_map
+    except ImportError as error:
+        raise _missing("torch", "torch.utils._pytree", "AttentionSwap's tracer uses") from error
+    return tree_flatten, tree_map
+
+
+def make_wrapper_subclass(cls: type, *args: Any, **kwargs: Any) -> Any:
+    """``torch.Tensor._make_wrapper_subclass``: a tensor subclass instance with no storage
+    (the tracer's placeholders)."""
+    make = getattr(torch.Tensor, "_make_wrapper_subclass", None)
+    if make is None:
+        raise _missing(
+            "torch", "torch.Tensor._make_wrapper_subclass", "AttentionSwap's tracer uses"
+        )
+    return make(cls, *args, **kwargs)
+
+
+def disable_torch_function_subclass() -> Any:
+    """A context in which tensor subclasses' ``__torch_function__`` is not called."""
+    disable = getattr(torch._C, "DisableTorchFunctionSubclass", None)
+    if disable is None:
+        raise _missing(
+            "torch", "torch._C.DisableTorchFunctionSubclass", "AttentionSwap's tracer uses"
+        )
+    return disable()

@@ -43,32 +43,17 @@ PYTHON_OWN = {
     "_SubParsersAction": "argparse._SubParsersAction: the CLI's subparser type hints",
 }
 
-# TEMPORARY: private torch, Lightning and transformers names in modules other changes were
-# editing while this guard was written (attention/, data/ being renamed). Each entry is
-# (path, or folder for data/ whose files were being renamed; the private name). Move each
-# behind _compat and delete its line: the test fails on a line that no longer matches.
+# transformers' attention-selection attributes: the adapter's contract with transformers
+# (not torch or Lightning), each read with getattr and a default, so a missing one
+# degrades to "no fused kernel" rather than an error. Each entry: (path, private name);
+# the test fails on an entry that no longer matches.
 TEMPORARY = {
-    # torch nn.Module's hook dicts, which the traced family's discovery fills directly
-    ("lightning_speedkit/attention/_discovery.py", "_forward_pre_hooks"),
-    ("lightning_speedkit/attention/_discovery.py", "_forward_pre_hooks_with_kwargs"),
-    ("lightning_speedkit/attention/_discovery.py", "_forward_hooks"),
-    ("lightning_speedkit/attention/_discovery.py", "_forward_hooks_always_called"),
-    # torch.utils._pytree, Tensor._make_wrapper_subclass, torch._C.DisableTorchFunctionSubclass
-    ("lightning_speedkit/attention/_traced.py", "torch.utils._pytree"),
-    ("lightning_speedkit/attention/_traced.py", "_make_wrapper_subclass"),
-    ("lightning_speedkit/attention/_traced.py", "_C"),
-    # nn.MultiheadAttention._qkv_same_embed_dim
-    ("lightning_speedkit/attention/adapters.py", "_qkv_same_embed_dim"),
-    # transformers' PreTrainedModel and PretrainedConfig privates (attention selection)
     ("lightning_speedkit/attention/adapters.py", "_supports_sdpa"),
     ("lightning_speedkit/attention/adapters.py", "_supports_flash_attn"),
     ("lightning_speedkit/attention/adapters.py", "_supports_flash_attn_2"),
     ("lightning_speedkit/attention/adapters.py", "_supports_flex_attn"),
     ("lightning_speedkit/attention/adapters.py", "_attn_implementation"),
     ("lightning_speedkit/attention/adapters.py", "_attn_implementation_internal"),
-    # torch DataLoader's multiprocessing iterator: its workers and their shutdown
-    ("lightning_speedkit/data/", "_workers"),
-    ("lightning_speedkit/data/", "_shutdown_workers"),
 }
 
 
@@ -323,6 +308,14 @@ def _module_attribute(module: str, name: str) -> Callable[[], Any]:
     return lambda: getattr(importlib.import_module(module), name)
 
 
+def _multiprocess_iterator_attr(name: str) -> Any:
+    from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
+
+    return getattr(_MultiProcessingDataLoaderIter, name, None) or (
+        name in _MultiProcessingDataLoaderIter.__init__.__code__.co_names or None
+    )
+
+
 def _attribute(owner: Callable[[], Any], name: str) -> Callable[[], Any]:
     return lambda: getattr(owner(), name)
 
@@ -384,6 +377,23 @@ PRIVATE_NAMES: list[tuple[str, str, Callable[[], Any]]] = [
      _module_attribute("torch.utils._python_dispatch", "TorchDispatchMode")),
     ("OpOverload (count_flops' annotations)", "torch._ops",
      _module_attribute("torch._ops", "OpOverload")),
+    ("hook_dicts", "_forward_pre_hooks", _attribute(lambda: nn.Linear(1, 1), "_forward_pre_hooks")),
+    ("hook_dicts", "_forward_pre_hooks_with_kwargs",
+     _attribute(lambda: nn.Linear(1, 1), "_forward_pre_hooks_with_kwargs")),
+    ("hook_dicts", "_forward_hooks", _attribute(lambda: nn.Linear(1, 1), "_forward_hooks")),
+    ("hook_dicts", "_forward_hooks_always_called",
+     _attribute(lambda: nn.Linear(1, 1), "_forward_hooks_always_called")),
+    ("mha_same_embed_dim", "_qkv_same_embed_dim",
+     _attribute(lambda: nn.MultiheadAttention(4, 1), "_qkv_same_embed_dim")),
+    ("loader_iterator_workers", "_workers", lambda: _multiprocess_iterator_attr("_workers")),
+    ("loader_iterator_workers", "_shutdown_workers",
+     lambda: _multiprocess_iterator_attr("_shutdown_workers")),
+    ("tree_flatten_and_map", "torch.utils._pytree",
+     _module_attribute("torch.utils._pytree", "tree_map")),
+    ("make_wrapper_subclass", "_make_wrapper_subclass",
+     lambda: torch.Tensor._make_wrapper_subclass),
+    ("disable_torch_function_subclass", "DisableTorchFunctionSubclass",
+     lambda: torch._C.DisableTorchFunctionSubclass),
 ]  # fmt: skip
 
 

@@ -27,6 +27,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from lightning_speedkit import _compat
 from lightning_speedkit.attention._traced import (
     _METADATA,
     _NESTING,
@@ -354,20 +355,16 @@ class Discovery:
         if self.hook_id is None:
             self.hook_id = module.register_forward_pre_hook(self._enter, with_kwargs=True).id
         hook_id = self.hook_id
-        module._forward_pre_hooks[hook_id] = self._enter
-        module._forward_pre_hooks_with_kwargs[hook_id] = True
-        module._forward_hooks[hook_id] = self._exit
-        module._forward_hooks_always_called[hook_id] = True
+        pre, pre_kwargs, post, always = _compat.hook_dicts(module)
+        pre[hook_id] = self._enter
+        pre_kwargs[hook_id] = True
+        post[hook_id] = self._exit
+        always[hook_id] = True
         self.probes.add(module)
 
     def _unprobe(self, module: nn.Module) -> None:
         assert self.hook_id is not None
-        for hooks in (
-            module._forward_pre_hooks,
-            module._forward_pre_hooks_with_kwargs,
-            module._forward_hooks,
-            module._forward_hooks_always_called,
-        ):
+        for hooks in _compat.hook_dicts(module):
             hooks.pop(self.hook_id, None)
         self.probes.discard(module)
         _PROBED.pop(id(module), None)

@@ -35,9 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.weak import WeakTensorKeyDictionary
 
+from lightning_speedkit import _compat
+
+tree_flatten, tree_map = _compat.tree_flatten_and_map()
 log = logging.getLogger(__name__)
 
 _PRODUCTS = frozenset({"matmul", "bmm", "einsum", "baddbmm"})
@@ -224,7 +226,7 @@ class _Placeholder(Tensor):
 
     @staticmethod
     def __new__(cls, scores: _Scores, shape: tuple[int, ...], dtype: torch.dtype) -> _Placeholder:
-        placeholder: _Placeholder = Tensor._make_wrapper_subclass(
+        placeholder: _Placeholder = _compat.make_wrapper_subclass(
             cls, shape, dtype=dtype, device=scores.q.device, requires_grad=False
         )
         placeholder.scores = scores
@@ -243,7 +245,7 @@ class _Placeholder(Tensor):
         # Outside the fusing mode (a placeholder kept past the forward): compute it.
         kwargs = kwargs or {}
         if _name(func) in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
+            with _compat.disable_torch_function_subclass():
                 return func(*args, **kwargs)
         return func(*_fill(args, None), **_fill(kwargs, None))
 
@@ -382,7 +384,7 @@ class _Fuse(TorchFunctionMode):
         placeholders = [t for t in tensors if isinstance(t, _Placeholder)]
         if placeholders:
             if name in _METADATA:
-                with torch._C.DisableTorchFunctionSubclass():
+                with _compat.disable_torch_function_subclass():
                     return func(*args, **kwargs)
             out = self._on_placeholder(func, name, args, kwargs)
             if out is not None:

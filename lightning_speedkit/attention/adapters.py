@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_speedkit import _imports, _validation
+from lightning_speedkit import _compat, _imports, _validation
 from lightning_speedkit.attention._traced import traced_forward
 from lightning_speedkit.attention.backends import Attend
 
@@ -230,8 +230,9 @@ def _mha_example(module: nn.Module) -> Inputs | None:
     if not mha.batch_first:
         x = x.transpose(0, 1)
     kv_shape = (*x.shape[:-1],)
-    k = x if mha._qkv_same_embed_dim else torch.randn(*kv_shape, mha.kdim, device=x.device)
-    v = x if mha._qkv_same_embed_dim else torch.randn(*kv_shape, mha.vdim, device=x.device)
+    same = _compat.mha_same_embed_dim(mha)
+    k = x if same else torch.randn(*kv_shape, mha.kdim, device=x.device)
+    v = x if same else torch.randn(*kv_shape, mha.vdim, device=x.device)
     return (x, k, v), {"need_weights": False}
 
 

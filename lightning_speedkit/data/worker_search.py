@@ -53,7 +53,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
-from lightning_speedkit import _validation
+from lightning_speedkit import _compat, _validation
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["TuneResult", "cpu_budget", "rebuild_dataloader", "spare_cores", "tune_num_workers"]
@@ -279,11 +279,11 @@ def _measure(
             # end the workers first. After a clean run the orderly shutdown comes first: it
             # stops the pin-memory thread before the workers, which, terminated under it,
             # leave it a traceback (ConnectionResetError) for a batch still in flight.
+            workers, shutdown = _compat.loader_iterator_workers(iterator)
             if not finished:
-                for worker in getattr(iterator, "_workers", []):
+                for worker in workers:
                     if worker.is_alive():
                         worker.terminate()
-            shutdown = getattr(iterator, "_shutdown_workers", None)
             if shutdown is not None:
                 shutdown()
             del iterator
