@@ -38,7 +38,9 @@ in every seed tried, rank 2 part of the way; rank 4 ends where plain DDP does
 
 @dataclass(frozen=True)
 class DemoConfig:
-    """What ``speedkit demo`` trains; each field is a command-line flag."""
+    """What ``speedkit demo`` trains. Each field is a command-line flag of the same name
+    (``--batch-size`` for ``batch_size``; ``--only`` picks one of ``runs``), except
+    ``warmup_steps`` and ``log_every_n_steps``, which only callers of ``run_demo`` set."""
 
     steps: int = 1500
     """Optimizer steps of each run (plain, then kit)."""
