@@ -626,6 +626,12 @@ def _add_plan(subparsers: argparse._SubParsersAction[_ArgumentParser]) -> None:
         "--fused-attention", action="store_true", help="flash/SDPA attention (no s^2 matrices)"
     )
     plan.add_argument(
+        "--gradient-as-bucket-view",
+        action="store_true",
+        help="DDP's gradients as views into its buckets, as the kit's DDP strategies set it "
+        "(no second copy of the gradients in DDP's rows)",
+    )
+    plan.add_argument(
         "--headroom",
         type=_share,
         default=0.9,
@@ -736,6 +742,7 @@ def _plan(args: argparse.Namespace) -> int:
         precision=args.precision, batch_size=args.batch, seq_len=args.seq,
         hidden_size=args.hidden, n_layers=args.layers, n_heads=args.heads,
         fused_attention=args.fused_attention, device=args.device,
+        gradient_as_bucket_view=args.gradient_as_bucket_view,
     )  # fmt: skip
     if counted is not None:
         print(counted)

@@ -51,6 +51,24 @@ def test_plan_prints_the_table_and_recommends(capsys: pytest.CaptureFixture[str]
     assert "recommended: Trainer(strategy='fsdp_zero2')" in out
 
 
+def test_plan_counts_ddps_buckets_as_the_kits_strategies_set_them(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from lightning_speedkit import plan_memory
+
+    def ddp_total(*flags: str) -> str:
+        assert main(["plan", "--params", "7e9", "--gpus", "8", "--gpu-mem", "80", *flags]) == 0
+        out = capsys.readouterr().out
+        return next(line for line in out.splitlines() if line.startswith("ddp ")).split()[6]
+
+    gib = 2**30
+    views = plan_memory(7e9, 8, gradient_as_bucket_view=True).per_device("ddp").total
+    copies = plan_memory(7e9, 8).per_device("ddp").total
+    assert views < copies  # the flag reaches plan_memory: one copy of the gradients fewer
+    assert ddp_total() == f"{copies / gib:.2f}"
+    assert ddp_total("--gradient-as-bucket-view") == f"{views / gib:.2f}"
+
+
 def test_plan_counts_a_real_model_and_says_what_to_do(capsys: pytest.CaptureFixture[str]) -> None:
     model = "tests.distributed.test_plan_memory:small_vlm_frozen_vision"
     assert main(["plan", "--model", model, "--gpus", "2", "--gpu-mem", "1"]) == 0
