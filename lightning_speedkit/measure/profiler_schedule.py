@@ -460,16 +460,15 @@ class ProfilerSchedule(L.Callback):
         if self.repeat and taken >= self.repeat:
             return  # a resumed run whose windows were all taken before
         ran = self._steps - self._start_step
-        schedule = torch.profiler.schedule(skip_first=self.skip_first, wait=self.wait,
-                                           warmup=self.warmup, active=self.active,
-                                           repeat=self.repeat)  # fmt: skip
         # Positions in torch's schedule; the steps held for torch.compile come on top.
-        position = self._start_step - self._start_delay
-        horizon = position + self.skip_first + self.wait + self.warmup + self.active
-        while position < horizon and schedule(position) != ProfilerAction.RECORD_AND_SAVE:
-            position += 1
+        # torch saves a window at the last step of a cycle (wait + warmup + active
+        # steps) after skip_first: arithmetic, not a walk (skip_first may be 10**9).
+        start = self._start_step - self._start_delay
+        cycle = self.wait + self.warmup + self.active
+        cycles_done = max(start - self.skip_first, 0) // cycle
+        saved_at = self.skip_first + cycles_done * cycle + cycle - 1
         held = self._delay - self._start_delay
-        needed = position + 1 - (self._start_step - self._start_delay) + held
+        needed = saved_at + 1 - start + held
         if self._start_step == 0:
             arithmetic = (f"skip_first + wait + warmup + active = {self.skip_first} + "
                           f"{self.wait} + {self.warmup} + {self.active}"

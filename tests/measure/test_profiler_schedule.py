@@ -347,3 +347,10 @@ def test_a_held_window_counts_in_the_nothing_recorded_arithmetic(tmp_path: Path)
                       r"torch.compile compiled = 5 steps"):  # fmt: skip
         _fit_compiled(callback, steps=1)
     assert callback.traces == []
+
+
+def test_a_window_far_away_is_said_at_once(tmp_path: Path) -> None:
+    # the arithmetic, not a walk over a billion steps (which took minutes)
+    callback = ProfilerSchedule(skip_first=10**9, dirpath=tmp_path)
+    with pytest.warns(UserWarning, match=r"= 1000000000 \+ 5 \+ 1 \+ 3 = 1000000009 steps"):
+        fit(callback, steps=2)
