@@ -36,9 +36,13 @@ typecheck: venv
 docs: venv
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
+# Two test processes, a test file each at a time (tests in a file share fixtures and
+# some time against each other); PYTEST_WORKERS= runs them in this process.
+PYTEST_WORKERS ?= -n 2 --dist loadfile
+
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 pytest: venv
-	$(BIN)/python -m pytest $(PYTEST_ARGS); status=$$?; \
+	$(BIN)/python -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$status
 
 test: lint typecheck docs pytest
