@@ -276,3 +276,29 @@ def test_a_fix_says_where_to_import_each_kit_name_it_names(kind: str) -> None:
                 imported.add(name)
         named = {word for word in re.findall(r"\w+", fix) if word in _KIT_NAMES} - {already_on}
         assert named <= imported, (kind, named - imported)
+
+
+def test_a_compute_fix_leaves_out_the_levers_already_on() -> None:
+    from lightning_speedkit.measure.report import Report, amend_for_callbacks
+    from lightning_speedkit.measure.report.rules import Finding
+
+    def compute_report() -> Report:
+        finding = Finding("compute", 0.9, "compute-bound", "torch.compile, a fused optimizer")
+        return Report(source="t", device="cpu", steps=3, step_ms=10.0, breakdown={}, modules={},
+                      top_ops=[], sync_sites=[], findings=[finding])  # fmt: skip
+
+    both = compute_report()
+    amend_for_callbacks(both, ["FusedOptimizer", "RegionalCompile", "SpeedMonitor"])
+    assert both.findings[0].fix == (
+        "FusedOptimizer and RegionalCompile are already on; left: bf16-mixed precision if "
+        "not already, a larger micro-batch (`from lightning_speedkit import MicroBatchTuner`)"
+    )
+    one = compute_report()
+    amend_for_callbacks(one, ["FusedOptimizer"])
+    assert one.findings[0].fix.startswith(
+        "FusedOptimizer is already on; left: torch.compile per block "
+        "(`from lightning_speedkit import RegionalCompile`), bf16-mixed"
+    )
+    untouched = compute_report()
+    amend_for_callbacks(untouched, ["SpeedMonitor"])
+    assert untouched.findings[0].fix == "torch.compile, a fused optimizer"

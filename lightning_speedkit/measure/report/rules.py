@@ -297,6 +297,13 @@ _ALREADY_ON = {
 }
 
 
+#: The compute levers a compute-bound step's fix would name, by callback class.
+_COMPUTE_LEVERS = {
+    "FusedOptimizer": "a fused optimizer (`from lightning_speedkit import FusedOptimizer`)",
+    "RegionalCompile": "torch.compile per block (`from lightning_speedkit import RegionalCompile`)",
+}
+
+
 def amend_for_callbacks(report: Report, callbacks: Iterable[str]) -> None:
     """Say so where a finding's fix is a callback the run already has (by class name)."""
     present = set(callbacks)
@@ -304,3 +311,12 @@ def amend_for_callbacks(report: Report, callbacks: Iterable[str]) -> None:
         name, fix = _ALREADY_ON.get(finding.kind, ("", ""))
         if name in present:
             finding.fix = fix
+        on = [lever for lever in _COMPUTE_LEVERS if lever in present]
+        if finding.kind == "compute" and on:
+            left = [text for lever, text in _COMPUTE_LEVERS.items() if lever not in present]
+            left.append(
+                "bf16-mixed precision if not already, a larger micro-batch "
+                "(`from lightning_speedkit import MicroBatchTuner`)"
+            )
+            verb = "is" if len(on) == 1 else "are"
+            finding.fix = f"{' and '.join(on)} {verb} already on; left: " + ", ".join(left)
