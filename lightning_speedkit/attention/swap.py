@@ -751,20 +751,34 @@ class _Run:
         return statistics.median(times)
 
 
-def _relative_errors(pairs: list[tuple[Tensor | None, Tensor | None]]) -> Tensor | None:
-    """Per-pair relative errors (see :meth:`_Run.error`); ``None`` for a shape mismatch."""
-    diffs: list[Tensor] = []
-    scales: list[Tensor] = []
+def _aligned(
+    pairs: list[tuple[Tensor | None, Tensor | None]],
+) -> list[tuple[Tensor, Tensor]] | None:
+    """The pairs with both sides present, ``None`` where a pair's shapes differ. A side
+    missing is zeros: an input unused on one side only has a zero gradient."""
+    aligned: list[tuple[Tensor, Tensor]] = []
     for ours, theirs in pairs:
         if ours is None and theirs is None:
             continue
-        if ours is None:  # an input unused on one side only: its gradient is zero
+        if ours is None:
             assert theirs is not None
             ours = torch.zeros_like(theirs)
         if theirs is None:
             theirs = torch.zeros_like(ours)
         if ours.shape != theirs.shape:
             return None
+        aligned.append((ours, theirs))
+    return aligned
+
+
+def _relative_errors(pairs: list[tuple[Tensor | None, Tensor | None]]) -> Tensor | None:
+    """Per-pair relative errors (see :meth:`_Run.error`); ``None`` for a shape mismatch."""
+    aligned = _aligned(pairs)
+    if aligned is None:
+        return None
+    diffs: list[Tensor] = []
+    scales: list[Tensor] = []
+    for ours, theirs in aligned:
         if not ours.is_floating_point():
             same = torch.equal(ours, theirs)
             diffs.append(torch.tensor(0.0 if same else math.inf))
@@ -784,18 +798,12 @@ def _relative_errors(pairs: list[tuple[Tensor | None, Tensor | None]]) -> Tensor
 
 def _vector_error(pairs: list[tuple[Tensor | None, Tensor | None]]) -> Tensor | None:
     """``|theirs - ours| / |ours|`` over all pairs as one vector (L2); ``None``: shapes differ."""
+    aligned = _aligned(pairs)
+    if aligned is None:
+        return None
     diff_sq: list[Tensor] = []
     ref_sq: list[Tensor] = []
-    for ours, theirs in pairs:
-        if ours is None and theirs is None:
-            continue
-        if ours is None:
-            assert theirs is not None
-            ours = torch.zeros_like(theirs)
-        if theirs is None:
-            theirs = torch.zeros_like(ours)
-        if ours.shape != theirs.shape:
-            return None
+    for ours, theirs in aligned:
         a, b = ours.detach().double(), theirs.detach().double()
         diff = torch.where(a.isnan() & b.isnan(), torch.zeros_like(a), a - b)
         diff_sq.append(torch.nan_to_num(diff.square().sum(), nan=math.inf).cpu())
