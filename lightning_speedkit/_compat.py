@@ -196,6 +196,15 @@ def _missing(library: Literal["torch", "Lightning"], name: str, feature: str) ->
     )
 
 
+def _private(owner: Any, attribute: str, library: Literal["torch", "Lightning"], name: str,
+             feature: str) -> Any:  # fmt: skip
+    """``owner.attribute``, or the error that names the version, ``name`` and ``feature``."""
+    value = getattr(owner, attribute, None)
+    if value is None:
+        raise _missing(library, name, feature)
+    return value
+
+
 def require_hook(base: type, name: str, feature: str) -> None:
     """Check that Lightning's ``base`` still has the private method ``name``, which one of
     the kit's strategies overrides (Lightning calls it during its own set-up).
@@ -209,24 +218,19 @@ def require_hook(base: type, name: str, feature: str) -> None:
 
 def ddp_kwargs(strategy: Any) -> dict[str, Any]:
     """The keyword arguments a ``DDPStrategy`` passes to ``DistributedDataParallel``."""
-    kwargs = getattr(strategy, "_ddp_kwargs", None)
-    if kwargs is None:
-        raise _missing(
-            "Lightning",
-            "DDPStrategy._ddp_kwargs",
-            "the kit's DDP strategies read DDP's options from",
-        )
+    kwargs = _private(
+        strategy, "_ddp_kwargs", "Lightning", "DDPStrategy._ddp_kwargs",
+        "the kit's DDP strategies read DDP's options from",
+    )  # fmt: skip
     return cast("dict[str, Any]", kwargs)
 
 
 def fsdp_state_dict_type(strategy: Any) -> str:
     """An ``FSDPStrategy``'s ``state_dict_type`` (``"full"`` or ``"sharded"``)."""
-    value = getattr(strategy, "_state_dict_type", None)
-    if value is None:
-        raise _missing(
-            "Lightning", "FSDPStrategy._state_dict_type",
-            "FSDPZeRO2Strategy reads to save checkpoints on CPU",
-        )  # fmt: skip
+    value = _private(
+        strategy, "_state_dict_type", "Lightning", "FSDPStrategy._state_dict_type",
+        "FSDPZeRO2Strategy reads to save checkpoints on CPU",
+    )  # fmt: skip
     return str(value)
 
 
@@ -270,12 +274,11 @@ def optimizers_to_device(optimizers: Any, device: Any) -> None:
 
 def init_deepspeed_distributed(strategy: Any) -> None:
     """``DeepSpeedStrategy._init_deepspeed_distributed``: DeepSpeed's process group set-up."""
-    init = getattr(strategy, "_init_deepspeed_distributed", None)
-    if init is None:
-        raise _missing(
-            "Lightning", "DeepSpeedStrategy._init_deepspeed_distributed",
-            "DeepSpeedZeRO2Strategy calls to set DeepSpeed up on CPU",
-        )  # fmt: skip
+    init = _private(
+        strategy, "_init_deepspeed_distributed", "Lightning",
+        "DeepSpeedStrategy._init_deepspeed_distributed",
+        "DeepSpeedZeRO2Strategy calls to set DeepSpeed up on CPU",
+    )  # fmt: skip
     init()
 
 
@@ -284,12 +287,11 @@ def powersgd_compresses(rows: int, cols: int, rank: int, min_compression_rate: f
     (its private ``_should_compress``)."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook
 
-    should_compress = getattr(powerSGD_hook, "_should_compress", None)
-    if should_compress is None:
-        raise _missing(
-            "torch", "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook._should_compress",
-            "DDPPowerSGDStrategy uses to lay PowerSGD's state out by parameter",
-        )  # fmt: skip
+    should_compress = _private(
+        powerSGD_hook, "_should_compress", "torch",
+        "torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook._should_compress",
+        "DDPPowerSGDStrategy uses to lay PowerSGD's state out by parameter",
+    )  # fmt: skip
     return bool(should_compress(rows, cols, rank, min_compression_rate)[0])
 
 
@@ -320,12 +322,10 @@ def set_compiled_call(module: Any, call: Callable[..., Any]) -> None:
 
 def dispatch_mode_active() -> bool:
     """Whether a ``TorchDispatchMode`` (a FLOP count, say) is active in this thread."""
-    depth = getattr(torch._C, "_len_torch_dispatch_stack", None)
-    if depth is None:
-        raise _missing(
-            "torch", "torch._C._len_torch_dispatch_stack",
-            "RegionalCompile reads to run a block eagerly under a FLOP count",
-        )  # fmt: skip
+    depth = _private(
+        torch._C, "_len_torch_dispatch_stack", "torch", "torch._C._len_torch_dispatch_stack",
+        "RegionalCompile reads to run a block eagerly under a FLOP count",
+    )  # fmt: skip
     return bool(depth() > 0)
 
 
@@ -405,12 +405,10 @@ def hook_dicts(
 
 def mha_same_embed_dim(module: Any) -> bool:
     """Whether an ``nn.MultiheadAttention`` takes keys and values of the query's size."""
-    same = getattr(module, "_qkv_same_embed_dim", None)
-    if same is None:
-        raise _missing(
-            "torch", "nn.MultiheadAttention._qkv_same_embed_dim",
-            "AttentionSwap reads to build an example input for a MultiheadAttention",
-        )  # fmt: skip
+    same = _private(
+        module, "_qkv_same_embed_dim", "torch", "nn.MultiheadAttention._qkv_same_embed_dim",
+        "AttentionSwap reads to build an example input for a MultiheadAttention",
+    )  # fmt: skip
     return bool(same)
 
 
@@ -432,19 +430,17 @@ def tree_flatten_and_map() -> tuple[Callable[..., Any], Callable[..., Any]]:
 def make_wrapper_subclass(cls: type, *args: Any, **kwargs: Any) -> Any:
     """``torch.Tensor._make_wrapper_subclass``: a tensor subclass instance with no storage
     (the tracer's placeholders)."""
-    make = getattr(torch.Tensor, "_make_wrapper_subclass", None)
-    if make is None:
-        raise _missing(
-            "torch", "torch.Tensor._make_wrapper_subclass", "AttentionSwap's tracer uses"
-        )
+    make = _private(
+        torch.Tensor, "_make_wrapper_subclass", "torch", "torch.Tensor._make_wrapper_subclass",
+        "AttentionSwap's tracer uses",
+    )  # fmt: skip
     return make(cls, *args, **kwargs)
 
 
 def disable_torch_function_subclass() -> Any:
     """A context in which tensor subclasses' ``__torch_function__`` is not called."""
-    disable = getattr(torch._C, "DisableTorchFunctionSubclass", None)
-    if disable is None:
-        raise _missing(
-            "torch", "torch._C.DisableTorchFunctionSubclass", "AttentionSwap's tracer uses"
-        )
+    disable = _private(
+        torch._C, "DisableTorchFunctionSubclass", "torch", "torch._C.DisableTorchFunctionSubclass",
+        "AttentionSwap's tracer uses",
+    )  # fmt: skip
     return disable()

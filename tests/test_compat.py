@@ -151,6 +151,7 @@ class _Scan(ast.NodeVisitor):
     def visit_Call(self, node: ast.Call) -> None:
         reflective = isinstance(node.func, ast.Name) and node.func.id in (
             "getattr", "setattr", "hasattr", "delattr",
+            "_private",  # _compat's getattr-or-raise
         )  # fmt: skip
         if reflective and len(node.args) > 1 and isinstance(node.args[1], ast.Constant):
             name = node.args[1].value
