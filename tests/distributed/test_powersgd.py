@@ -152,6 +152,8 @@ def test_compresses_on_gloo_and_resumes_exactly(tmp_path: Path, buckets: str) ->
             _max_diff(_params(tmp_path / "whole", rank), _params(tmp_path / "resumed", rank)) == 0.0
         )
 
+    if buckets == "per-parameter":
+        return  # what follows judges the checkpoint, not the bucket layout: once is enough
     # The same resume without the saved PowerSGD state does not end where the whole run did.
     stripped = torch.load(checkpoint, weights_only=True)
     del stripped["callbacks"]["DDPPowerSGDStrategy"]
@@ -162,19 +164,16 @@ def test_compresses_on_gloo_and_resumes_exactly(tmp_path: Path, buckets: str) ->
 
 
 @pytest.mark.multiprocess
-def test_hook_runs_only_on_sync_steps_with_accumulation(tmp_path: Path) -> None:
-    ranks = run_script("powersgd_ddp.py", tmp_path, "--steps", "4", "--accumulate", "3")
-    assert [r["global_step"] for r in ranks] == [4, 4]
-    assert [r["hook_calls"] for r in ranks] == [4, 4]  # not 12: DDP's no_sync on the others
-
-
-@pytest.mark.multiprocess
 @pytest.mark.parametrize("launcher", ["spawn", "fork"])
-def test_registered_with_spawn_and_fork_launchers(tmp_path: Path, launcher: str) -> None:
-    ranks = run_script("powersgd_ddp.py", tmp_path, "--steps", "6", "--launcher", launcher)
+def test_registered_with_spawn_and_fork_launchers_and_run_only_on_sync_steps(
+    tmp_path: Path, launcher: str
+) -> None:
+    ranks = run_script("powersgd_ddp.py", tmp_path, "--steps", "6", "--accumulate", "3",
+                       "--launcher", launcher)  # fmt: skip
     for rank in ranks:
         assert rank["launcher"] == "_MultiProcessingLauncher"
-        assert rank["hook_calls"] == 6
+        assert rank["global_step"] == 6
+        assert rank["hook_calls"] == 6  # not 18: DDP's no_sync on the other micro-batches
         assert rank["ratio"] == 32.0
 
 
