@@ -309,6 +309,27 @@ def _describe(
     return ", ".join(parts)
 
 
+class _ById:
+    """A module as a set member or dict key by identity, whatever its own ``__hash__``.
+
+    Copying a model (``copy.deepcopy``) copies a discovery's hooks and with them its
+    module-keyed containers, rebuilding each key while the module it names may be half
+    copied; a torchmetrics ``Metric`` hashes its state, which is not there yet, and the
+    copy failed. This key hashes the module's identity, which a half-copied module has.
+    """
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __hash__(self) -> int:
+        return id(self.module)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ById) and other.module is self.module
+
+
 class Discovery:
     """Probes on candidate modules; the first call that reaches one is traced.
 
@@ -334,13 +355,13 @@ class Discovery:
         nothing_found: Callable[[str], None],
     ) -> None:
         self.names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-        self.candidates = candidates
+        self.candidates = {_ById(module): name for module, name in candidates.items()}
         self.install = install
         self.nothing_found = nothing_found
         self.trace: _Trace | None = None
         self.recorder: _Recorder | None = None
         self.eager: Any = None
-        self.probes: set[nn.Module] = set()
+        self.probes: set[_ById] = set()
         self.hook_id: int | None = None
         for module in candidates:
             self._probe(module)
@@ -360,18 +381,18 @@ class Discovery:
         pre_kwargs[hook_id] = True
         post[hook_id] = self._exit
         always[hook_id] = True
-        self.probes.add(module)
+        self.probes.add(_ById(module))
 
     def _unprobe(self, module: nn.Module) -> None:
         assert self.hook_id is not None
         for hooks in _compat.hook_dicts(module):
             hooks.pop(self.hook_id, None)
-        self.probes.discard(module)
+        self.probes.discard(_ById(module))
         _PROBED.pop(id(module), None)
 
     def _enter(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         if self.trace is None:
-            if torch.compiler.is_compiling() or module not in self.probes:
+            if torch.compiler.is_compiling() or _ById(module) not in self.probes:
                 return
             self.trace = _Trace(module)
             self.eager = torch.compiler.set_stance("force_eager")
@@ -394,16 +415,17 @@ class Discovery:
         found: list[Found] = []
         if not trace.broken and all(call.exit is not None for call in trace.calls):
             try:
-                found = find_attention(trace, self.names, self.candidates)
+                owners = {key.module: name for key, name in self.candidates.items()}
+                found = find_attention(trace, self.names, owners)
             except Exception:
                 log.debug("finding attention failed", exc_info=True)
         # Every module called in the trace is decided: its probes go before any check runs.
         for call in trace.calls:
             self._unprobe(call.module)
         for item in found:
-            self.install(item, self.candidates[item.owner])
+            self.install(item, self.candidates[_ById(item.owner)])
         if not found:
-            self.nothing_found(self.candidates.get(trace.root, type(trace.root).__name__))
+            self.nothing_found(self.candidates.get(_ById(trace.root), type(trace.root).__name__))
 
 
 #: id(module) -> the discovery probing it (a module is probed once). Weak: a discovery
@@ -414,4 +436,4 @@ _PROBED: weakref.WeakValueDictionary[int, Discovery] = weakref.WeakValueDictiona
 def probed(module: nn.Module) -> bool:
     """Whether a discovery awaits this module's first call."""
     discovery = _PROBED.get(id(module))
-    return discovery is not None and module in discovery.probes
+    return discovery is not None and _ById(module) in discovery.probes

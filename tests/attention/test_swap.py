@@ -521,3 +521,21 @@ def test_hugging_face_tower_without_sdpa_keeps_its_attention_the_rest_is_swapped
     report = swap_attention(TwoTower(), "sdpa")
     assert report.swapped == ["language"]
     assert report.skipped == [("vision", "NoSdpaTower has no SDPA attention in transformers")]
+
+
+def test_a_swapped_task_with_metrics_deep_copies_and_the_copy_computes_the_same() -> None:
+    """copy.deepcopy of a model (an EMA copy, a benchmark's variants) whose swap still
+    probes modules not called yet: here the task's torchmetrics metrics, whose hash reads
+    a state that a half-made copy lacks. The copy failed with an AttributeError."""
+    from speedkit_examples.vlm import CaptionTokenizer, VLMTask
+
+    tokenizer = CaptionTokenizer()
+    torch.manual_seed(0)
+    task = VLMTask(VLMConfig.preset("tiny", tokenizer.vocab_size), pad_id=tokenizer.pad_id)
+    images = torch.randn(2, 3, task.model.config.image_size, task.model.config.image_size)
+    ids = torch.randint(0, tokenizer.vocab_size, (2, 8))
+    report = swap_attention(task, "sdpa", sample=(images, ids))
+    assert report.swapped
+    copied = copy.deepcopy(task)
+    assert list(swapped_modules(copied)) == list(swapped_modules(task))
+    torch.testing.assert_close(copied.model(images, ids), task.model(images, ids), rtol=0, atol=0)
