@@ -223,7 +223,8 @@ class _Kit:
     """The kit run's callbacks, each a lever that keeps the run's numerics.
 
     The loader (tuned workers, decoded samples cached), the compute (fused attention,
-    compiled blocks, a fused optimizer) and one profiled window with its report. Plain
+    a fused optimizer, compiled blocks on CUDA) and one profiled window with its report.
+    A lever is in the kit where it was measured to pay at the demo's shapes. Plain
     Lightning runs with none. MicroBatchTuner is left out: the example's loss is a mean
     over each micro-batch's caption tokens, so cutting the global batch otherwise weighs
     tokens otherwise (first-step loss 3.581 against 3.584 at 4 x 8 vs plain's cut): a
@@ -232,7 +233,8 @@ class _Kit:
 
     tuner: NumWorkersTuner
     profiler: ProfilerSchedule
-    compile: RegionalCompile
+    compile: RegionalCompile | None
+    """None on CPU (see the note it leaves)."""
     fused: FusedOptimizer
     accumulation: AccumulationScheduler | None
     """With a global batch: the same micro-batches per optimizer step as plain's."""
@@ -257,7 +259,7 @@ class _Kit:
                 repeat=1,
                 dirpath=Path(config.output_dir) / "kit" / "profiler",
             ),
-            compile=RegionalCompile(verbose=False),
+            compile=RegionalCompile(verbose=False) if on_cuda else None,
             fused=FusedOptimizer(verbose=False),
             accumulation=None
             if config.global_batch is None
@@ -270,10 +272,9 @@ class _Kit:
         )
 
     def callbacks(self) -> list[L.Callback]:
-        levers: list[L.Callback] = [self.swap] if self.swap is not None else []
-        if self.accumulation is not None:
-            levers.append(self.accumulation)
-        return [*levers, self.compile, self.fused, self.tuner, self.profiler]
+        optional = (self.swap, self.accumulation, self.compile)
+        levers: list[L.Callback] = [lever for lever in optional if lever is not None]
+        return [*levers, self.fused, self.tuner, self.profiler]
 
     def notes(self, config: DemoConfig) -> list[str]:
         """What each lever did, one line each."""
@@ -301,12 +302,18 @@ class _Kit:
                 "kit: AttentionSwap left out on CUDA: the published GPU numbers were measured "
                 "without it (docs/attention.md, 'bf16 training on CUDA')"
             )
-        watch = self.compile.watch
-        notes.append(
-            f"kit: RegionalCompile: {len(self.compile.compiled)} blocks compiled in place, "
-            f"{watch.graphs} graphs, {watch.recompiles} recompiles, {watch.seconds:.1f} s "
-            f"compiling (in the wall time, not in samples/s)"
-        )
+        if self.compile is not None:
+            watch = self.compile.watch
+            notes.append(
+                f"kit: RegionalCompile: {len(self.compile.compiled)} blocks compiled in place, "
+                f"{watch.graphs} graphs, {watch.recompiles} recompiles, {watch.seconds:.1f} s "
+                f"compiling (in the wall time, not in samples/s)"
+            )
+        else:
+            notes.append(
+                "kit: RegionalCompile left out on CPU: the tiny VLM's compiled blocks ran "
+                "slower than eager on 2 cores (benchmarks/cpu_step.py; docs/benchmarks.md)"
+            )
         kernels = sorted({s.implementation or "unchanged" for s in self.fused.switched})
         notes.append(f"kit: FusedOptimizer: AdamW on its {', '.join(kernels) or 'own'} kernel")
         report = self.profiler.report
