@@ -183,8 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         swapped, "auto", sample=(batches[0]["images"], batches[0]["input_ids"][:, :-1])
     )
     kernels = sorted({m.backend or "?" for m in report.modules if m.status != "reverted"})
-    # Copies first: a task whose optimizer was built (configure_optimizers) no longer
-    # deep-copies (its metrics fail to hash half-built).
+    # Every variant gets its own copy of the swapped task, made before any is used.
     copies = {name: copy.deepcopy(swapped) for name in ("fused", "regional", "compiled")}
     variants = [
         plain,
@@ -217,7 +216,9 @@ def main(argv: list[str] | None = None) -> int:
     for v in variants:
         start = time.perf_counter()
         grad_errors[v.name] = _rel_error(v.first_grad(batches[0]), reference)
-        if v.name == "torch.compile":  # the first compile, before inductor's caches are warm
+        # RegionalCompile's variant compiles before it: this figure is with inductor's
+        # caches warmed by that (and by earlier runs on the machine)
+        if v.name == "torch.compile":
             compile_seconds = time.perf_counter() - start
 
     decode: list[float] = []

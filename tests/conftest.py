@@ -35,25 +35,11 @@ _SKIPS = {
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    _heavy_files_first(items)
     available = {name: check() for name, (check, _) in _SKIPS.items()}
     for item in items:
         for name, (_, reason) in _SKIPS.items():
             if item.get_closest_marker(name) and not available[name]:
                 item.add_marker(pytest.mark.skip(reason=reason))
-
-
-def _heavy_files_first(items: list[pytest.Item]) -> None:
-    """Files with the most multi-process or slow tests go first, the rest in their order.
-
-    pytest-xdist hands each worker a file at a time in this order: a heavy file that
-    came last would leave the other worker idle while it runs (half a minute on 2 cores).
-    """
-    weight: dict[Path, int] = {}
-    for item in items:
-        heavy = any(item.get_closest_marker(m) for m in ("multiprocess", "slow"))
-        weight[item.path] = weight.get(item.path, 0) + heavy
-    items.sort(key=lambda item: -weight[item.path])  # stable: each file's order kept
 
 
 @pytest.fixture(scope="session", autouse=True)
