@@ -16,11 +16,12 @@ imagen-pytorch's ``Attention`` are found like any other.
 
 from __future__ import annotations
 
+import copy
 import logging
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -152,13 +153,34 @@ class _Recorder(TorchFunctionMode):
         return out
 
 
-def find_attention(
-    trace: _Trace, names: dict[int, str], owners: dict[nn.Module, str]
-) -> list[Found]:
+class _ById:
+    """A module as a set member or dict key by identity, whatever its own ``__hash__``.
+
+    Copying a model (``copy.deepcopy``) copies a discovery's hooks and with them its
+    module-keyed containers, rebuilding each key while the module it names may be half
+    copied; a torchmetrics ``Metric`` hashes its state, which is not there yet, and the
+    copy failed. This key hashes the module's identity, which a half-copied module has.
+    (A ``Metric`` also makes ``==`` a new metric, always true: no module is keyed by
+    its own hash here.)
+    """
+
+    __slots__ = ("module",)
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+
+    def __hash__(self) -> int:
+        return id(self.module)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ById) and other.module is self.module
+
+
+def find_attention(trace: _Trace, names: dict[int, str], owners: dict[_ById, str]) -> list[Found]:
     """Attention in a finished trace, one per owner (the innermost module holding it).
 
     ``names``: parameter id -> parameter name (for the report); ``owners``: the
-    modules that may own an attention, with their names.
+    modules that may own an attention (by identity), with their names.
     """
     nodes = trace.nodes
     children: dict[int, list[int]] = {}
@@ -225,7 +247,7 @@ def find_attention(
                 todo.append(child)
         return None
 
-    found: dict[nn.Module, tuple[_Call, str]] = {}  # per module: its first call that holds one
+    found: dict[_ById, tuple[_Call, str]] = {}  # per module: its first call that holds one
     for s, node in enumerate(nodes):
         if node.name != "softmax" or not node.parents:
             continue
@@ -241,11 +263,12 @@ def find_attention(
         if v_proj is None:
             continue
         call = _owner(trace.calls, p1, p2, owners)
-        if call is None or call.module in found:
+        if call is None or _ById(call.module) in found:
             continue
         out = consumer_projection(p2)
-        detail = _describe(nodes, names, owners[call.module], p1, (q_proj, k_proj, v_proj), out)
-        found[call.module] = (call, detail)
+        owner = owners[_ById(call.module)]
+        detail = _describe(nodes, names, owner, p1, (q_proj, k_proj, v_proj), out)
+        found[_ById(call.module)] = (call, detail)
     # An owner whose call holds another owner's call keeps its own forward: one swap per
     # attention, at the innermost module.
     calls = [call for call, _ in found.values()]
@@ -264,11 +287,11 @@ def find_attention(
     return result
 
 
-def _owner(calls: list[_Call], first: int, last: int, owners: dict[nn.Module, str]) -> _Call | None:
+def _owner(calls: list[_Call], first: int, last: int, owners: dict[_ById, str]) -> _Call | None:
     best = None
     for call in calls:  # in order of entry: a later one that holds both is further in
         if (
-            call.module in owners
+            _ById(call.module) in owners
             and call.enter <= first
             and call.exit is not None
             and last < call.exit
@@ -309,25 +332,19 @@ def _describe(
     return ", ".join(parts)
 
 
-class _ById:
-    """A module as a set member or dict key by identity, whatever its own ``__hash__``.
+class Installer(Protocol):
+    """What a discovery does with what its traces find (``swap_attention``'s swaps).
 
-    Copying a model (``copy.deepcopy``) copies a discovery's hooks and with them its
-    module-keyed containers, rebuilding each key while the module it names may be half
-    copied; a torchmetrics ``Metric`` hashes its state, which is not there yet, and the
-    copy failed. This key hashes the module's identity, which a half-copied module has.
+    It is deep-copied with the discovery (see :meth:`Discovery.__deepcopy__`), through
+    the copy's memo: what it changes (a report) must be its attributes, which the copy
+    remaps, never a closure's, which the copy would share with the original.
     """
 
-    __slots__ = ("module",)
+    def install(self, found: Found, name: str) -> None:
+        """Swap an attention found, after its module's probes are gone."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
-
-    def __hash__(self) -> int:
-        return id(self.module)
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, _ById) and other.module is self.module
+    def nothing_found(self, name: str) -> None:
+        """A trace of the module called ``name`` found no attention."""
 
 
 class Discovery:
@@ -340,32 +357,66 @@ class Discovery:
     module it saw before anything is compiled with them; a probe reached inside
     compiled code does nothing.
 
+    A deep copy of the model is a model of its own: its probes belong to a
+    discovery of its own, which traces the copy's modules and hands what it finds
+    to a copy of ``installer`` (see :meth:`__deepcopy__`); calls on either model
+    never reach the other's installer.
+
     Args:
         model: the model whose attention is looked for.
-        candidates: module -> name, the modules that may own an attention.
-        install: called with each attention found, after its probes are gone.
-        nothing_found: called when a trace found no attention, with the traced module.
+        candidates: (module, name) pairs, the modules that may own an attention.
+        installer: gets each attention found, and each trace that found none.
     """
 
     def __init__(
         self,
         model: nn.Module,
-        candidates: dict[nn.Module, str],
-        install: Callable[[Found, str], None],
-        nothing_found: Callable[[str], None],
+        candidates: Sequence[tuple[nn.Module, str]],
+        installer: Installer,
     ) -> None:
-        self.names = {id(p): name for name, p in model.named_parameters(remove_duplicate=False)}
-        self.candidates = {_ById(module): name for module, name in candidates.items()}
-        self.install = install
-        self.nothing_found = nothing_found
+        # The parameters themselves, not their ids: a copy maps them to its own.
+        self.parameters = list(model.named_parameters(remove_duplicate=False))
+        self.names = {id(p): name for name, p in self.parameters}
+        self.candidates = {_ById(module): name for module, name in candidates}
+        self.installer = installer
         self.trace: _Trace | None = None
         self.recorder: _Recorder | None = None
         self.eager: Any = None
         self.probes: set[_ById] = set()
         self.hook_id: int | None = None
-        for module in candidates:
+        for module, _ in candidates:
             self._probe(module)
             _PROBED[id(module)] = self
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Discovery:
+        """The discovery of a deep copy of the model: the copy's probes, the copy's installer.
+
+        ``copy.deepcopy`` reaches a discovery through the hooks of a probed module and
+        copies functions by reference: copied field by field, the copy's traces would
+        name the original's parameters and report into the original's installer (a
+        module first called on an EMA copy swapped there, recorded in the original's
+        report). Here every field is taken through ``memo``, so it is the copy's: the
+        probed modules and their parameters, and the installer with what it holds (for
+        ``swap_attention``, the report as it stood, whose entries are the copy's swaps'
+        entries). Only modules still probed are kept: the others are decided, and the
+        copy's hooks no longer reach them.
+        """
+        copied = Discovery.__new__(Discovery)
+        memo[id(self)] = copied  # the copy's hooks, reached from here, name this one
+        copied.parameters = copy.deepcopy(self.parameters, memo)
+        copied.names = {id(p): name for name, p in copied.parameters}
+        copied.probes = copy.deepcopy(self.probes, memo)
+        copied.candidates = {
+            copy.deepcopy(key, memo): name
+            for key, name in self.candidates.items()
+            if key in self.probes
+        }
+        copied.installer = copy.deepcopy(self.installer, memo)
+        copied.trace = copied.recorder = copied.eager = None  # a trace runs in the original
+        copied.hook_id = self.hook_id  # the key under which the copied hooks sit
+        for key in copied.probes:
+            _PROBED[id(key.module)] = copied
+        return copied
 
     @property
     def pending(self) -> bool:
@@ -415,17 +466,17 @@ class Discovery:
         found: list[Found] = []
         if not trace.broken and all(call.exit is not None for call in trace.calls):
             try:
-                owners = {key.module: name for key, name in self.candidates.items()}
-                found = find_attention(trace, self.names, owners)
+                found = find_attention(trace, self.names, self.candidates)
             except Exception:
                 log.debug("finding attention failed", exc_info=True)
         # Every module called in the trace is decided: its probes go before any check runs.
         for call in trace.calls:
             self._unprobe(call.module)
         for item in found:
-            self.install(item, self.candidates[_ById(item.owner)])
+            self.installer.install(item, self.candidates[_ById(item.owner)])
         if not found:
-            self.nothing_found(self.candidates.get(_ById(trace.root), type(trace.root).__name__))
+            name = self.candidates.get(_ById(trace.root), type(trace.root).__name__)
+            self.installer.nothing_found(name)
 
 
 #: id(module) -> the discovery probing it (a module is probed once). Weak: a discovery

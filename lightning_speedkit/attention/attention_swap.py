@@ -47,6 +47,9 @@ class AttentionSwap(L.Callback):
 
     Its state (each module's backend, or why it was reverted) is saved in
     checkpoints: a resumed run keeps ``auto``'s picks instead of timing again.
+    ``report`` and that state describe the LightningModule alone: a deep copy of it
+    (``WeightAveraging``'s average, an EMA teacher) finds, swaps and checks the
+    modules it calls first in itself.
 
     Example::
 

@@ -192,6 +192,12 @@ def swap_attention(
         measure: time the module's own forward(+backward) against the fused one
             at the check, for the report's ``speedup`` (``"auto"`` always times).
 
+    A deep copy of ``model`` (an EMA or ``AveragedModel`` copy, a teacher) is a model
+    of its own: its swaps are copies, and a module first called on it is found,
+    swapped and checked there and recorded in the copy's own copy of the report
+    (:func:`swapped_modules` of the copy lists its swaps and their entries), never in
+    the report returned here.
+
     Returns:
         A :class:`SwapReport`: ``.swapped``, ``.reverted``, ``.skipped``, ``.modules``.
 
@@ -295,24 +301,51 @@ def _discover(
     holders = {
         ".".join(top.split(".")[:i]) for top in excluded if top for i in range(len(top.split(".")))
     }
-    modules = dict(model.named_modules())
-    candidates: dict[nn.Module, str] = {}
-    for name, module in modules.items():
+    # Pairs, not a dict keyed by module: a module's own hash may read its state (a
+    # torchmetrics Metric's does), and its ``==`` may be always true (a Metric's is).
+    candidates: list[tuple[nn.Module, str]] = []
+    for name, module in model.named_modules():
         if name in holders or any(inside(name, top) for top in excluded) or probed(module):
             continue
         if type(module).__module__.startswith("torch.") and not any(
             True for _ in module.children()
         ):
             continue  # one of torch's own layers (Linear, LayerNorm, Dropout, ...)
-        candidates[module] = name
+        candidates.append((module, name))
     if not candidates:
         return None
-    warned: list[str] = []
+    traced = _TracedSwaps(report, type(model).__name__, backend, tolerance, measure)
+    return Discovery(model, candidates, traced)
 
-    def install(found: Found, name: str) -> None:
+
+class _TracedSwaps:
+    """What discovery finds, swapped, checked and recorded in ``report`` (the ``traced`` family).
+
+    Held by the model's discovery, and deep-copied with it: a deep copy of the model
+    (an EMA or ``AveragedModel`` copy) swaps what it finds in itself and records it in
+    its own copy of the report, never in this one.
+    """
+
+    def __init__(
+        self,
+        report: SwapReport,
+        model_name: str,
+        backend: str,
+        tolerance: float | None,
+        measure: bool,
+    ) -> None:
+        self.report = report
+        self.model_name = model_name
+        self.backend = backend
+        self.tolerance = tolerance
+        self.measure = measure
+        self.warned = False
+
+    def install(self, found: Found, name: str) -> None:
+        report, backend = self.report, self.backend
         entry = ModuleSwap(name=name, family="traced", requested=backend, detail=found.detail)
         binding = TracedAttention(found.detail)
-        swap = _SwappedForward(found.owner, entry, TRACED, binding, tolerance, measure)
+        swap = _SwappedForward(found.owner, entry, TRACED, binding, self.tolerance, self.measure)
         replace_forward(found.owner, swap)
         report.modules.append(entry)
         report._swaps[name] = swap
@@ -323,12 +356,11 @@ def _discover(
         if entry.status != "reverted":
             swap.check_now(*found.inputs, grad=found.grad)
 
-    def nothing_found(name: str) -> None:
-        if not report.modules and not report.skipped and not warned:
-            warned.append(name)
-            _warn_nothing_found(type(model).__name__)
-
-    return Discovery(model, candidates, install, nothing_found)
+    def nothing_found(self, name: str) -> None:
+        report = self.report
+        if not report.modules and not report.skipped and not self.warned:
+            self.warned = True
+            _warn_nothing_found(self.model_name)
 
 
 def _call(model: nn.Module, sample: Any) -> Any:

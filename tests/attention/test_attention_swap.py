@@ -190,6 +190,39 @@ def test_fit_finds_attention_by_tracing_and_trains_like_plain(tmp_path: Path) ->
     assert resumed.report.reverted[0][0] == "blocks.0.attention"
 
 
+def test_an_averaged_copy_made_in_setup_finds_its_own_attention_apart_from_the_report() -> None:
+    """Lightning's WeightAveraging deep-copies the module in ``setup``, after AttentionSwap
+    swapped it and before its first call: the copy's probes are its own, and what the
+    copy finds is swapped in the copy and never lands in the callback's report (nor in
+    its checkpoints)."""
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    swap = AttentionSwap("sdpa", verbose=False)
+    averaging = WeightAveraging()
+    _fit_traced([swap, averaging], steps=3)
+    assert swap.report is not None
+    assert swap.report.swapped == ["blocks.0.attention", "blocks.1.attention"]
+    entries, saved = list(swap.report.modules), swap.state_dict()
+    averaged = averaging._average_model  # the callback keeps it private
+    assert averaged is not None
+    assert swapped_modules(averaged) == {}  # not called during fit: still probed
+    plain = _TracedTask()  # unswapped, with the averaged weights
+    plain.load_state_dict(averaged.module.state_dict())
+    x = torch.randn(4, 6, 32, generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(averaged(x), plain(x), rtol=1e-5, atol=1e-5)
+    copied = swapped_modules(averaged.module)
+    assert list(copied) == ["blocks.0.attention", "blocks.1.attention"]
+    for swap_forward in copied.values():
+        assert (swap_forward.entry.status, swap_forward.entry.checked) == (
+            "active",
+            "forward+backward",
+        )
+    torch.testing.assert_close(averaged(x), plain(x), rtol=1e-5, atol=1e-5)  # fused now
+    assert len(swap.report.modules) == 2
+    assert all(m is e for m, e in zip(swap.report.modules, entries, strict=True))
+    assert swap.state_dict() == saved
+
+
 def test_bad_arguments_are_refused() -> None:
     with pytest.raises(SpeedkitConfigError, match="`backend='flash2'`"):
         AttentionSwap("flash2")  # type: ignore[arg-type]

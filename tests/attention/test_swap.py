@@ -13,8 +13,11 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_speedkit import SpeedkitConfigError, count_flops, swap_attention
-from lightning_speedkit.attention.swap import swapped_modules
+from lightning_speedkit.attention._discovery import _PROBED, probed
+from lightning_speedkit.attention.swap import SwapReport, _TracedSwaps, swapped_modules
 from speedkit_examples.vlm import VLM, VLMConfig
+
+from .test_traced import Block, CrossAttention, ViTAttention
 
 
 def _vlm(preset: str = "tiny") -> VLM:
@@ -539,3 +542,128 @@ def test_a_swapped_task_with_metrics_deep_copies_and_the_copy_computes_the_same(
     copied = copy.deepcopy(task)
     assert list(swapped_modules(copied)) == list(swapped_modules(task))
     torch.testing.assert_close(copied.model(images, ids), task.model(images, ids), rtol=0, atol=0)
+    # The copy's metrics are probed by the copy's discovery: tracing one there (no
+    # attention in it) decides it in the copy alone.
+    before = report.as_dict()
+    assert probed(copied.val_acc)
+    assert probed(task.val_acc)
+    logits = torch.randn(6, tokenizer.vocab_size, generator=torch.Generator().manual_seed(0))
+    copied.val_acc(logits, torch.randint(0, tokenizer.vocab_size, (6,)))
+    assert not probed(copied.val_acc)
+    assert probed(task.val_acc)
+    assert report.as_dict() == before
+
+
+# ------------------------------------------------------------------ deep copies
+
+
+class _LateAttention(nn.Module):
+    """A sample reaches one attention; the other is first called later (with ``extra``).
+    The torchmetrics metric (its hash reads its state, its ``==`` is always true) is never
+    called: it stays probed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.common = Block(ViTAttention())
+        self.late = Block(CrossAttention())
+        self.metric = pytest.importorskip("torchmetrics").MeanMetric()
+
+    def forward(self, x: Tensor, extra: Tensor | None = None) -> Tensor:
+        out = self.common(x)
+        return out if extra is None else out + self.late(extra)  # type: ignore[no-any-return]
+
+
+def _late_inputs() -> tuple[Tensor, Tensor]:
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(2, 7, 32, generator=generator), torch.randn(2, 7, 32, generator=generator)
+
+
+def _discovered_into(module: nn.Module) -> SwapReport:
+    """The report the discovery probing ``module`` records into."""
+    traced = _PROBED[id(module)].installer
+    assert isinstance(traced, _TracedSwaps)
+    return traced.report
+
+
+LATE_DETAIL = "4 heads, q/k/v to_q/to_k/to_v, out to_out.0"
+
+
+def test_a_deep_copy_swaps_its_late_attention_in_itself_and_reports_it_in_its_own_report() -> None:
+    """A module first called on a deep copy (an EMA copy, a teacher) was swapped in the
+    copy but recorded in the original's report, its detail naming the original's
+    parameters. Each model now finds, swaps and reports its own."""
+    model = _LateAttention()
+    reference = copy.deepcopy(model)  # eager
+    x, extra = _late_inputs()
+    report = swap_attention(model, "sdpa", sample=(x,))
+    assert report.swapped == ["common.attention"]
+    before, entries = report.as_dict(), list(report.modules)
+    copied = copy.deepcopy(model)
+    assert probed(copied.late)
+    assert probed(copied.metric)
+    copied_report = _discovered_into(copied.late)
+    assert copied_report is not report
+    for _ in range(2):  # traced, found and checked; then the fused forward
+        _assert_same_numbers(copied, reference, x, extra)
+    # The original: its report, its swaps and its probes as they were.
+    assert report.as_dict() == before
+    assert len(report.modules) == 1
+    assert report.modules[0] is entries[0]
+    assert list(report._swaps) == ["common.attention"]
+    assert list(swapped_modules(model)) == ["common.attention"]
+    assert probed(model.late)
+    # The copy: its late attention swapped, checked, named after its own parameters...
+    copied_swaps = swapped_modules(copied)
+    assert list(copied_swaps) == ["common.attention", "late.attention"]
+    late = copied_swaps["late.attention"].entry
+    assert (late.family, late.status, late.checked) == ("traced", "active", "forward+backward")
+    assert late.parity_error is not None
+    assert late.parity_error < 1e-5
+    assert late.detail == LATE_DETAIL
+    # ...and recorded in the copy's report, whose entries are the copy's swaps'.
+    assert copied_report.swapped == ["common.attention", "late.attention"]
+    assert [m.name for m in copied_report.modules] == list(copied_swaps)
+    for entry, swap in zip(copied_report.modules, copied_swaps.values(), strict=True):
+        assert entry is swap.entry
+    assert copied_report.modules[0] is not entries[0]
+    # The original's own late call finds its own, and leaves the copy's report alone.
+    _assert_same_numbers(model, reference, x, extra)
+    assert report.swapped == ["common.attention", "late.attention"]
+    assert report.modules[1].detail == LATE_DETAIL
+    assert report.modules[1] is not late
+    assert len(copied_report.modules) == 2
+    assert copied_report.modules[1] is late
+    assert probed(model.metric)
+    assert probed(copied.metric)
+
+
+def test_an_averaged_model_of_a_swap_without_sample_swaps_its_copy_apart() -> None:
+    """AttentionSwap's case (no sample: every traced module waits for the first call)
+    under ``AveragedModel`` (EMA weights), which deep-copies the model at once."""
+    from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+    model = _LateAttention()
+    reference = copy.deepcopy(model)
+    report = swap_attention(model, "sdpa")
+    assert report.modules == []
+    averaged = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    x, extra = _late_inputs()
+    averaged.update_parameters(model)
+    with torch.no_grad():  # training moves the model; the average follows part of the way
+        for p in (*model.parameters(), *reference.parameters()):
+            p.add_(0.01)
+    averaged.update_parameters(model)
+    plain = copy.deepcopy(reference)
+    plain.load_state_dict(averaged.module.state_dict())
+    assert not torch.equal(plain.common.mlp[0].weight, model.common.mlp[0].weight)
+    out = averaged(x, extra)  # the copy's first call: traced, found, checked in the copy
+    torch.testing.assert_close(out, plain(x, extra), rtol=1e-5, atol=1e-5)
+    _assert_same_numbers(averaged.module, plain, x, extra)
+    assert report.modules == []  # the original has not run: nothing found in it
+    assert list(swapped_modules(averaged)) == ["module.common.attention", "module.late.attention"]
+    assert all(s.entry.status == "active" for s in swapped_modules(averaged).values())
+    _assert_same_numbers(model, reference, x, extra)  # the original's first call
+    assert report.swapped == ["common.attention", "late.attention"]
+    copied_entries = [s.entry for s in swapped_modules(averaged).values()]
+    assert not any(e is c for e in report.modules for c in copied_entries)
