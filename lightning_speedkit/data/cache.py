@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import pickle
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import DataLoader, Dataset
+from tqdm.auto import tqdm
 
+from lightning_speedkit import _validation
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["SampleCache", "sample_nbytes"]
@@ -51,6 +54,9 @@ class SampleCache(Dataset[Any]):
       or with few persistent workers.
     - ``max_bytes`` bounds the tensor bytes held per process; samples beyond it are
       read from the dataset each time. ``None``: no bound.
+    - In-process, the first epoch still decodes one sample after another between
+      steps. :meth:`warm` reads the samples ahead of training in parallel worker
+      processes instead, so that every epoch runs at the cache's speed.
 
     Args:
         dataset: a map-style dataset (``__getitem__`` and ``__len__``).
@@ -90,6 +96,8 @@ class SampleCache(Dataset[Any]):
         self.nbytes = 0
         self.hits = 0
         self.misses = 0
+        self.warmed = 0
+        """Samples read by :meth:`warm` (not counted as misses)."""
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -104,16 +112,101 @@ class SampleCache(Dataset[Any]):
             return sample
         self.misses += 1
         sample = self.dataset[index]
-        size = sample_nbytes(sample)
-        if self.max_bytes is None or self.nbytes + size <= self.max_bytes:
-            self._samples[index] = sample
-            self.nbytes += size
+        self._keep(index, sample)
         return sample
+
+    def _keep(self, index: int, sample: Any) -> bool:
+        """Keep ``sample`` if the budget has room; whether it was kept."""
+        size = sample_nbytes(sample)
+        if self.max_bytes is not None and self.nbytes + size > self.max_bytes:
+            return False
+        self._samples[index] = sample
+        self.nbytes += size
+        return True
+
+    def warm(
+        self,
+        num_workers: int = 2,
+        *,
+        chunk_size: int = 64,
+        progress: bool = True,
+        worker_init_fn: Callable[[int], None] | None = None,
+        multiprocessing_context: Any = None,
+    ) -> int:
+        """Read every sample not yet cached now, in ``num_workers`` processes.
+
+        Without it, an in-process loader's first epoch decodes each batch's samples
+        one after another between training steps, on one core. ``warm`` decodes them
+        before training, on as many cores as it is given, and in index order: the
+        samples kept are the same as the first epoch would keep, and equal to them
+        (each goes through the same ``__getitem__``). It stops where ``max_bytes``
+        is reached; samples past it are read during training as before.
+
+        Workers send each chunk of ``chunk_size`` samples pickled, so the samples kept
+        are ordinary tensors of this process (not shared-memory segments, one file
+        descriptor each).
+
+        Args:
+            num_workers: processes that read samples; 0 reads them in this process.
+            chunk_size: samples per message from a worker.
+            progress: show a progress bar.
+            worker_init_fn: as the DataLoader's (e.g. to open files per worker).
+            multiprocessing_context: as the DataLoader's ("spawn", "fork", ...).
+
+        Returns:
+            How many samples were read.
+
+        Example::
+
+            >>> import torch
+            >>> class Squares(torch.utils.data.Dataset):
+            ...     def __len__(self): return 100
+            ...     def __getitem__(self, i): return torch.tensor([i * i])
+            >>> cached = SampleCache(Squares())
+            >>> cached.warm(num_workers=0, progress=False)
+            100
+            >>> int(cached[7]), cached.hits, cached.misses
+            (49, 1, 0)
+        """
+        _validation.non_negative_int("num_workers", num_workers, example=2)
+        _validation.positive_int("chunk_size", chunk_size, example=64)
+        _validation.boolean("progress", progress)
+        todo = [i for i in range(len(self.dataset)) if i not in self._samples]
+        if not todo:
+            return 0
+        loader = DataLoader(
+            _Indexed(self.dataset, todo),
+            batch_size=chunk_size,
+            num_workers=num_workers,
+            collate_fn=_pickled,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context if num_workers else None,
+        )
+        read = 0
+        bar = tqdm(total=len(todo), desc="Warming the sample cache", unit="sample",
+                   disable=not progress)  # fmt: skip
+        try:
+            for message in loader:
+                chunk: list[tuple[int, Any]] = pickle.loads(message)
+                read += len(chunk)
+                bar.update(len(chunk))
+                full = False
+                for index, sample in chunk:
+                    if index not in self._samples and not self._keep(index, sample):
+                        full = True
+                        break
+                if full:  # leaving the loop shuts its workers down
+                    break
+        finally:
+            bar.close()
+        self.warmed += read
+        return read
 
     def __getstate__(self) -> dict[str, Any]:
         # Spawned workers get the dataset, not the (possibly large) cache.
         state = dict(self.__dict__)
         state["_samples"], state["nbytes"], state["hits"], state["misses"] = {}, 0, 0, 0
+        state["warmed"] = 0
         return state
 
     def clear(self) -> None:
@@ -126,3 +219,23 @@ class SampleCache(Dataset[Any]):
         if name == "dataset" or name.startswith("__"):
             raise AttributeError(name)
         return getattr(self.dataset, name)
+
+
+class _Indexed(Dataset[tuple[int, Any]]):
+    """The dataset's samples at ``indices``, each with its index (for :meth:`SampleCache.warm`)."""
+
+    def __init__(self, dataset: Dataset[Any], indices: list[int]) -> None:
+        self.dataset = dataset
+        self.indices = indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, position: int) -> tuple[int, Any]:
+        index = self.indices[position]
+        return index, self.dataset[index]
+
+
+def _pickled(chunk: list[tuple[int, Any]]) -> bytes:
+    """A worker's chunk as bytes: tensors travel by value, not as shared memory."""
+    return pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL)

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader, Dataset
 from lightning_speedkit import _validation
 from lightning_speedkit.data.bucketing import LengthBucketBatchSampler
 from lightning_speedkit.data.cache import SampleCache
+from lightning_speedkit.data.worker_search import cpu_budget
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["SpeedDataModuleMixin"]
@@ -29,6 +30,9 @@ class SpeedDataModuleMixin:
     - ``cache=True`` (or a byte budget) keeps decoded samples in memory after their
       first read (:class:`~lightning_speedkit.data.SampleCache`); the same cache
       serves every loader built from that dataset, so it survives reloads.
+      ``warm_cache=True`` fills it before the first batch, in parallel worker processes
+      (:meth:`~lightning_speedkit.data.SampleCache.warm`), so that the first epoch
+      runs at the cache's speed too.
 
     Example::
 
@@ -56,6 +60,7 @@ class SpeedDataModuleMixin:
         lengths: Sequence[int] | None = None,
         seed: int = 0,
         cache: bool | int = False,
+        warm_cache: bool = False,
         **kwargs: Any,
     ) -> DataLoader[Any]:
         """A DataLoader with the tuned worker settings (taking precedence over ``kwargs``).
@@ -71,6 +76,10 @@ class SpeedDataModuleMixin:
             cache: keep samples in memory after their first read: True, or the most
                 bytes of sample tensors per process (see :class:`SampleCache` for
                 what the dataset must promise).
+            warm_cache: with ``cache``, read every sample into it now, in one worker
+                process per core this rank may use (the cores of the machine shared
+                among its ranks), with the loader's ``worker_init_fn`` and
+                ``multiprocessing_context``.
             **kwargs: other DataLoader arguments (``num_workers`` etc.), used until
                 the tuner has chosen.
         """
@@ -83,10 +92,24 @@ class SpeedDataModuleMixin:
         if not isinstance(cache, bool):
             _validation.positive_int("cache", cache, example=2**30,
                                      hint="True, False, or the most bytes to keep")  # fmt: skip
-        if cache is not False:
-            dataset = self._sample_cache(dataset, None if cache is True else cache)
+        _validation.boolean("warm_cache", warm_cache)
+        if warm_cache and cache is False:
+            raise SpeedkitConfigError(
+                "`warm_cache=True` fills the sample cache, but `cache` is False; pass "
+                "`cache=True` (or a byte budget) with it."
+            )
         tuned = dict(getattr(self, "speed_loader_kwargs", None) or {})
         options = {**kwargs, **tuned}
+        if cache is not False:
+            cached = self._sample_cache(dataset, None if cache is True else cache)
+            if warm_cache:
+                cached.warm(
+                    num_workers=cpu_budget(self._local_ranks()),
+                    progress=self._is_global_zero(),
+                    worker_init_fn=options.get("worker_init_fn"),
+                    multiprocessing_context=options.get("multiprocessing_context"),
+                )
+            dataset = cached
         if options.get("num_workers", 0) == 0:
             options.pop("prefetch_factor", None)
             options["persistent_workers"] = False
@@ -104,6 +127,15 @@ class SpeedDataModuleMixin:
             dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
             collate_fn=collate_fn, **options,
         )  # fmt: skip
+
+    def _local_ranks(self) -> int:
+        """Training processes on this machine (1 before a Trainer is attached)."""
+        trainer = getattr(self, "trainer", None)
+        return max(1, int(getattr(trainer, "num_devices", 1) or 1)) if trainer else 1
+
+    def _is_global_zero(self) -> bool:
+        trainer = getattr(self, "trainer", None)
+        return bool(getattr(trainer, "is_global_zero", True)) if trainer else True
 
     def _sample_cache(self, dataset: Dataset[Any], max_bytes: int | None) -> SampleCache:
         """The one cache of ``dataset``, made on first use (so reloaded loaders reuse it)."""

@@ -77,6 +77,53 @@ def test_pickling_for_spawned_workers_leaves_the_cache_behind() -> None:
     assert copy.label == "counting"  # the dataset's own attributes stay reachable
 
 
+class Offset(Counting):
+    """Counting samples shifted by ``offset``, which only a worker_init_fn sets."""
+
+    offset = 0.0
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        sample = super().__getitem__(i)
+        return {"x": sample["x"] + self.offset, "y": sample["y"]}
+
+
+def _set_offset(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    info.dataset.dataset.offset = 100.0  # type: ignore[attr-defined]
+
+
+def test_warm_reads_every_sample_in_worker_processes() -> None:
+    data = Counting(n=50)
+    cached = SampleCache(data)
+    assert cached.warm(num_workers=2, chunk_size=8, progress=False) == 50
+    assert data.reads == 0  # read in the workers, not here
+    assert (cached.warmed, cached.misses, cached.nbytes) == (50, 0, 50 * 72)
+    for i in range(50):
+        assert torch.equal(cached[i]["x"], Counting()[i]["x"])
+        assert not cached[i]["x"].is_shared()  # kept by value, not as a shared segment
+    assert (cached.hits, cached.misses, data.reads) == (100, 0, 0)
+    assert cached.warm(num_workers=2, progress=False) == 0  # nothing left to read
+
+
+def test_warm_reads_only_what_is_missing_and_stops_at_the_budget() -> None:
+    data = Counting()
+    cached = SampleCache(data, max_bytes=5 * 72)  # room for five samples
+    cached[7], cached[2]
+    assert cached.warm(num_workers=0, chunk_size=2, progress=False) == 4  # 0, 1 | 3, 4
+    assert data.reads == 2 + 4
+    assert sorted(cached._samples) == [0, 1, 2, 3, 7]
+    assert cached.nbytes == 5 * 72
+    cached[9]  # past the budget: read each time, as before
+    assert data.reads == 7
+
+
+def test_warm_runs_the_loaders_worker_init_fn() -> None:
+    cached = SampleCache(Offset(n=6))
+    cached.warm(num_workers=1, progress=False, worker_init_fn=_set_offset)
+    assert [float(cached[i]["x"][0]) for i in range(6)] == [100.0 + i for i in range(6)]
+
+
 def test_bad_input_is_refused_clearly() -> None:
     class Stream(IterableDataset[int]):
         def __iter__(self) -> Any:
@@ -87,6 +134,12 @@ def test_bad_input_is_refused_clearly() -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(SpeedkitConfigError, match="max_bytes"):
             SampleCache(Counting(), max_bytes=bad)  # type: ignore[arg-type]
+    with pytest.raises(SpeedkitConfigError, match="num_workers"):
+        SampleCache(Counting()).warm(num_workers=-1)
+    with pytest.raises(SpeedkitConfigError, match="chunk_size"):
+        SampleCache(Counting()).warm(chunk_size=0)
+    with pytest.raises(SpeedkitConfigError, match="cache=True"):
+        Data(cache=False).speed_dataloader(Counting(), batch_size=2, warm_cache=True)
 
 
 def test_sample_nbytes_counts_nested_tensors_and_bytes() -> None:
@@ -95,13 +148,15 @@ def test_sample_nbytes_counts_nested_tensors_and_bytes() -> None:
 
 
 class Data(SpeedDataModuleMixin, L.LightningDataModule):
-    def __init__(self, cache: bool | int) -> None:
+    def __init__(self, cache: bool | int, warm: bool = False) -> None:
         super().__init__()
         self.data = Counting()
         self.cache = cache
+        self.warm = warm
 
     def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
-        return self.speed_dataloader(self.data, batch_size=4, shuffle=True, cache=self.cache)
+        return self.speed_dataloader(self.data, batch_size=4, shuffle=True, cache=self.cache,
+                                     warm_cache=self.warm)  # fmt: skip
 
 
 def test_the_mixin_keeps_one_cache_across_reloaded_loaders() -> None:
@@ -115,6 +170,17 @@ def test_the_mixin_keeps_one_cache_across_reloaded_loaders() -> None:
     # shuffled epochs see every sample once each, whatever the order
     firsts = torch.cat(_epoch(dm.train_dataloader()))[:, 0]
     assert sorted(firsts.tolist()) == [float(i) for i in range(10)]
+
+
+def test_the_mixin_warms_the_cache_once_before_the_first_batch() -> None:
+    dm = Data(cache=True, warm=True)
+    loader = dm.train_dataloader()
+    cache = loader.dataset
+    assert isinstance(cache, SampleCache)
+    assert (cache.warmed, len(cache._samples)) == (10, 10)
+    _epoch(loader)
+    _epoch(dm.train_dataloader())  # a reloaded loader finds it warm: nothing read again
+    assert (cache.warmed, cache.misses, cache.hits) == (10, 0, 20)
 
 
 def test_the_mixin_without_cache_reads_every_time() -> None:
@@ -132,6 +198,15 @@ class CachedVLMData(SpeedDataModuleMixin, VLMDataModule):
         return self.speed_dataloader(
             dataset, batch_size=self.batch_size, sampler=self.shuffle_sampler(dataset),
             drop_last=True, collate_fn=self.collate, cache=True,
+        )  # fmt: skip
+
+
+class WarmedVLMData(SpeedDataModuleMixin, VLMDataModule):
+    def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        dataset = self.datasets["train"]
+        return self.speed_dataloader(
+            dataset, batch_size=self.batch_size, sampler=self.shuffle_sampler(dataset),
+            drop_last=True, collate_fn=self.collate, cache=True, warm_cache=True,
         )  # fmt: skip
 
 
@@ -163,3 +238,9 @@ def test_training_on_cached_samples_follows_the_same_trajectory(small_corpus: Pa
     assert cached == plain  # bitwise: the same samples in the same order
     (cache,) = data.__dict__["_speed_sample_caches"].values()
     assert (cache.misses, cache.hits) == (SMALL_CORPUS.train_samples,) * 2
+    # decoded ahead in worker processes: every epoch from the cache, the same trajectory
+    warmed, data = _fit(WarmedVLMData, small_corpus)
+    assert warmed == plain
+    (cache,) = data.__dict__["_speed_sample_caches"].values()
+    assert (cache.warmed, cache.misses) == (SMALL_CORPUS.train_samples, 0)
+    assert cache.hits == 2 * SMALL_CORPUS.train_samples
