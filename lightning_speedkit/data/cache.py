@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import pickle
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -174,20 +175,22 @@ class SampleCache(Dataset[Any]):
         todo = [i for i in range(len(self.dataset)) if i not in self._samples]
         if not todo:
             return 0
-        loader = DataLoader(
-            _Indexed(self.dataset, todo),
-            batch_size=chunk_size,
-            num_workers=num_workers,
-            collate_fn=_pickled,
-            worker_init_fn=worker_init_fn,
-            multiprocessing_context=multiprocessing_context if num_workers else None,
-        )
+        if num_workers == 0:  # read here: nothing to send between processes
+            chunks: Any = ([(i, self.dataset[i])] for i in todo)
+        else:
+            chunks = map(pickle.loads, DataLoader(
+                _Indexed(self.dataset, todo),
+                batch_size=chunk_size,
+                num_workers=num_workers,
+                collate_fn=_pickled,
+                worker_init_fn=worker_init_fn,
+                multiprocessing_context=multiprocessing_context,
+            ))  # fmt: skip
         read = 0
         bar = tqdm(total=len(todo), desc="Warming the sample cache", unit="sample",
                    disable=not progress)  # fmt: skip
         try:
-            for message in loader:
-                chunk: list[tuple[int, Any]] = pickle.loads(message)
+            for chunk in chunks:
                 read += len(chunk)
                 bar.update(len(chunk))
                 full = False
@@ -236,6 +239,29 @@ class _Indexed(Dataset[tuple[int, Any]]):
         return index, self.dataset[index]
 
 
+class _ByValue(pickle.Pickler):
+    """Pickles CPU tensors as numpy arrays: their bytes in one piece, not a torch.save each."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        if (
+            type(obj) is torch.Tensor
+            and obj.device.type == "cpu"
+            and not obj.requires_grad
+            and obj.layout == torch.strided
+            and obj.dtype in _NUMPY_DTYPES
+        ):
+            return torch.from_numpy, (obj.numpy(),)
+        return NotImplemented
+
+
+_NUMPY_DTYPES = {
+    torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
+    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+}  # fmt: skip
+
+
 def _pickled(chunk: list[tuple[int, Any]]) -> bytes:
     """A worker's chunk as bytes: tensors travel by value, not as shared memory."""
-    return pickle.dumps(chunk, protocol=pickle.HIGHEST_PROTOCOL)
+    buffer = io.BytesIO()
+    _ByValue(buffer, protocol=pickle.HIGHEST_PROTOCOL).dump(chunk)
+    return buffer.getvalue()

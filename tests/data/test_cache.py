@@ -118,6 +118,26 @@ def test_warm_reads_only_what_is_missing_and_stops_at_the_budget() -> None:
     assert data.reads == 7
 
 
+def test_samples_cross_from_the_workers_equal_and_by_value() -> None:
+    from lightning_speedkit.data.cache import _pickled
+
+    sample: dict[str, Any] = {
+        "view": torch.arange(6.0).view(2, 3).t(),  # not contiguous
+        "bf16": torch.tensor([1.5, -2.0], dtype=torch.bfloat16),  # no numpy dtype
+        "mask": torch.tensor([True, False]),
+        "nested": [torch.tensor(3), b"raw", "text", None],
+    }
+    ((index, back),) = pickle.loads(_pickled([(4, sample)]))
+    assert index == 4
+    for key in ("view", "bf16", "mask"):
+        assert torch.equal(back[key], sample[key])
+        assert back[key].dtype == sample[key].dtype
+    assert torch.equal(back["nested"][0], sample["nested"][0])
+    assert back["nested"][1:] == [b"raw", "text", None]
+    back["view"].add_(1)  # writable, and its own memory
+    assert float(sample["view"][0, 0]) == 0.0
+
+
 def test_warm_runs_the_loaders_worker_init_fn() -> None:
     cached = SampleCache(Offset(n=6))
     cached.warm(num_workers=1, progress=False, worker_init_fn=_set_offset)
