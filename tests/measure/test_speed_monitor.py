@@ -2,6 +2,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import platform
+import sys
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -330,3 +333,105 @@ def test_a_batch_without_a_sample_count_is_said_once_naming_the_override() -> No
     assert len(record) == 1
     assert "`dict`" in str(record[0].message)
     assert SpeedMonitor(samples_per_batch=lambda b: 3)._describe({"a": [1]}).samples == 3
+
+
+# --- bf16 on a CPU without native bf16 ---------------------------------------------------------
+
+
+def _bf16_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "native bf16" in str(w.message)]
+
+
+def _fit_in(precision: str, monitor: SpeedMonitor, steps: int = 12) -> None:
+    trainer = L.Trainer(
+        accelerator="cpu", precision=precision, max_steps=steps, logger=False, callbacks=[monitor],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(MLP(), loader(n=8 * steps))
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_bf16_on_a_cpu_without_native_bf16_warns_once_with_the_fix(
+    precision: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sm, "_cpu_native_bf16", lambda: False)
+    monitor = SpeedMonitor(peak_flops=None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit_in(precision, monitor)
+        _fit_in(precision, monitor)  # 24 steps over two fits: still one warning
+    assert _bf16_warnings(caught) == [
+        f"SpeedMonitor: this run trains in {precision} on a CPU without native bf16 "
+        "instructions (no AVX512_BF16 or AMX_BF16), where bf16 is emulated and slower than "
+        "float32: on such a CPU (2 AVX2 cores), a training step of the kit's tiny example VLM "
+        "took 312 ms in bf16 autocast against 41 ms in float32, 8x slower "
+        "(benchmarks/cpu_step.py). Train in float32 on this CPU: `Trainer(precision='32-true')`."
+    ]
+
+
+@pytest.mark.parametrize(
+    ("precision", "native"),
+    [
+        pytest.param("bf16-mixed", True, id="native-bf16"),
+        pytest.param("bf16-mixed", None, id="cannot-tell"),
+        pytest.param("32-true", False, id="float32"),
+    ],
+)
+def test_no_bf16_warning_with_native_bf16_unknown_support_or_float32(
+    precision: str, native: bool | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sm, "_cpu_native_bf16", lambda: native)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        _fit_in(precision, SpeedMonitor(peak_flops=None))
+    assert _bf16_warnings(caught) == []
+
+
+@pytest.mark.parametrize(("device", "warned"), [("cpu", 1), ("cuda", 0)])
+def test_no_bf16_warning_on_cuda(device: str, warned: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same fit start on a CPU (it warns: the stand-in trainer reaches the check) and
+    on a GPU, where bf16 is native and the CPU's instructions do not matter."""
+    monkeypatch.setattr(sm, "_cpu_native_bf16", lambda: False)
+    trainer: Any = types.SimpleNamespace(
+        strategy=types.SimpleNamespace(root_device=torch.device(device)), precision="bf16-mixed"
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        SpeedMonitor(peak_flops=None).on_fit_start(trainer, MLP())
+    assert len(_bf16_warnings(caught)) == warned
+
+
+_NO_BF16 = {"architecture": "x86_64", "avx2": True, "avx512_bf16": False, "amx_bf16": False}
+
+
+@pytest.mark.parametrize(
+    ("system", "capabilities", "native"),
+    [
+        pytest.param("linux", _NO_BF16, False, id="avx2-only"),
+        pytest.param("linux", {**_NO_BF16, "avx512_bf16": True}, True, id="avx512-bf16"),
+        pytest.param("linux", {**_NO_BF16, "amx_bf16": True}, True, id="amx-bf16"),
+        pytest.param("darwin", _NO_BF16, None, id="not-linux"),
+        pytest.param("linux", {**_NO_BF16, "architecture": "aarch64"}, None, id="not-x86"),
+        pytest.param("linux", {"architecture": "x86_64", "avx2": True}, None, id="flags-unnamed"),
+        pytest.param("linux", None, None, id="no-query"),
+    ],
+)
+def test_native_bf16_is_read_from_torch_capabilities(
+    system: str, capabilities: dict[str, Any] | None, native: bool | None
+) -> None:
+    assert sm._native_bf16(system, capabilities) is native
+
+
+def test_this_machine_native_bf16_agrees_with_proc_cpuinfo() -> None:
+    """torch's answer for this machine against the kernel's CPU flags."""
+    cpuinfo = Path("/proc/cpuinfo")
+    linux_x86 = sys.platform.startswith("linux") and platform.machine() == "x86_64"
+    if not linux_x86 or not cpuinfo.exists():
+        pytest.skip("the flags are read from /proc/cpuinfo on Linux x86-64")
+    if not hasattr(torch.cpu, "get_capabilities"):
+        pytest.skip(f"torch {torch.__version__} has no torch.cpu.get_capabilities: unknown")
+    flags = set()
+    for line in cpuinfo.read_text().splitlines():
+        if line.startswith("flags"):
+            flags |= set(line.split(":", 1)[1].split())
+    assert sm._cpu_native_bf16() is bool(flags & {"avx512_bf16", "amx_bf16"})
