@@ -197,6 +197,70 @@ def test_compute_names_what_the_step_is_bound_by(
     assert finding.evidence == text
 
 
+_CPU_BF16 = (
+    "bf16-mixed only on a CPU with native bf16 (AVX512_BF16 or AMX; elsewhere it is emulated "
+    "and several times slower than float32: SpeedMonitor warns)"
+)
+_CPU_COMPILE = "measured against eager: on a CPU, compiled code of a small model can be slower"
+
+
+@pytest.mark.parametrize(
+    ("shares", "on_device", "fix"),
+    [
+        pytest.param(
+            {"memory_copy": 0.4, "elementwise": 0.3, "matmul": 0.3}, True,
+            "fewer copies: under autocast each fp32 result (norms, softmax, residual adds) is "
+            "cast again before the next matmul, and .contiguous()/.reshape() copy transposed "
+            "tensors; torch.compile fuses casts and copies into the kernels around them",
+            id="copies-gpu",
+        ),
+        pytest.param(
+            {"memory_copy": 0.4, "elementwise": 0.3, "matmul": 0.3}, False,
+            "fewer copies: under autocast each fp32 result (norms, softmax, residual adds) is "
+            "cast again before the next matmul (on a CPU without native bf16, "
+            "precision='32-true' removes the casts and the emulation), and "
+            ".contiguous()/.reshape() copy transposed tensors; torch.compile can fuse casts "
+            f"and copies into the operators around them, {_CPU_COMPILE}",
+            id="copies-cpu",
+        ),
+        pytest.param(
+            {"elementwise": 0.6, "matmul": 0.3, "memory_copy": 0.1}, True,
+            "a fused optimizer (torch.optim.AdamW(fused=True)), torch.compile to fuse the "
+            "elementwise chains; bf16-mixed if not already",
+            id="elementwise-gpu",
+        ),
+        pytest.param(
+            {"elementwise": 0.6, "matmul": 0.3, "memory_copy": 0.1}, False,
+            f"a fused optimizer (torch.optim.AdamW(fused=True)); {_CPU_BF16}; torch.compile "
+            f"to fuse the elementwise chains, {_CPU_COMPILE}",
+            id="elementwise-cpu",
+        ),
+        pytest.param(
+            {"matmul": 0.7, "elementwise": 0.2, "overhead": 0.1}, True,
+            "bf16-mixed precision if not already, a larger micro-batch, torch.compile; "
+            "SpeedMonitor's MFU (`from lightning_speedkit import SpeedMonitor`) says how far "
+            "from the hardware's peak",
+            id="matmul-gpu",
+        ),
+        pytest.param(
+            {"matmul": 0.7, "elementwise": 0.2, "overhead": 0.1}, False,
+            f"a larger micro-batch; {_CPU_BF16}; torch.compile, {_CPU_COMPILE}; SpeedMonitor's "
+            "MFU (`from lightning_speedkit import SpeedMonitor`) says how far from the "
+            "hardware's peak",
+            id="matmul-cpu",
+        ),
+    ],
+)  # fmt: skip
+def test_compute_fix_qualifies_bf16_and_compile_on_a_cpu(
+    shares: dict[str, float], on_device: bool, fix: str
+) -> None:
+    """On a CPU trace bf16 helps only with native bf16 and torch.compile is to be measured
+    (both measured slower on a CPU: benchmarks/cpu_step.py); a GPU trace keeps the plain advice."""
+    finding = compute_rule(evidence(shares, top_ops=_TOP, on_device=on_device), ())
+    assert finding is not None
+    assert finding.fix == fix
+
+
 def test_compute_only_when_nothing_before_it_explains_the_step() -> None:
     shares = {"matmul": 0.7, "overhead": 0.3}
     sync, memory, data = (Finding(kind, 0.1, "", "") for kind in ("host_sync", "memory", "data"))
@@ -278,27 +342,70 @@ def test_a_fix_says_where_to_import_each_kit_name_it_names(kind: str) -> None:
         assert named <= imported, (kind, named - imported)
 
 
-def test_a_compute_fix_leaves_out_the_levers_already_on() -> None:
-    from lightning_speedkit.measure.report import Report, amend_for_callbacks
-    from lightning_speedkit.measure.report.rules import Finding
+def _compute_report(device: str) -> Any:
+    from lightning_speedkit.measure.report import Report
 
-    def compute_report() -> Report:
-        finding = Finding("compute", 0.9, "compute-bound", "torch.compile, a fused optimizer")
-        return Report(source="t", device="cpu", steps=3, step_ms=10.0, breakdown={}, modules={},
-                      top_ops=[], sync_sites=[], findings=[finding])  # fmt: skip
+    finding = Finding("compute", 0.9, "compute-bound", "torch.compile, a fused optimizer")
+    return Report(source="t", device=device, steps=3, step_ms=10.0, breakdown={}, modules={},
+                  top_ops=[], sync_sites=[], findings=[finding])  # fmt: skip
 
-    both = compute_report()
-    amend_for_callbacks(both, ["FusedOptimizer", "RegionalCompile", "SpeedMonitor"])
-    assert both.findings[0].fix == (
-        "FusedOptimizer and RegionalCompile are already on; left: bf16-mixed precision if "
-        "not already, a larger micro-batch (`from lightning_speedkit import MicroBatchTuner`)"
-    )
-    one = compute_report()
-    amend_for_callbacks(one, ["FusedOptimizer"])
-    assert one.findings[0].fix.startswith(
-        "FusedOptimizer is already on; left: torch.compile per block "
-        "(`from lightning_speedkit import RegionalCompile`), bf16-mixed"
-    )
-    untouched = compute_report()
+
+_MICRO_BATCH = "a larger micro-batch (`from lightning_speedkit import MicroBatchTuner`)"
+_PER_BLOCK = "torch.compile per block (`from lightning_speedkit import RegionalCompile`)"
+
+
+@pytest.mark.parametrize(
+    ("device", "callbacks", "fix"),
+    [
+        pytest.param(
+            "cuda", ["FusedOptimizer", "RegionalCompile", "SpeedMonitor"],
+            "FusedOptimizer and RegionalCompile are already on; left: bf16-mixed precision if "
+            f"not already, {_MICRO_BATCH}",
+            id="cuda-both",
+        ),
+        pytest.param(
+            "cuda", ["FusedOptimizer"],
+            f"FusedOptimizer is already on; left: {_PER_BLOCK}, bf16-mixed precision if not "
+            f"already, {_MICRO_BATCH}",
+            id="cuda-fused",
+        ),
+        pytest.param(  # the demo's CPU run: torch.compile last, to be measured
+            "cpu", ["FusedOptimizer"],
+            f"FusedOptimizer is already on; left: {_MICRO_BATCH}, {_CPU_BF16}, {_PER_BLOCK}, "
+            f"{_CPU_COMPILE}",
+            id="cpu-fused",
+        ),
+        pytest.param(
+            "cpu", ["FusedOptimizer", "RegionalCompile", "SpeedMonitor"],
+            f"FusedOptimizer and RegionalCompile are already on; left: {_MICRO_BATCH}, "
+            f"{_CPU_BF16}; on a CPU, time a run without RegionalCompile too: compiled blocks "
+            "of a small model can be slower than eager",
+            id="cpu-both",
+        ),
+        pytest.param(
+            "cpu", ["RegionalCompile"],
+            "RegionalCompile is already on; left: a fused optimizer (`from lightning_speedkit "
+            f"import FusedOptimizer`), {_MICRO_BATCH}, {_CPU_BF16}; on a CPU, time a run "
+            "without RegionalCompile too: compiled blocks of a small model can be slower than "
+            "eager",
+            id="cpu-compiled",
+        ),
+    ],
+)  # fmt: skip
+def test_a_compute_fix_leaves_out_the_levers_already_on(
+    device: str, callbacks: list[str], fix: str
+) -> None:
+    from lightning_speedkit.measure.report import amend_for_callbacks
+
+    report = _compute_report(device)
+    amend_for_callbacks(report, callbacks)
+    assert report.findings[0].fix == fix
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_a_compute_fix_is_kept_when_no_lever_is_on(device: str) -> None:
+    from lightning_speedkit.measure.report import amend_for_callbacks
+
+    untouched = _compute_report(device)
     amend_for_callbacks(untouched, ["SpeedMonitor"])
     assert untouched.findings[0].fix == "torch.compile, a fused optimizer"

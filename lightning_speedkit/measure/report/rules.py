@@ -45,6 +45,16 @@ VISION_SHARE = 0.40  #: a vision tower above this share of step time is flagged
 MEMORY_SHARE = 0.90  #: peak memory above this share of the device is a finding
 COPY_SHARE = 0.15  #: copies and dtype casts above this share name the compute finding
 
+#: On a CPU trace the compute fixes qualify two levers that were measured to slow a CPU
+#: step (benchmarks/cpu_step.py): bf16 where the CPU has no bf16 instructions, and
+#: torch.compile on a small model. A trace does not say which CPU ran it, so the advice
+#: says when each helps instead of guessing.
+_CPU_BF16 = (
+    "bf16-mixed only on a CPU with native bf16 (AVX512_BF16 or AMX; elsewhere it is "
+    "emulated and several times slower than float32: SpeedMonitor warns)"
+)
+_CPU_COMPILE = "measured against eager: on a CPU, compiled code of a small model can be slower"
+
 _VISION = re.compile(r"vision|visual|image|img|vit|pixel|patch", re.IGNORECASE)
 _COMPUTE = ("attention", "matmul", "elementwise", "memory_copy")
 
@@ -205,9 +215,11 @@ def memory_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None:
 def compute_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None:
     """When no finding before it explains the step (a sync or memory finding does not):
     host-bound on a device idling over ``HOST_BOUND_SHARE``; otherwise compute-bound, and
-    by what (copies over ``COPY_SHARE``, elementwise kernels, or the matmuls)."""
+    by what (copies over ``COPY_SHARE``, elementwise kernels, or the matmuls). On a CPU
+    trace the fix says where bf16 and torch.compile help, and names them last."""
     if any(f.kind not in ("host_sync", "memory") for f in found):
         return None
+    cpu = not evidence.on_device
     breakdown, compute = evidence.breakdown, evidence.compute
     heaviest = ", ".join(f"{op['name'][:60]} {op['share']:.0%}" for op in evidence.top_ops[:3])
     idle, copies = breakdown["overhead"], breakdown["memory_copy"]
@@ -233,6 +245,14 @@ def compute_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None
             "copy transposed tensors; torch.compile fuses casts and copies into the "
             "kernels around them"
         )
+        if cpu:
+            fix = (
+                "fewer copies: under autocast each fp32 result (norms, softmax, residual "
+                "adds) is cast again before the next matmul (on a CPU without native bf16, "
+                "precision='32-true' removes the casts and the emulation), and "
+                ".contiguous()/.reshape() copy transposed tensors; torch.compile can fuse "
+                f"casts and copies into the operators around them, {_CPU_COMPILE}"
+            )
     elif breakdown["elementwise"] > breakdown["matmul"]:
         evidence_text = (
             f"compute-bound, and elementwise kernels ({breakdown['elementwise']:.0%}: "
@@ -243,6 +263,11 @@ def compute_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None
             "a fused optimizer (torch.optim.AdamW(fused=True)), torch.compile to fuse "
             "the elementwise chains; bf16-mixed if not already"
         )
+        if cpu:
+            fix = (
+                f"a fused optimizer (torch.optim.AdamW(fused=True)); {_CPU_BF16}; "
+                f"torch.compile to fuse the elementwise chains, {_CPU_COMPILE}"
+            )
     else:
         evidence_text = (
             f"compute-bound: operators {compute:.0%} of the step (matmul "
@@ -253,6 +278,12 @@ def compute_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None
             "SpeedMonitor's MFU (`from lightning_speedkit import SpeedMonitor`) says how far "
             "from the hardware's peak"
         )
+        if cpu:
+            fix = (
+                f"a larger micro-batch; {_CPU_BF16}; torch.compile, {_CPU_COMPILE}; "
+                "SpeedMonitor's MFU (`from lightning_speedkit import SpeedMonitor`) says how "
+                "far from the hardware's peak"
+            )
     share = compute + (idle if evidence.on_device else 0.0)
     return Finding("compute", share, evidence_text, fix)
 
@@ -304,19 +335,35 @@ _COMPUTE_LEVERS = {
 }
 
 
+_MICRO_BATCH = "a larger micro-batch (`from lightning_speedkit import MicroBatchTuner`)"
+
+
 def amend_for_callbacks(report: Report, callbacks: Iterable[str]) -> None:
-    """Say so where a finding's fix is a callback the run already has (by class name)."""
-    present = set(callbacks)
+    """Say so where a finding's fix is a callback the run already has (by class name).
+
+    On a CPU report the compute levers left are ranked by how surely they help there:
+    bf16 only with native bf16, torch.compile last and to be measured against eager.
+    """
+    present, cpu = set(callbacks), report.device == "cpu"
     for finding in report.findings:
         name, fix = _ALREADY_ON.get(finding.kind, ("", ""))
         if name in present:
             finding.fix = fix
         on = [lever for lever in _COMPUTE_LEVERS if lever in present]
         if finding.kind == "compute" and on:
-            left = [text for lever, text in _COMPUTE_LEVERS.items() if lever not in present]
-            left.append(
-                "bf16-mixed precision if not already, a larger micro-batch "
-                "(`from lightning_speedkit import MicroBatchTuner`)"
-            )
+            missing = [lever for lever in _COMPUTE_LEVERS if lever not in present]
+            if cpu:  # torch.compile last, and to be measured
+                left = [_COMPUTE_LEVERS[lever] for lever in missing if lever != "RegionalCompile"]
+                left += [_MICRO_BATCH, _CPU_BF16]
+                if "RegionalCompile" in missing:
+                    left.append(f"{_COMPUTE_LEVERS['RegionalCompile']}, {_CPU_COMPILE}")
+            else:
+                left = [_COMPUTE_LEVERS[lever] for lever in missing]
+                left.append(f"bf16-mixed precision if not already, {_MICRO_BATCH}")
             verb = "is" if len(on) == 1 else "are"
             finding.fix = f"{' and '.join(on)} {verb} already on; left: " + ", ".join(left)
+            if cpu and "RegionalCompile" in on:
+                finding.fix += (
+                    "; on a CPU, time a run without RegionalCompile too: compiled blocks of a "
+                    "small model can be slower than eager"
+                )
