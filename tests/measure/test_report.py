@@ -336,6 +336,35 @@ def test_bad_traces_are_refused_clearly(tmp_path: Path, capsys: pytest.CaptureFi
     assert "speedkit report: error: No trace at" in capsys.readouterr().err
 
 
+def test_a_frame_name_that_is_not_utf8_costs_only_its_own_characters(tmp_path: Path) -> None:
+    # torch's profiler with stacks on has written such names (pytorch/pytorch#130622: a
+    # frame named b"getpass.py(0): \x10\xd6\x07\xc4\xff/"); reading one refused the trace.
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64))
+    path = tmp_path / "stacks.json"
+    with torch.profiler.profile(
+        schedule=torch.profiler.schedule(wait=0, warmup=1, active=2),
+        on_trace_ready=lambda p: p.export_chrome_trace(str(path)),
+        with_stack=True,
+    ) as prof:
+        for _ in range(3):
+            model(torch.randn(8, 64)).sum().backward()
+            prof.step()
+    clean = analyze_trace(path)
+    raw = path.read_bytes()
+    start = raw.index(b'"name": "', raw.index(b'"cat": "python_function"')) + len(b'"name": "')
+    end = raw.index(b'"', start)
+    path.write_bytes(raw[:start] + b"getpass.py(0): \x10\xd6\x07\xc4\xff/" + raw[end:])
+    names = [e.get("name") for e in load_trace(path)["traceEvents"]]
+    assert "getpass.py(0): \x10\ufffd\x07\ufffd\ufffd/" in names
+    assert len(names) == len(json.loads(raw)["traceEvents"])  # every other event kept
+    zipped = tmp_path / "stacks.json.gz"
+    zipped.write_bytes(gzip.compress(path.read_bytes()))
+    for garbled in (path, zipped):
+        report = analyze_trace(garbled)
+        assert report.steps == clean.steps == 2
+        assert report.breakdown == pytest.approx(clean.breakdown)
+
+
 # ---------------------------------------------------------------- the device timeline
 
 

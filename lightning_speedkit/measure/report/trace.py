@@ -2,18 +2,27 @@
 ``.json.gz``, or the loaded dict), refused with the reason where the analysis could not
 read it, and its complete events as :class:`_Event`; also the device memory figures a
 trace carries (``deviceProperties``, ``[memory]`` events).
+
+A trace is read as bytes and decoded leniently: torch's profiler with ``with_stack=True``
+has been seen to write Python frame names that are not UTF-8, raw control characters
+included (pytorch/pytorch issues 113564, 136040 and 130622; its own C++ export writes the
+bytes as they are). One such name would otherwise cost the whole report: it is read with
+U+FFFD in place of the bad bytes, and every other event as written.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
 from lightning_speedkit.errors import SpeedkitConfigError
+
+log = logging.getLogger(__name__)
 
 
 def load_trace(trace: str | Path | Mapping[str, Any]) -> dict[str, Any]:
@@ -32,8 +41,8 @@ def load_trace(trace: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         raise SpeedkitConfigError(f"No trace at {path}.")
     opener: Any = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rt") as handle:
-            data = json.load(handle)
+        with opener(path, "rb") as handle:
+            data = json.loads(_decoded(handle.read(), path), strict=False)
     except (OSError, ValueError, EOFError) as error:
         raise SpeedkitConfigError(
             f"{path} is not a chrome trace (JSON, optionally gzip): {error}"
@@ -44,6 +53,15 @@ def load_trace(trace: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         raise SpeedkitConfigError(f"{path} has no `traceEvents`: not a chrome trace.")
     _check_events(data, str(path))
     return data
+
+
+def _decoded(raw: bytes, path: Path) -> str:
+    """``raw`` as text, bytes that are not UTF-8 replaced (see the module's docstring)."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        log.debug("%s: bytes that are not UTF-8 from offset %d on, replaced", path, error.start)
+        return raw.decode("utf-8", errors="replace")
 
 
 def _check_events(data: Mapping[str, Any], where: str) -> None:
