@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import gzip
+import math
 import re
 import shutil
 import statistics
@@ -49,8 +50,9 @@ class _Region:
             region.__exit__(None, None, None)
 
     def exit_all(self) -> None:
-        for name in list(self._open):
-            self.exit(name)
+        if self._open:
+            for name in list(self._open):
+                self.exit(name)
 
 
 def _top_level(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
@@ -69,6 +71,23 @@ def _top_level(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         name, only = holding[0]
         prefix += name + "."
         children = list(only.named_children())
+
+
+def _first_profiled(
+    position: int, *, skip_first: int, wait: int, warmup: int, active: int, repeat: int
+) -> float:
+    """The first position from ``position`` on at which ``torch.profiler.schedule`` with
+    these arguments returns an action other than NONE (a warm-up or a recorded step);
+    ``math.inf`` when its ``repeat`` windows are all behind. Arithmetic, not a walk: the
+    idle steps before a window cost a comparison each (``skip_first`` may be 10**9)."""
+    cycle = wait + warmup + active
+    into = max(position, skip_first) - skip_first
+    done, within = divmod(into, cycle)
+    if within < wait:
+        into = done * cycle + wait
+    if repeat and into >= repeat * cycle:
+        return math.inf
+    return skip_first + into
 
 
 def _has_parameters(module: torch.nn.Module) -> bool:
@@ -114,7 +133,10 @@ class ProfilerSchedule(L.Callback):
     top-level child module of the LightningModule (``speedkit/module/<name>``, e.g.
     vision encoder, projector, language model), so time can be attributed although
     Lightning runs forward and backward inside the optimizer's closure. Outside the
-    windows nothing is marked and the profiler records nothing.
+    windows nothing is marked and no torch profiler exists (it is made as a window's
+    first step begins and dropped once its trace is written): a step costs the hooks a
+    counter compare, a check per marked module, and a clock read (the un-profiled step
+    time the report compares with).
 
     Profiling never stops training: a directory that cannot be written or that
     disappears, a full disk (partial files are removed), a trace over ``max_trace_mb``
@@ -198,9 +220,12 @@ class ProfilerSchedule(L.Callback):
         self._batch_end: float | None = None
         self._batch_start: float | None = None
         self._profiler: Any = None
+        self._activities: list[ProfilerActivity] = []
         self._directory = Path()
         self._regions = _Region()
         self._hooks: list[Any] = []
+        # The first step of the next window (its warm-up): until then, no profiler exists.
+        self._next_window: float = math.inf
         self._rank = 0
         self._windows = 0
         self._steps = 0
@@ -214,7 +239,6 @@ class ProfilerSchedule(L.Callback):
         self._compiles = CompileWatch()
         self._compiled_before_step = 0
         self._held = False
-        self._held_step = -1
         self._delay = self._start_delay = 0
         self._base_schedule: Any = None
 
@@ -269,7 +293,9 @@ class ProfilerSchedule(L.Callback):
         self._start_step = self._steps
         self._resumed = None
         self._held = _compat.has_compiled_parts(pl_module)
-        self._base_schedule, self._held_step = None, -1
+        self._base_schedule = torch.profiler.schedule(
+            skip_first=self.skip_first, wait=self.wait, warmup=self.warmup,
+            active=self.active, repeat=self.repeat)  # fmt: skip
         other = self._other_profiler(trainer)
         if other:
             # torch has one profiling session per process: two profilers share it, and
@@ -293,53 +319,73 @@ class ProfilerSchedule(L.Callback):
             self._give_up(f"writing to {directory}", _why_not_written(directory, error))
             return
         self._directory = directory
-        activities = [ProfilerActivity.CPU]
+        self._activities = [ProfilerActivity.CPU]
         if trainer.strategy.root_device.type == "cuda":
-            activities.append(ProfilerActivity.CUDA)
-        try:
-            self._profiler = torch.profiler.profile(
-                activities=activities,
-                schedule=self._schedule,
-                on_trace_ready=self._write_trace,
-                record_shapes=self.record_shapes,
-                with_stack=self.with_stack,
-                profile_memory=self.profile_memory,
-            )
-            self._profiler.step_num = self._steps
-            self._profiler.current_action = self._profiler.schedule(self._steps)
-            self._profiler.start()
-        except Exception as error:  # profiling must never stop training
-            # A profiler that did not start owns no session: stopping it could end another's.
-            self._give_up("starting the profiler", f"{type(error).__name__}: {error}", stop=False)
-            return
+            self._activities.append(ProfilerActivity.CUDA)
         self._compiles.install()
         self._compiled_before_step = self._compiles.compilations
+        # For the whole fit: hooks added to a compiled module later would recompile it.
         for name, child in _top_level(pl_module):
             self._hooks.append(child.register_forward_pre_hook(self._module_enter(name)))
             self._hooks.append(child.register_forward_hook(self._module_exit(name)))
         rank_zero_info(f"ProfilerSchedule: traces go to {directory}")
+        self._next_window = self._window_after(self._steps)
+        self._step_is_next()
 
-    def _schedule(self, step: int) -> ProfilerAction:
-        """torch's schedule, shifted by the steps a window waited for torch.compile.
+    def _window_after(self, step: int) -> float:
+        """The first step from ``step`` on that the schedule profiles (``math.inf``: none)."""
+        position = _first_profiled(
+            max(step - self._delay, 0), skip_first=self.skip_first, wait=self.wait,
+            warmup=self.warmup, active=self.active, repeat=self.repeat)  # fmt: skip
+        return position + self._delay
+
+    def _step_is_next(self) -> None:
+        """Step ``self._steps`` comes next: open a window that starts there.
 
         Compiling under the profiler records every operator the compiler runs on fake
         tensors (with Python stacks: tens of GB of events for a small model, and an
         out-of-memory kill), so while a model with compiled parts has not yet run a step
         without compiling, a window that is due is held back a step.
         """
-        if self._base_schedule is None:
-            self._base_schedule = torch.profiler.schedule(
-                skip_first=self.skip_first, wait=self.wait, warmup=self.warmup,
-                active=self.active, repeat=self.repeat)  # fmt: skip
+        if self._steps < self._next_window:
+            return
+        if self._held:
+            self._delay += 1
+            self._next_window = self._window_after(self._steps)
+            return
+        try:
+            profiler: Any = torch.profiler.profile(
+                activities=self._activities,
+                schedule=self._schedule,
+                on_trace_ready=self._write_trace,
+                record_shapes=self.record_shapes,
+                with_stack=self.with_stack,
+                profile_memory=self.profile_memory,
+            )
+            profiler.step_num = self._steps
+            profiler.current_action = profiler.schedule(self._steps)
+            profiler.start()
+        except Exception as error:  # profiling must never stop training
+            # A profiler that did not start owns no session: stopping it could end another's.
+            self._give_up("starting the profiler", f"{type(error).__name__}: {error}", stop=False)
+            return
+        self._profiler = profiler
+        self._compiled_before_step = self._compiles.compilations
+
+    def _window_ended(self) -> None:
+        """The window's trace is written (in ``step()``): drop the profiler until the next."""
+        profiler, self._profiler = self._profiler, None
+        try:
+            profiler.stop()  # closes torch's ProfilerStep range; nothing left to write
+        except Exception as error:  # profiling must never stop training
+            self._give_up("stopping the profiler", f"{type(error).__name__}: {error}", stop=False)
+            return
+        self._next_window = self._window_after(self._steps)
+
+    def _schedule(self, step: int) -> ProfilerAction:
+        """torch's schedule, shifted by the steps a window waited for torch.compile."""
         position = step - self._delay
         if position < 0:
-            return ProfilerAction.NONE
-        if self._held:
-            # torch may ask twice for one step: hold each step back once.
-            due = self._base_schedule(position) != ProfilerAction.NONE
-            if due and step != self._held_step:
-                self._delay += 1
-                self._held_step = step
             return ProfilerAction.NONE
         action: ProfilerAction = self._base_schedule(position)
         return action
@@ -367,7 +413,8 @@ class ProfilerSchedule(L.Callback):
 
     def _module_exit(self, name: str) -> Any:
         def hook(module: torch.nn.Module, args: Any, output: Any) -> None:
-            self._regions.exit(f"module/{name}")
+            if self._profiler is not None:
+                self._regions.exit(f"module/{name}")
 
         return hook
 
@@ -376,8 +423,14 @@ class ProfilerSchedule(L.Callback):
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._regions.exit("data_fetch")
         now = time.perf_counter()
+        if self._profiler is None:  # outside a window: only the step's time, for the report
+            if self._batch_end is not None and self._batch_start is not None:
+                self._unprofiled[0].append(now - self._batch_end)
+                self._unprofiled[1].append(now - self._batch_start)
+            self._batch_start = now
+            return
+        self._regions.exit("data_fetch")
         if self._recording():
             self._regions.enter("forward")
             self._batch_end = None  # a profiled step: its timings are the profiler's
@@ -389,16 +442,21 @@ class ProfilerSchedule(L.Callback):
     def on_before_backward(
         self, trainer: L.Trainer, pl_module: L.LightningModule, loss: torch.Tensor
     ) -> None:
+        if self._profiler is None:
+            return
         self._regions.exit("forward")
         if self._recording():
             self._regions.enter("backward")
 
     def on_after_backward(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._regions.exit("backward")
+        if self._profiler is not None:
+            self._regions.exit("backward")
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any
     ) -> None:
+        if self._profiler is None:
+            return
         self._regions.exit("forward")  # a step without backward (skipped loss)
         if self._recording():
             self._regions.enter("optimizer_step")
@@ -411,16 +469,19 @@ class ProfilerSchedule(L.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self._regions.exit_all()
-        if self._profiler is None:
+        if self._profiler is None:  # outside a window: a counter compare
+            if not self._disabled:
+                self._batch_end = time.perf_counter()
+                self._steps += 1
+                if self._held:  # until a whole step runs compiled code without compiling
+                    self._held = self._compiled_in_step() > 0
+                self._step_is_next()
             return
+        self._regions.exit_all()
         recording = self._recording()
         self._batch_end = None if recording else time.perf_counter()
         self._steps += 1
-        compiled = self._compiles.compilations - self._compiled_before_step
-        self._compiled_before_step = self._compiles.compilations
-        if self._held and not compiled:
-            self._held = False  # a whole step ran compiled code without compiling
+        compiled = self._compiled_in_step()
         if compiled and recording and "compile" not in self._warned:
             self._warned.add("compile")
             rank_zero_warn(
@@ -440,14 +501,23 @@ class ProfilerSchedule(L.Callback):
         self._raise_pending()
         if self._profiler is None:
             return
-        if self._recording():
+        if self._profiler.current_action == ProfilerAction.NONE:
+            self._window_ended()
+        elif self._recording():
             self._regions.enter("data_fetch")  # closed when the next batch arrives
+
+    def _compiled_in_step(self) -> int:
+        """Graphs torch.compile compiled since the last call (a step; a whole step that
+        compiled nothing releases a held window)."""
+        compiled = self._compiles.compilations - self._compiled_before_step
+        self._compiled_before_step = self._compiles.compilations
+        return compiled
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._regions.exit("data_fetch")  # validation is not data wait
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        running = self._profiler is not None
+        running = not self._disabled
         self._stop_quietly()  # a window cut short by the end of training is written here
         if self._failure is not None:
             self._raise_pending()

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import gzip
 import json
+import math
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
+from torch.profiler import ProfilerAction
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_speedkit import ProfilerSchedule, SpeedkitConfigError
-from lightning_speedkit.measure.profiler_schedule import _top_level
+from lightning_speedkit.measure.profiler_schedule import _first_profiled, _top_level
 from tests.helpers.models import MLP, loader
 
 
@@ -354,3 +356,113 @@ def test_a_window_far_away_is_said_at_once(tmp_path: Path) -> None:
     callback = ProfilerSchedule(skip_first=10**9, dirpath=tmp_path)
     with pytest.warns(UserWarning, match=r"= 1000000000 \+ 5 \+ 1 \+ 3 = 1000000009 steps"):
         fit(callback, steps=2)
+
+
+# ------------------------------------------------------------------ outside the windows
+
+
+@pytest.mark.parametrize(
+    ("skip_first", "wait", "warmup", "active", "repeat"),
+    [(0, 0, 0, 1, 0), (0, 5, 1, 3, 1), (3, 2, 1, 2, 2), (2, 0, 2, 1, 3), (7, 4, 0, 3, 0)],
+)  # fmt: skip
+def test_the_next_window_is_torchs_schedule_by_arithmetic(
+    skip_first: int, wait: int, warmup: int, active: int, repeat: int
+) -> None:
+    kwargs = {"skip_first": skip_first, "wait": wait, "warmup": warmup, "active": active,
+              "repeat": repeat}  # fmt: skip
+    torchs = torch.profiler.schedule(**kwargs)
+    horizon = 60
+    busy = [s for s in range(horizon) if torchs(s) != ProfilerAction.NONE]
+    for position in range(horizon):
+        walked = next((s for s in busy if s >= position), math.inf)
+        first = _first_profiled(position, **kwargs)
+        assert first == walked or (walked == math.inf and first >= horizon), position
+
+
+def test_no_profiler_and_no_range_outside_the_windows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch.autograd.profiler as autograd_profiler
+
+    import lightning_speedkit.measure.profiler_schedule as module
+
+    made: list[int] = []
+    entered: list[tuple[str, int]] = []
+    callback = ProfilerSchedule(skip_first=5, wait=2, warmup=1, active=2, repeat=2,
+                                dirpath=tmp_path)  # fmt: skip
+    real_profile, real_range = torch.profiler.profile, autograd_profiler.record_function
+
+    def profile(*args: Any, **kwargs: Any) -> Any:
+        made.append(callback._steps)
+        return real_profile(*args, **kwargs)
+
+    def record_function(name: str, *args: Any) -> Any:
+        if name.startswith(("speedkit/", "ProfilerStep#")):
+            entered.append((name, callback._steps))
+        return real_range(name, *args)
+
+    monkeypatch.setattr(torch.profiler, "profile", profile)
+    monkeypatch.setattr(autograd_profiler, "record_function", record_function)  # torch's steps
+    monkeypatch.setattr(module, "record_function", record_function)  # the phases
+
+    class Seen(L.Callback):
+        def __init__(self) -> None:
+            self.with_profiler: list[int] = []
+
+        def on_train_batch_start(self, *args: Any) -> None:
+            if callback._profiler is not None:
+                self.with_profiler.append(callback._steps)
+
+    seen = Seen()
+    trainer = L.Trainer(accelerator="cpu", max_steps=20, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback, seen])  # fmt: skip
+    trainer.fit(MLP(), loader(n=256))
+    # skip 5, then cycles of 2 idle + 1 warm-up + 2 recorded: windows at steps 7-9, 12-14
+    windows = [7, 8, 9, 12, 13, 14]
+    assert made == [7, 12]  # a profiler per window, made as it starts, none in between
+    assert seen.with_profiler == windows
+    assert len(callback.traces) == 2
+    phases = [(n, s) for n, s in entered if n.startswith("speedkit/")]
+    assert sorted({s for _, s in phases}) == windows
+    for phase in ("forward", "backward", "optimizer_step", "module/net.0", "module/net.2"):
+        assert [s for n, s in phases if n == f"speedkit/{phase}"] == windows, phase
+    # torch opens the next step's range at the end of each window; stop() closes it at once
+    steps = [int(n.removeprefix("ProfilerStep#")) for n, _ in entered if n[0] == "P"]
+    assert steps == [7, 8, 9, 10, 12, 13, 14, 15]
+
+
+# A Python frame name torch's profiler wrote with stacks on (pytorch/pytorch#130622): bytes
+# that are not UTF-8, control characters among them.
+GARBLED = b"getpass.py(0): \x10\xd6\x07\xc4\xff/"
+
+
+def _garble(path: Path) -> None:
+    """Rename the trace's first Python frame to GARBLED, as torch's export can write it."""
+    raw = path.read_bytes()
+    name = b'"name": "'
+    start = raw.index(name, raw.index(b'"cat": "python_function"')) + len(name)
+    end = raw.index(b'"', start)
+    path.write_bytes(raw[:start] + GARBLED + raw[end:])
+
+
+def test_frame_names_that_are_not_utf8_keep_the_compiled_models_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, recwarn: pytest.WarningsRecorder
+) -> None:
+    real_export = torch.profiler.profile.export_chrome_trace
+
+    def export(self: Any, path: str, *args: Any, **kwargs: Any) -> None:
+        real_export(self, path, *args, **kwargs)
+        _garble(Path(path))
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", export)
+    callback = ProfilerSchedule(skip_first=0, wait=0, warmup=1, active=2, dirpath=tmp_path)
+    assert callback.with_stack  # the default
+    _fit_compiled(callback, steps=6)
+    (trace,) = callback.traces
+    with gzip.open(trace) as handle:
+        assert GARBLED in handle.read()  # the trace is kept as torch wrote it
+    assert callback.report is not None
+    assert callback.report.steps == 2
+    assert sorted(p.name for p in tmp_path.glob("speedkit_report*")) == REPORT
+    assert not [w for w in recwarn if "ProfilerSchedule" in str(w.message)]
