@@ -196,7 +196,7 @@ class _KitVLMData(SpeedDataModuleMixin, VLMDataModule):
     of every epoch; the corpus is small enough (4,096 samples: 49 MiB decoded at 32
     pixels, 2.4 GiB at 224) to keep. Same samples, same order: the loss does not
     change. The cache is kept where loading runs in the training process, and warmed
-    before the first step by worker processes (on 2 cores: 0.85 s, against the first
+    before the first step by worker processes (on 2 cores: 0.9 s, against the first
     epoch's decoding one sample after another between steps); loader workers (what the
     tuner picks when it has cores to give) would each hold their own copy, so with
     workers the loader goes uncached.
