@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             start = time.perf_counter()
             read = cache.warm(num_workers=n, progress=False)
             seconds[n].append(time.perf_counter() - start)
-            if read != len(dataset) or cache.misses:
-                raise RuntimeError(f"warm read {read} of {len(dataset)} samples")
+            if read != len(dataset):
+                raise RuntimeError(f"warm kept {read} of {len(dataset)} samples")
             nbytes = cache.nbytes
 
     serial = statistics.median(seconds[0])

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import io
+import math
 import pickle
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
-from lightning_speedkit import _validation
+from lightning_speedkit import _compat, _validation
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["SampleCache", "sample_nbytes"]
@@ -98,7 +99,8 @@ class SampleCache(Dataset[Any]):
         self.hits = 0
         self.misses = 0
         self.warmed = 0
-        """Samples read by :meth:`warm` (not counted as misses)."""
+        """Samples :meth:`warm` read and kept (not counted as misses)."""
+        self._full = False  # warm stopped at max_bytes: a later warm has nothing to add
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -138,24 +140,31 @@ class SampleCache(Dataset[Any]):
 
         Without it, an in-process loader's first epoch decodes each batch's samples
         one after another between training steps, on one core. ``warm`` decodes them
-        before training, on as many cores as it is given, and in index order: the
-        samples kept are the same as the first epoch would keep, and equal to them
-        (each goes through the same ``__getitem__``). It stops where ``max_bytes``
-        is reached; samples past it are read during training as before.
+        before training, on as many cores as it is given, in index order, each through
+        the same ``__getitem__``: the samples kept are equal to what the first epoch
+        would read. It stops at the first sample that does not fit in ``max_bytes``
+        (with a budget, which samples are kept then differs from a shuffled first
+        epoch's); the rest are read during training as before, and a later ``warm``
+        reads nothing. torch's global random state is left as it was.
 
         Workers send each chunk of ``chunk_size`` samples pickled, so the samples kept
         are ordinary tensors of this process (not shared-memory segments, one file
-        descriptor each).
+        descriptor each). ``worker_init_fn`` finds the dataset's own attributes on
+        ``get_worker_info().dataset``, as in a loader over the cache.
 
         Args:
-            num_workers: processes that read samples; 0 reads them in this process.
-            chunk_size: samples per message from a worker.
+            num_workers: processes that read samples (no more than there are chunks);
+                0 reads them in this process. On 2 cores one worker was slower than
+                none (it pays for sending the samples back) and two faster
+                (``benchmarks/cache_warm.py``).
+            chunk_size: samples per message from a worker: larger sends fewer
+                messages, smaller spreads a small dataset over more workers.
             progress: show a progress bar.
             worker_init_fn: as the DataLoader's (e.g. to open files per worker).
             multiprocessing_context: as the DataLoader's ("spawn", "fork", ...).
 
         Returns:
-            How many samples were read.
+            How many samples were kept.
 
         Example::
 
@@ -172,50 +181,63 @@ class SampleCache(Dataset[Any]):
         _validation.non_negative_int("num_workers", num_workers, example=2)
         _validation.positive_int("chunk_size", chunk_size, example=64)
         _validation.boolean("progress", progress)
+        if self._full:
+            return 0
         todo = [i for i in range(len(self.dataset)) if i not in self._samples]
         if not todo:
             return 0
-        if num_workers == 0:  # read here: nothing to send between processes
-            chunks: Any = ([(i, self.dataset[i])] for i in todo)
-        else:
-            chunks = map(pickle.loads, DataLoader(
-                _Indexed(self.dataset, todo),
-                batch_size=chunk_size,
-                num_workers=num_workers,
-                collate_fn=_pickled,
-                worker_init_fn=worker_init_fn,
-                multiprocessing_context=multiprocessing_context,
-            ))  # fmt: skip
-        read = 0
+        workers = min(num_workers, math.ceil(len(todo) / chunk_size))
+        kept = 0
+        workers_iterator: Any = None
+        chunks: Iterator[list[tuple[int, Any]]]
         bar = tqdm(total=len(todo), desc="Warming the sample cache", unit="sample",
                    disable=not progress)  # fmt: skip
         try:
+            if workers == 0:  # read here: nothing to send between processes
+                chunks = ([(i, self.dataset[i])] for i in todo)
+            else:
+                loader = DataLoader(
+                    _Indexed(self.dataset, todo), batch_size=chunk_size, num_workers=workers,
+                    collate_fn=_pickled, worker_init_fn=worker_init_fn,
+                    multiprocessing_context=multiprocessing_context,
+                    generator=torch.Generator(),  # its base seed, not one from the global state
+                )  # fmt: skip
+                workers_iterator = iter(loader)
+                chunks = map(pickle.loads, workers_iterator)
             for chunk in chunks:
-                read += len(chunk)
                 bar.update(len(chunk))
-                full = False
                 for index, sample in chunk:
-                    if index not in self._samples and not self._keep(index, sample):
-                        full = True
+                    if index in self._samples:
+                        continue
+                    if not self._keep(index, sample):
+                        self._full = True
                         break
-                if full:  # leaving the loop shuts its workers down
+                    kept += 1
+                if self._full:
                     break
         finally:
             bar.close()
-        self.warmed += read
-        return read
+            self.warmed += kept
+            if workers_iterator is not None:
+                # End the workers here, on an error too: the error's traceback holds the
+                # iterator, whose own end would wait for the traceback to go.
+                _, shutdown = _compat.loader_iterator_workers(workers_iterator)
+                if shutdown is not None:
+                    shutdown()
+        return kept
 
     def __getstate__(self) -> dict[str, Any]:
         # Spawned workers get the dataset, not the (possibly large) cache.
         state = dict(self.__dict__)
         state["_samples"], state["nbytes"], state["hits"], state["misses"] = {}, 0, 0, 0
-        state["warmed"] = 0
+        state["warmed"], state["_full"] = 0, False
         return state
 
     def clear(self) -> None:
         """Drop every cached sample (e.g. after the files behind the dataset changed)."""
         self._samples.clear()
         self.nbytes = 0
+        self._full = False
 
     def __getattr__(self, name: str) -> Any:
         # The wrapped dataset's own attributes (e.g. ``caption_lengths``) stay reachable.
@@ -237,6 +259,13 @@ class _Indexed(Dataset[tuple[int, Any]]):
     def __getitem__(self, position: int) -> tuple[int, Any]:
         index = self.indices[position]
         return index, self.dataset[index]
+
+    def __getattr__(self, name: str) -> Any:
+        # A worker_init_fn reaches the dataset's own attributes (``.open()``, a path)
+        # through ``get_worker_info().dataset``, as it does in a loader over the cache.
+        if name == "dataset" or name.startswith("__"):
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
 
 
 class _ByValue(pickle.Pickler):

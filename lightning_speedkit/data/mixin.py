@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_speedkit import _validation
@@ -14,6 +16,11 @@ from lightning_speedkit.data.worker_search import cpu_budget
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["SpeedDataModuleMixin"]
+
+
+def _default_start_method() -> str:
+    """The start method multiprocessing would pick now (without fixing it for the process)."""
+    return multiprocessing.get_context().get_start_method()
 
 
 class SpeedDataModuleMixin:
@@ -77,9 +84,11 @@ class SpeedDataModuleMixin:
                 bytes of sample tensors per process (see :class:`SampleCache` for
                 what the dataset must promise).
             warm_cache: with ``cache``, read every sample into it now, in one worker
-                process per core this rank may use (the cores of the machine shared
-                among its ranks), with the loader's ``worker_init_fn`` and
-                ``multiprocessing_context``.
+                process per core this rank may use (the machine's cores shared among
+                its ranks; in-process with one core), with the loader's
+                ``worker_init_fn`` and ``multiprocessing_context``. Each DDP rank warms
+                its own copy: mind the memory. Skipped, with a warning, when the loader's
+                workers are spawned rather than forked (they would start empty).
             **kwargs: other DataLoader arguments (``num_workers`` etc.), used until
                 the tuner has chosen.
         """
@@ -102,9 +111,10 @@ class SpeedDataModuleMixin:
         options = {**kwargs, **tuned}
         if cache is not False:
             cached = self._sample_cache(dataset, None if cache is True else cache)
-            if warm_cache:
+            if warm_cache and self._warming_reaches_the_loader(options):
+                cores = cpu_budget(self._local_ranks())
                 cached.warm(
-                    num_workers=cpu_budget(self._local_ranks()),
+                    num_workers=cores if cores > 1 else 0,  # one worker is slower than none
                     progress=self._is_global_zero(),
                     worker_init_fn=options.get("worker_init_fn"),
                     multiprocessing_context=options.get("multiprocessing_context"),
@@ -127,6 +137,32 @@ class SpeedDataModuleMixin:
             dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
             collate_fn=collate_fn, **options,
         )  # fmt: skip
+
+    def _warming_reaches_the_loader(self, options: dict[str, Any]) -> bool:
+        """Whether the loader's reads see a warmed cache: in this process, or in workers
+        forked from it. Spawned workers start with an empty cache (``__getstate__``), so
+        warming for them costs time and memory for nothing: said once, and skipped."""
+        if options.get("num_workers", 0) == 0:
+            return True
+        context = options.get("multiprocessing_context")
+        method = (
+            context
+            if isinstance(context, str)
+            else context.get_start_method()
+            if context is not None
+            else multiprocessing.get_start_method(allow_none=True) or _default_start_method()
+        )
+        if method == "fork":
+            return True
+        if not self.__dict__.get("_speed_warm_skipped"):
+            self.__dict__["_speed_warm_skipped"] = True
+            rank_zero_warn(
+                f"warm_cache: the loader's {options['num_workers']} worker(s) start by "
+                f"{method!r}, which gives each an empty cache: the cache is not warmed. "
+                f"Warm it for an in-process loader (num_workers=0), or start the workers "
+                f"by fork (multiprocessing_context='fork', where the platform has it)."
+            )
+        return False
 
     def _local_ranks(self) -> int:
         """Training processes on this machine (1 before a Trainer is attached)."""

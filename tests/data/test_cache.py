@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import multiprocessing
 import pickle
 from pathlib import Path
 from typing import Any
@@ -110,11 +111,13 @@ def test_warm_reads_only_what_is_missing_and_stops_at_the_budget() -> None:
     data = Counting()
     cached = SampleCache(data, max_bytes=5 * 72)  # room for five samples
     cached[7], cached[2]
-    assert cached.warm(num_workers=0, chunk_size=2, progress=False) == 4  # 0, 1 | 3, 4
-    assert data.reads == 2 + 4
+    assert cached.warm(num_workers=0, chunk_size=2, progress=False) == 3  # 0, 1, 3 kept
+    assert data.reads == 2 + 4  # 4 was read and did not fit
     assert sorted(cached._samples) == [0, 1, 2, 3, 7]
-    assert cached.nbytes == 5 * 72
+    assert (cached.nbytes, cached.warmed) == (5 * 72, 3)
     cached[9]  # past the budget: read each time, as before
+    assert data.reads == 7
+    assert cached.warm(num_workers=2, progress=False) == 0  # stopped at the budget: no retry
     assert data.reads == 7
 
 
@@ -136,6 +139,55 @@ def test_samples_cross_from_the_workers_equal_and_by_value() -> None:
     assert back["nested"][1:] == [b"raw", "text", None]
     back["view"].add_(1)  # writable, and its own memory
     assert float(sample["view"][0, 0]) == 0.0
+
+
+class Opening(Counting):
+    """Counting samples that need ``open()`` in each worker first, as file-backed ones do."""
+
+    opened = False
+
+    def open(self) -> None:
+        self.opened = True
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        assert self.opened, "read before open()"
+        return super().__getitem__(i)
+
+
+def _open_dataset(worker_id: int) -> None:
+    info = torch.utils.data.get_worker_info()
+    assert info is not None
+    info.dataset.open()  # type: ignore[attr-defined]
+
+
+def test_warm_leaves_torchs_random_state_as_it_was() -> None:
+    torch.manual_seed(0)
+    state = torch.get_rng_state()
+    SampleCache(Counting(n=20)).warm(num_workers=2, chunk_size=4, progress=False)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_a_worker_init_fn_finds_the_datasets_own_methods() -> None:
+    data = Opening(n=8)
+    loader = torch.utils.data.DataLoader(SampleCache(data), batch_size=4, num_workers=1,
+                                         worker_init_fn=_open_dataset)  # fmt: skip
+    assert len(list(loader)) == 2  # what a loader over the cache does, warm does too
+    cached = SampleCache(data)
+    assert cached.warm(num_workers=1, progress=False, worker_init_fn=_open_dataset) == 8
+
+
+def test_a_failing_read_ends_the_workers_and_keeps_what_was_read() -> None:
+    class Broken(Counting):
+        def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+            if i >= 12:
+                raise ValueError(f"sample {i} is corrupt")
+            return super().__getitem__(i)
+
+    cached = SampleCache(Broken(n=20))
+    with pytest.raises(ValueError, match="corrupt"):
+        cached.warm(num_workers=1, chunk_size=4, progress=False)
+    assert cached.warmed == len(cached._samples) > 0  # counted although it failed
+    assert not multiprocessing.active_children()  # no worker outlives the error
 
 
 def test_warm_runs_the_loaders_worker_init_fn() -> None:
@@ -201,6 +253,28 @@ def test_the_mixin_warms_the_cache_once_before_the_first_batch() -> None:
     _epoch(loader)
     _epoch(dm.train_dataloader())  # a reloaded loader finds it warm: nothing read again
     assert (cache.warmed, cache.misses, cache.hits) == (10, 0, 20)
+
+
+def test_the_mixin_keeps_the_shuffled_order_when_it_warms() -> None:
+    orders = []
+    for warm in (False, True):
+        torch.manual_seed(0)
+        dm = Data(cache=True, warm=warm)
+        orders.append(torch.cat([b["y"] for b in dm.train_dataloader()]).tolist())
+    assert orders[0] == orders[1]
+
+
+def test_the_mixin_skips_warming_for_spawned_workers() -> None:
+    dm = Data(cache=True, warm=True)
+    with pytest.warns(UserWarning, match="start by 'spawn', which gives each an empty cache"):
+        loader = dm.speed_dataloader(dm.data, batch_size=4, cache=True, warm_cache=True,
+                                     num_workers=1, multiprocessing_context="spawn")  # fmt: skip
+    assert isinstance(loader.dataset, SampleCache)
+    assert loader.dataset.warmed == 0
+    forked = dm.speed_dataloader(dm.data, batch_size=4, cache=True, warm_cache=True,
+                                 num_workers=1, multiprocessing_context="fork")  # fmt: skip
+    assert isinstance(forked.dataset, SampleCache)
+    assert forked.dataset.warmed == 10  # forked workers inherit the warm cache
 
 
 def test_the_mixin_without_cache_reads_every_time() -> None:
