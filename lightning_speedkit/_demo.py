@@ -199,7 +199,9 @@ class _KitVLMData(SpeedDataModuleMixin, VLMDataModule):
     before the first step by worker processes (on 2 cores: 0.9 s, against the first
     epoch's decoding one sample after another between steps); loader workers (what the
     tuner picks when it has cores to give) would each hold their own copy, so with
-    workers the loader goes uncached.
+    workers the loader goes uncached. The cache is warmed only once the tuner has chosen
+    in-process loading: worker candidates forked from a warm cache would be timed at the
+    cache's speed, not at the uncached speed they would run at.
     """
 
     sample_cache: SampleCache | None = None
@@ -212,7 +214,8 @@ class _KitVLMData(SpeedDataModuleMixin, VLMDataModule):
         loader = self.speed_dataloader(
             dataset, batch_size=self.batch_size, sampler=self.shuffle_sampler(dataset),
             drop_last=True, collate_fn=self.collate,
-            cache=self.cache_bytes if in_process else False, warm_cache=in_process,
+            cache=self.cache_bytes if in_process else False,
+            warm_cache=in_process and bool(tuned),  # not for the tuner's trials: see above
             num_workers=self.num_workers, persistent_workers=self.num_workers > 0,
         )  # fmt: skip
         cached = loader.dataset
@@ -391,7 +394,7 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
             notes.append(
                 f"kit: SampleCache: decoded samples kept in memory (same data, same order): "
                 f"{cache.warmed:,} decoded by workers before the first step, "
-                f"{cache.misses:,} during training, {cache.hits:,} served from memory "
+                f"{cache.misses:,} read in-process, {cache.hits:,} served from memory "
                 f"({cache.nbytes / 2**20:.0f} MiB)"
             )
         else:
