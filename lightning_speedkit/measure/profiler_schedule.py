@@ -476,6 +476,8 @@ class ProfilerSchedule(L.Callback):
                 if self._held:  # until a whole step runs compiled code without compiling
                     self._held = self._compiled_in_step() > 0
                 self._step_is_next()
+                if self._recording():  # a window opened here: its first fetch is marked too
+                    self._regions.enter("data_fetch")
             return
         self._regions.exit_all()
         recording = self._recording()

@@ -60,6 +60,16 @@ def test_windows_follow_the_schedule_and_mark_every_phase(tmp_path: Path) -> Non
         assert count(trace, "speedkit/data_fetch") >= 1
 
 
+def test_a_window_without_warm_up_marks_the_fetch_before_its_first_step(tmp_path: Path) -> None:
+    callback = ProfilerSchedule(skip_first=2, wait=0, warmup=0, active=2, repeat=1,
+                                dirpath=tmp_path)  # fmt: skip
+    fit(callback, steps=6)
+    (path,) = callback.traces
+    trace = events(path)
+    assert count(trace, "speedkit/forward") == 2
+    assert count(trace, "speedkit/data_fetch") == 2  # one before each recorded step
+
+
 def test_repeat_zero_profiles_until_the_end_and_keeps_the_newest(tmp_path: Path) -> None:
     callback = ProfilerSchedule(skip_first=0, wait=0, warmup=1, active=1, repeat=0,
                                 dirpath=tmp_path, num_traces_to_keep=2)  # fmt: skip
