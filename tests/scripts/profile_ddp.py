@@ -25,7 +25,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_speedkit import ProfilerSchedule
 
-WIDTH, LAYERS = 1024, 4
+TABLE_ROWS, TABLE_COLS = 4096, 1024  # 16 MiB of fp32
 
 
 class Wide(L.LightningModule):
@@ -33,7 +33,7 @@ class Wide(L.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Linear(64, 64)
-        self.table = nn.Parameter(torch.zeros(LAYERS * WIDTH, WIDTH))
+        self.table = nn.Parameter(torch.zeros(TABLE_ROWS, TABLE_COLS))
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.net(batch[0]).pow(2).mean() + self.table.sum() * 1e-6
