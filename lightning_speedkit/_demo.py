@@ -243,8 +243,7 @@ class _Kit:
     fused: FusedOptimizer
     accumulation: AccumulationScheduler | None
     """With a global batch: the same micro-batches per optimizer step as plain's."""
-    swap: AttentionSwap | None
-    """None on CUDA (see the note it leaves)."""
+    swap: AttentionSwap
 
     @classmethod
     def build(cls, config: DemoConfig, on_cuda: bool) -> _Kit:
@@ -273,13 +272,13 @@ class _Kit:
                 micro_batch_size=config.batch_size,
                 verbose=False,
             ),
-            swap=None if on_cuda else AttentionSwap(verbose=False),
+            swap=AttentionSwap(verbose=False),
         )
 
     def callbacks(self) -> list[L.Callback]:
-        optional = (self.swap, self.accumulation, self.compile)
+        optional = (self.accumulation, self.compile)
         levers: list[L.Callback] = [lever for lever in optional if lever is not None]
-        return [*levers, self.fused, self.tuner, self.profiler]
+        return [self.swap, *levers, self.fused, self.tuner, self.profiler]
 
     def notes(self, config: DemoConfig) -> list[str]:
         """What each lever did, one line each."""
@@ -292,21 +291,15 @@ class _Kit:
                 + (f", prefetch_factor={best['prefetch_factor']}" if best["num_workers"] else "")
                 + (" (the loader as given)" if best["num_workers"] == config.num_workers else "")
             )
-        if self.swap is not None:
-            swap = self.swap.report
-            swapped = len(swap.swapped) if swap is not None else 0
-            reverted = len(swap.reverted) if swap is not None else 0
-            notes.append(
-                f"kit: AttentionSwap: {swapped} attention modules on a fused kernel"
-                + (f", {reverted} kept their own (parity)" if reverted else "")
-                + "; not bitwise equal to the eager attention, so the loss drifts from "
-                "plain's by training noise"
-            )
-        else:
-            notes.append(
-                "kit: AttentionSwap left out on CUDA: the published GPU numbers were measured "
-                "without it (docs/attention.md, 'bf16 training on CUDA')"
-            )
+        swap = self.swap.report
+        swapped = len(swap.swapped) if swap is not None else 0
+        reverted = len(swap.reverted) if swap is not None else 0
+        notes.append(
+            f"kit: AttentionSwap: {swapped} attention modules on a fused kernel"
+            + (f", {reverted} kept their own (parity)" if reverted else "")
+            + "; not bitwise equal to the eager attention, so the loss drifts from "
+            "plain's by training noise"
+        )
         if self.compile is not None:
             watch = self.compile.watch
             notes.append(
@@ -339,54 +332,31 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
         model_cfg, config.data_dir, batch_size=config.batch_size, num_workers=config.num_workers
     )
     task = VLMTask(model_cfg, pad_id=tokenizer.pad_id)
-    trace = _LossTrace()
-    monitor = SpeedMonitor(
-        warmup_steps=config.warmup_steps,
-        log_every_n_steps=config.log_every_n_steps,
-        peak_flops=peak,
-    )
-    callbacks: list[L.Callback] = [monitor, trace]
     on_cuda = config.accelerator in ("gpu", "cuda") or (
         config.accelerator == "auto" and torch.cuda.is_available()
     )
     kit = _Kit.build(config, on_cuda) if run == "kit" else None
-    if kit is not None:
-        callbacks += kit.callbacks()
     # Both runs take optimizer steps of the same global batch: plain Lightning through its
     # own accumulate_grad_batches, the kit through AccumulationScheduler.
     accumulation = 1
     if config.global_batch is not None:
         accumulation = accumulation_for(config.global_batch, config.batch_size, config.devices)
-    output_dir = Path(config.output_dir)
     strategy: str | DDPPowerSGDStrategy = "auto"
     if config.devices > 1:  # several processes: DDP, and the kit compresses its gradients
         strategy = DDPPowerSGDStrategy(rank=POWERSGD_RANK) if run == "kit" else "ddp"
-    trainer = L.Trainer(
-        accumulate_grad_batches=accumulation if run == "plain" else 1,
-        accelerator=config.accelerator,
-        devices=config.devices,
+    fitted = fit_and_measure(
+        config,
+        run,
+        task,
+        datamodule,
+        peak,
+        callbacks=kit.callbacks() if kit is not None else [],
         strategy=strategy,
-        precision=config.precision,  # type: ignore[arg-type]
-        max_steps=config.steps,
-        limit_val_batches=0,  # one held-out pass after training, below
-        logger=CSVLogger(output_dir, name=run),
-        callbacks=callbacks,
-        enable_checkpointing=False,
-        log_every_n_steps=config.log_every_n_steps,
-        enable_model_summary=False,
+        accumulate_grad_batches=accumulation if run == "plain" else 1,
     )
-    start = time.perf_counter()
-    trainer.fit(task, datamodule=datamodule)
-    wall = time.perf_counter() - start
-    trainer.limit_val_batches = 1.0
-    (metrics,) = trainer.validate(task, datamodule=datamodule, verbose=False)
-    if trainer.global_rank != 0:
+    if fitted is None:
         return None
-
-    speed = monitor.summary
-    losses = torch.stack(trace.losses).float().cpu().tolist()  # one read at the end of the run
-    head = max(1, min(10, len(losses) // 10))
-    tail = max(1, len(losses) // 10)
+    result, trainer = fitted
     notes = kit.notes(config) if kit is not None else []
     if isinstance(datamodule, _KitVLMData):
         cache = datamodule.sample_cache
@@ -422,9 +392,62 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
             f"{trainer.world_size} device(s) per optimizer step "
             f"(global batch {accumulation * config.batch_size * trainer.world_size})"
         )
+    result.notes = notes
+    return result
+
+
+def fit_and_measure(
+    config: DemoConfig,
+    run: str,
+    task: VLMTask,
+    datamodule: L.LightningDataModule,
+    peak: PeakSetting,
+    *,
+    callbacks: list[L.Callback],
+    strategy: Any = "auto",
+    accumulate_grad_batches: int = 1,
+) -> tuple[DemoResult, L.Trainer] | None:
+    """Train ``task`` for ``config.steps`` steps, then one held-out pass; its figures.
+
+    The yardstick every run of the demo (and ``benchmarks/hand_tuned.py``) is measured
+    with: SpeedMonitor's summary, the loss of the first and last steps, the held-out
+    loss and accuracy, the wall time of ``fit`` (compilation included). Returns the
+    result (with no notes) and the trainer on rank 0, else None.
+    """
+    trace = _LossTrace()
+    monitor = SpeedMonitor(
+        warmup_steps=config.warmup_steps,
+        log_every_n_steps=config.log_every_n_steps,
+        peak_flops=peak,
+    )
+    trainer = L.Trainer(
+        accumulate_grad_batches=accumulate_grad_batches,
+        accelerator=config.accelerator,
+        devices=config.devices,
+        strategy=strategy,
+        precision=config.precision,  # type: ignore[arg-type]
+        max_steps=config.steps,
+        limit_val_batches=0,  # one held-out pass after training, below
+        logger=CSVLogger(Path(config.output_dir), name=run),
+        callbacks=[monitor, trace, *callbacks],
+        enable_checkpointing=False,
+        log_every_n_steps=config.log_every_n_steps,
+        enable_model_summary=False,
+    )
+    start = time.perf_counter()
+    trainer.fit(task, datamodule=datamodule)
+    wall = time.perf_counter() - start
+    trainer.limit_val_batches = 1.0
+    (metrics,) = trainer.validate(task, datamodule=datamodule, verbose=False)
+    if trainer.global_rank != 0:
+        return None
+    speed = monitor.summary
+    losses = torch.stack(trace.losses).float().cpu().tolist()  # one read at the end of the run
+    head = max(1, min(10, len(losses) // 10))
+    tail = max(1, len(losses) // 10)
     result = DemoResult(
         run=run,
-        notes=notes,
+        notes=[],
         size=config.size,
         params=sum(p.numel() for p in task.model.parameters()),
         devices=trainer.world_size,
@@ -442,7 +465,7 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
         val_acc=float(metrics["val/acc"]),
         wall_sec=wall,
     )
-    return result
+    return result, trainer
 
 
 class _DropLightningTip(logging.Filter):

@@ -15,7 +15,14 @@ import lightning as L
 import pytest
 
 from lightning_speedkit import __version__
-from lightning_speedkit._demo import DemoResult, _KitVLMData, _quiet_third_party, time_per_sample
+from lightning_speedkit._demo import (
+    DemoConfig,
+    DemoResult,
+    _Kit,
+    _KitVLMData,
+    _quiet_third_party,
+    time_per_sample,
+)
 from lightning_speedkit.cli import build_parser, main
 from lightning_speedkit.data import SampleCache
 
@@ -229,6 +236,21 @@ def test_time_per_sample_splits_data_wait_from_compute() -> None:
     assert time_per_sample(run) == pytest.approx((1250.0, 312.5, 937.5))
     unknown = DemoResult(samples_per_sec=800.0, data_wait_frac=None, **figures)
     assert time_per_sample(unknown) is None
+
+
+@pytest.mark.parametrize("on_cuda", [False, True])
+def test_the_demo_kit_swaps_attention_everywhere_and_compiles_on_cuda(on_cuda: bool) -> None:
+    """Every lever that keeps the numerics: AttentionSwap on CPU and CUDA (the decoder's
+    bf16 parity failures were the measure's), RegionalCompile where it was measured to pay."""
+    kit = _Kit.build(DemoConfig(steps=20), on_cuda)
+    names = [type(c).__name__ for c in kit.callbacks()]
+    expected = ["AttentionSwap", "FusedOptimizer", "NumWorkersTuner", "ProfilerSchedule"]
+    if on_cuda:
+        expected.insert(1, "RegionalCompile")
+    assert names == expected
+    notes = kit.notes(DemoConfig(steps=20))
+    assert any(n.startswith("kit: AttentionSwap: 0 attention modules") for n in notes)
+    assert any("RegionalCompile left out on CPU" in n for n in notes) is not on_cuda
 
 
 def test_demo_can_do_one_run(demo_corpus: Path, tmp_path: Path) -> None:
