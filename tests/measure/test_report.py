@@ -456,6 +456,28 @@ def test_cast_and_copy_kernels_count_as_copies_and_name_the_compute_finding() ->
     assert "torch.compile" in finding.fix
 
 
+def test_a_cuda_run_profiled_without_device_activity_gets_the_gpu_advice() -> None:
+    """A GPU run traced with ProfilerActivity.CPU only: host operators and the device's
+    properties, no kernel. Its matmul-bound step must not get the CPU's fixes."""
+    host = [
+        _x("ProfilerStep#1", "user_annotation", 0, 1000),
+        _x("aten::mm", "cpu_op", 0, 800),
+        _x("aten::add_", "cpu_op", 800, 100),
+    ]
+    cpu_trace = {"traceEvents": host}
+    gpu_trace = {**cpu_trace, "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3",
+                                                    "totalGlobalMem": 85e9}]}  # fmt: skip
+    on_cpu, on_gpu = analyze_trace(cpu_trace), analyze_trace(gpu_trace)
+    assert (on_cpu.device, on_gpu.device) == ("cpu", "cuda")
+    assert on_gpu.breakdown == on_cpu.breakdown  # the host's shares, as the trace has them
+    assert [f.kind for f in on_gpu.findings] == [f.kind for f in on_cpu.findings] == ["compute"]
+    assert "native bf16" in on_cpu.findings[0].fix
+    assert "native bf16" not in on_gpu.findings[0].fix
+    assert on_gpu.findings[0].fix.startswith("bf16-mixed precision if not already")
+    assert any("without the device's activity" in note for note in on_gpu.notes)
+    assert not any("without the device's activity" in note for note in on_cpu.notes)
+
+
 def test_device_idle_is_what_the_unprofiled_step_leaves() -> None:
     """The synthetic step is 1000 us under the profiler, 950 us without: the kernels keep
     their 750 us, the unexplained idle shrinks from 100 to 50 us."""

@@ -68,6 +68,13 @@ def analyze_trace(
     steps, main = _steps(events)
     device_events = [e for e in events if e.cat in ("kernel", "gpu_memcpy", "gpu_memset")]
     on_device = bool(device_events)
+    # A CUDA run profiled without CUDA activity has no kernels, but its device and (with
+    # CUDA runtime tracing) its launches are in the trace: its fixes are still a GPU's.
+    cuda_run = (
+        on_device
+        or bool(data.get("deviceProperties"))
+        or any(e.cat in ("cuda_runtime", "cuda_driver") for e in events)
+    )
     host = [
         e
         for e in events
@@ -114,6 +121,13 @@ def analyze_trace(
     total = totals.sum() or 1.0
     breakdown = {name: float(totals[i] / total) for i, name in enumerate(CATEGORIES)}
     notes = []
+    if cuda_run and not on_device:
+        notes.append(
+            "a CUDA run profiled without the device's activity (no kernels in the trace): "
+            "the shares are the host's, whose kernel launches return at once, so compute "
+            "looks cheaper and the loop dearer than they are; profile with "
+            "ProfilerActivity.CUDA (ProfilerSchedule does) for where the device's time goes"
+        )
     if unprofiled_data_share is not None and not on_device:
         traced, true = breakdown["data"], min(max(unprofiled_data_share, 0.0), 1.0)
         scale = (1.0 - true) / (1.0 - traced) if traced < 1.0 else 0.0
@@ -156,12 +170,12 @@ def analyze_trace(
         _has(e.name, _FUSED_ATTENTION) for e in host + device_events
     )
     evidence = Evidence(
-        breakdown, modules, sites, memory_info, unfused, step_ms, top_ops, on_device
+        breakdown, modules, sites, memory_info, unfused, step_ms, top_ops, on_device, cuda_run
     )
     findings = _diagnose(evidence)
     return Report(
         source=source,
-        device="cuda" if on_device else "cpu",
+        device="cuda" if cuda_run else "cpu",
         steps=n,
         step_ms=step_ms,
         breakdown=breakdown,

@@ -95,6 +95,10 @@ class Evidence:
     """The heaviest operators or kernels (``Report.top_ops``): ``name``, ``share``..."""
     on_device: bool
     """The trace has CUDA kernels (the GPU is the device), not a CPU-only trace."""
+    cuda_run: bool = False
+    """The run had a CUDA device (kernels, CUDA runtime calls or its properties in the
+    trace), whether or not the trace recorded the device's activity: its fixes are a
+    GPU's."""
 
     @property
     def compute(self) -> float:
@@ -219,7 +223,7 @@ def compute_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None
     trace the fix says where bf16 and torch.compile help, and names them last."""
     if any(f.kind not in ("host_sync", "memory") for f in found):
         return None
-    cpu = not evidence.on_device
+    cpu = not (evidence.on_device or evidence.cuda_run)
     breakdown, compute = evidence.breakdown, evidence.compute
     heaviest = ", ".join(f"{op['name'][:60]} {op['share']:.0%}" for op in evidence.top_ops[:3])
     idle, copies = breakdown["overhead"], breakdown["memory_copy"]
