@@ -1,0 +1,73 @@
+#!/usr/bin/env bash
+# Every GPU measurement of docs/benchmarks.md and the CUDA tests, in stages that each fit
+# in ten minutes on one H100, from the repository root of a checkout:
+#
+#   bash benchmarks/gpu_suite.sh tests      # the CUDA tests (pytest -m gpu)
+#   bash benchmarks/gpu_suite.sh hand       # plain, kit and hand-tuned: VLM base, bf16
+#   bash benchmarks/gpu_suite.sh seeds      # plain and kit at seeds 1 and 2 (the loss)
+#   bash benchmarks/gpu_suite.sh swap       # swapped attention: gradient error and loss
+#   bash benchmarks/gpu_suite.sh all        # the four, in that order
+#
+# It needs a Python with CUDA torch, Lightning and torchmetrics and no package index:
+# the package is imported from this checkout (PYTHON=... picks the interpreter). Results
+# go to RESULTS (default benchmarks/results), a log of each stage beside them.
+set -uo pipefail
+
+PYTHON=${PYTHON:-python}
+RESULTS=${RESULTS:-benchmarks/results}
+STEPS=${STEPS:-300}
+ROOT=$(pwd)
+mkdir -p "$RESULTS" .gpu_suite/path
+# The example package is installed as `speedkit_examples`; from a checkout it is a link.
+ln -sfn "$ROOT/examples" .gpu_suite/path/speedkit_examples
+export PYTHONPATH="$ROOT:$ROOT/.gpu_suite/path${PYTHONPATH:+:$PYTHONPATH}"
+SPEEDKIT=("$PYTHON" -c "import sys; from lightning_speedkit.cli import main; sys.exit(main())")
+
+stage_tests() {
+    # No pytest plugins may be installed there: the project's pytest config asks for
+    # pytest-timeout, so it is left out (-c /dev/null) and the GPU markers selected.
+    "$PYTHON" -m pytest -c /dev/null --rootdir "$ROOT" -p no:cacheprovider -q -rs \
+        --continue-on-collection-errors -m "gpu or flash_attn" tests
+}
+
+stage_hand() {
+    "$PYTHON" benchmarks/hand_tuned.py --size base --precision bf16-mixed --steps "$STEPS" \
+        --num-workers 8 --out "$RESULTS/hand_tuned_cuda.json"
+}
+
+stage_seeds() {
+    local seed
+    for seed in 1 2; do
+        "${SPEEDKIT[@]}" demo --accelerator gpu --precision bf16-mixed --size base \
+            --steps "$STEPS" --seed "$seed" --output-dir ".gpu_suite/demo_seed$seed" || return
+        cp ".gpu_suite/demo_seed$seed/demo.json" "$RESULTS/demo_gpu_seed$seed.json"
+    done
+}
+
+stage_swap() {
+    "$PYTHON" benchmarks/swap_training.py --accelerator cuda \
+        --out "$RESULTS/swap_training_cuda.json"
+}
+
+run_stage() {
+    local name=$1 start status
+    start=$(date +%s)
+    echo "== $name: $(date -u +%FT%TZ)"
+    "stage_$name" 2>&1 | tee "$RESULTS/gpu_suite_$name.log"
+    status=${PIPESTATUS[0]}
+    echo "== $name: exit $status after $(($(date +%s) - start)) s"
+    return "$status"
+}
+
+case "${1:-}" in
+    tests | hand | seeds | swap) run_stage "$1" ;;
+    all)
+        failed=0
+        for name in tests hand seeds swap; do run_stage "$name" || failed=1; done
+        exit "$failed"
+        ;;
+    *)
+        sed -n '2,12p' "$0"
+        exit 2
+        ;;
+esac
