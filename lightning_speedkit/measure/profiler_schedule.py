@@ -235,6 +235,10 @@ class ProfilerSchedule(L.Callback):
         self._disabled = False
         self._start_step = 0
         self._written = 0
+        # Steps the open window has recorded (not warmed up): a window that training ends
+        # before its first recorded step is dropped, not written empty.
+        self._window_recorded = 0
+        self._discard = False
         # torch.compile: a window waits until the model has stopped compiling (see _schedule).
         self._compiles = CompileWatch()
         self._compiled_before_step = 0
@@ -370,6 +374,7 @@ class ProfilerSchedule(L.Callback):
             self._give_up("starting the profiler", f"{type(error).__name__}: {error}", stop=False)
             return
         self._profiler = profiler
+        self._window_recorded = 0
         self._compiled_before_step = self._compiles.compilations
 
     def _window_ended(self) -> None:
@@ -481,6 +486,8 @@ class ProfilerSchedule(L.Callback):
             return
         self._regions.exit_all()
         recording = self._recording()
+        if self._profiler.current_action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE):
+            self._window_recorded += 1
         self._batch_end = None if recording else time.perf_counter()
         self._steps += 1
         compiled = self._compiled_in_step()
@@ -520,7 +527,11 @@ class ProfilerSchedule(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         running = not self._disabled
-        self._stop_quietly()  # a window cut short by the end of training is written here
+        # A window cut short by the end of training is written as it stands, unless it
+        # recorded no step (training ended in its warm-up): a resumed run takes it whole.
+        self._discard = self._profiler is not None and not self._window_recorded
+        self._stop_quietly()
+        self._discard = False
         if self._failure is not None:
             self._raise_pending()
         elif running and not self._written:
@@ -616,7 +627,7 @@ class ProfilerSchedule(L.Callback):
     def _write_trace(self, profiler: Any) -> None:
         # Runs inside torch's profiler.step() or stop(): a failure is recorded for the hook
         # that called them (see _give_up), never acted on here.
-        if self._disabled or self._failure is not None:
+        if self._disabled or self._failure is not None or self._discard:
             return
         self._windows += 1
         try:

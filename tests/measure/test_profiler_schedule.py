@@ -5,6 +5,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +80,91 @@ def test_repeat_zero_profiles_until_the_end_and_keeps_the_newest(tmp_path: Path)
         "rank0-window4.pt.trace.json.gz",
     ]
     assert sorted(tmp_path.glob("*.pt.trace.json.gz")) == callback.traces
+
+
+def recorded_steps(path: Path) -> list[int]:
+    """The steps a trace recorded: torch's ``ProfilerStep#N`` ranges that hold a forward."""
+    trace = events(path)
+    forwards = [e["ts"] for e in trace if e.get("name") == "speedkit/forward"]
+    return sorted(
+        int(e["name"].removeprefix("ProfilerStep#"))
+        for e in trace
+        if e.get("name", "").startswith("ProfilerStep#") and e.get("ph") == "X"
+        and any(e["ts"] <= t < e["ts"] + e["dur"] for t in forwards)
+    )  # fmt: skip
+
+
+def fit_resumed(make: Any, stop: int, steps: int, tmp_path: Path) -> list[ProfilerSchedule]:
+    """Train ``stop`` steps, save a checkpoint, resume it to ``steps`` in a new Trainer;
+    both write their traces to ``tmp_path / "traces"``."""
+    callbacks = []
+    checkpoint = tmp_path / "stop.ckpt"
+    for max_steps, ckpt in ((stop, None), (steps, checkpoint)):
+        callback = make(tmp_path / "traces")
+        trainer = L.Trainer(accelerator="cpu", max_steps=max_steps, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, callbacks=[callback])  # fmt: skip
+        trainer.fit(MLP(), loader(n=256), ckpt_path=ckpt)
+        if ckpt is None:
+            trainer.save_checkpoint(checkpoint)
+        callbacks.append(callback)
+    return callbacks
+
+
+@pytest.mark.parametrize(
+    ("stop", "first", "second"),
+    [
+        (2, [], [[5, 6]]),  # before the window: the resumed run takes it whole
+        (5, [], [[5, 6]]),  # in its warm-up: nothing recorded, nothing written; taken whole
+        (6, [[5]], [[6]]),  # inside the recording: each run writes the steps it recorded
+        (7, [[5, 6]], []),  # after the window: it is not taken again
+    ],
+)
+def test_a_resumed_run_profiles_the_steps_the_schedule_had_left(
+    tmp_path: Path, stop: int, first: list[list[int]], second: list[list[int]]
+) -> None:
+    """skip_first=4: one window in 10 steps, warm-up at step 4, steps 5 and 6 recorded,
+    wherever the run was stopped and resumed; none twice, none lost."""
+
+    def make(directory: Path) -> ProfilerSchedule:
+        return ProfilerSchedule(skip_first=4, wait=0, warmup=1, active=2, repeat=1,
+                                dirpath=directory)  # fmt: skip
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*dataloader is not resumable")
+        warnings.filterwarnings("ignore", message="ProfilerSchedule recorded nothing")
+        before, after = fit_resumed(make, stop, 10, tmp_path)
+    assert [recorded_steps(p) for p in before.traces] == first
+    assert [recorded_steps(p) for p in after.traces] == second
+    names = [p.name for p in (*before.traces, *after.traces)]
+    assert names == [f"rank0-window{i}.pt.trace.json.gz" for i in range(len(names))]
+    # A window cut short reports the steps it ran, not torch's range for the next one.
+    for callback, traces in ((before, first), (after, second)):
+        if traces:
+            assert callback.report is not None
+            assert callback.report.steps == len(traces[-1])
+
+
+def test_a_resumed_run_keeps_an_endless_schedules_phase(tmp_path: Path) -> None:
+    """repeat=0 with wait=2: a step recorded every four (3, 7, 11). Stopped after five
+    steps, between two windows, the resumed run records 7 and 11 beside the first run's
+    trace in the same directory, which it keeps."""
+
+    def make(directory: Path) -> ProfilerSchedule:
+        return ProfilerSchedule(skip_first=0, wait=2, warmup=1, active=1, repeat=0,
+                                dirpath=directory)  # fmt: skip
+
+    before, after = fit_resumed(make, 5, 12, tmp_path)
+    assert [recorded_steps(p) for p in before.traces] == [[3]]
+    assert [recorded_steps(p) for p in after.traces] == [[7], [11]]
+    assert [p.name for p in after.traces] == [
+        "rank0-window1.pt.trace.json.gz",
+        "rank0-window2.pt.trace.json.gz",
+    ]
+    assert sorted((tmp_path / "traces").glob("*.pt.trace.json.gz")) == [
+        *before.traces,
+        *after.traces,
+    ]
 
 
 def test_a_trace_over_the_cap_is_dropped_with_one_warning(tmp_path: Path) -> None:

@@ -60,6 +60,13 @@ class _Timeline:
 
 def _steps(events: list[_Event]) -> tuple[list[_Event], Any]:
     steps = sorted((e for e in events if e.name.startswith("ProfilerStep#")), key=lambda e: e.start)
+    # ProfilerSchedule marks each step's forward. A window that training ends (or a run
+    # that stops) cuts short keeps torch's last ProfilerStep range, opened for a step that
+    # never ran: a step without a forward where the others have one is not a step.
+    forwards = sorted(e.start for e in events if e.name == "speedkit/forward")
+    if forwards:
+        ran = [s for s in steps if _inside_starts(forwards, s.start, s.end)]
+        steps = ran or steps
     if steps:
         return steps, steps[0].tid
     ops = [e for e in events if e.cat == "cpu_op"]
@@ -72,6 +79,11 @@ def _steps(events: list[_Event]) -> tuple[list[_Event], Any]:
     mine = [e for e in ops if e.tid == main]
     whole = _Event("trace", "", min(e.start for e in mine), max(e.end for e in mine), main, {})
     return [whole], main
+
+
+def _inside_starts(starts: list[float], start: float, end: float) -> bool:
+    """Whether any of ``starts`` (sorted) lies within [start, end)."""
+    return bisect.bisect_left(starts, start) < bisect.bisect_left(starts, end)
 
 
 def _inside(items: list[_Event], starts: list[float], start: float, end: float) -> list[_Event]:
