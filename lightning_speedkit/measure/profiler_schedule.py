@@ -288,6 +288,7 @@ class ProfilerSchedule(L.Callback):
         self.report, self.report_files = None, []
         self._batch_end = self._batch_start = None
         self._failure, self._disabled, self._written = None, False, 0
+        self._window_recorded, self._discard = 0, False
         self._warned.clear()  # a new fit says its own troubles
         for timings in self._unprofiled:
             timings.clear()
@@ -486,7 +487,8 @@ class ProfilerSchedule(L.Callback):
             return
         self._regions.exit_all()
         recording = self._recording()
-        if self._profiler.current_action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE):
+        action = self._profiler.current_action
+        if action in (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE):
             self._window_recorded += 1
         self._batch_end = None if recording else time.perf_counter()
         self._steps += 1
@@ -507,6 +509,9 @@ class ProfilerSchedule(L.Callback):
             self._give_up("profiling a step", f"{type(error).__name__}: {error}",
                           stop="already enabled" not in str(error))  # fmt: skip
             return
+        if action == ProfilerAction.RECORD_AND_SAVE:
+            # The window is written; with wait=0 the same profiler warms up the next one.
+            self._window_recorded = 0
         self._raise_pending()
         if self._profiler is None:
             return
@@ -527,11 +532,7 @@ class ProfilerSchedule(L.Callback):
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         running = not self._disabled
-        # A window cut short by the end of training is written as it stands, unless it
-        # recorded no step (training ended in its warm-up): a resumed run takes it whole.
-        self._discard = self._profiler is not None and not self._window_recorded
-        self._stop_quietly()
-        self._discard = False
+        self._end_window()
         if self._failure is not None:
             self._raise_pending()
         elif running and not self._written:
@@ -567,7 +568,16 @@ class ProfilerSchedule(L.Callback):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        self._stop_quietly()
+        self._end_window()
+
+    def _end_window(self) -> None:
+        """Training ends (or fails) with a window open: write it as it stands, unless it
+        recorded no step (training ended in its warm-up); a resumed run takes it whole."""
+        self._discard = self._profiler is not None and not self._window_recorded
+        try:
+            self._stop_quietly()
+        finally:
+            self._discard = False
 
     # -- checkpoints -----------------------------------------------------------------------------
 

@@ -145,6 +145,40 @@ def test_a_resumed_run_profiles_the_steps_the_schedule_had_left(
             assert callback.report.steps == len(traces[-1])
 
 
+def test_training_that_ends_in_a_windows_warm_up_writes_no_empty_trace(tmp_path: Path) -> None:
+    """wait=0: the profiler goes from one window's last recorded step straight into the
+    next one's warm-up. Four steps: the first window (steps 1 and 2) is written, the
+    second, in its warm-up at step 3 when training ends, recorded nothing and is not."""
+    callback = ProfilerSchedule(skip_first=0, wait=0, warmup=1, active=2, repeat=2,
+                                dirpath=tmp_path)  # fmt: skip
+    fit(callback, steps=4)
+    assert [recorded_steps(p) for p in callback.traces] == [[1, 2]]
+    assert callback.report is not None
+    assert callback.report.steps == 2
+
+
+class RaiseAt(L.Callback):
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        if trainer.global_step == self.step:
+            raise RuntimeError("stopped by the test")
+
+
+def test_a_run_that_fails_in_a_windows_warm_up_writes_no_empty_trace(tmp_path: Path) -> None:
+    callback = ProfilerSchedule(skip_first=4, wait=0, warmup=1, active=2, repeat=1,
+                                dirpath=tmp_path)  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", max_steps=10, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback, RaiseAt(5)])  # fmt: skip
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        trainer.fit(MLP(), loader(n=256))
+    assert callback.traces == []
+    assert list(tmp_path.glob("*.pt.trace.json.gz")) == []
+    assert callback.state_dict()["windows"] == 0  # a resumed run takes the window whole
+
+
 def test_a_resumed_run_keeps_an_endless_schedules_phase(tmp_path: Path) -> None:
     """repeat=0 with wait=2: a step recorded every four (3, 7, 11). Stopped after five
     steps, between two windows, the resumed run records 7 and 11 beside the first run's
