@@ -457,25 +457,73 @@ def test_cast_and_copy_kernels_count_as_copies_and_name_the_compute_finding() ->
 
 
 def test_a_cuda_run_profiled_without_device_activity_gets_the_gpu_advice() -> None:
-    """A GPU run traced with ProfilerActivity.CPU only: host operators and the device's
-    properties, no kernel. Its matmul-bound step must not get the CPU's fixes."""
+    """A GPU run traced without its kernels: host operators and their CUDA launches. Its
+    matmul-bound step must not get the CPU's fixes. A GPU merely listed (torch lists the
+    machine's GPUs in a CPU run's trace too) leaves the CPU's fixes, with a note."""
     host = [
         _x("ProfilerStep#1", "user_annotation", 0, 1000),
         _x("aten::mm", "cpu_op", 0, 800),
         _x("aten::add_", "cpu_op", 800, 100),
     ]
-    cpu_trace = {"traceEvents": host}
-    gpu_trace = {**cpu_trace, "deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3",
-                                                    "totalGlobalMem": 85e9}]}  # fmt: skip
-    on_cpu, on_gpu = analyze_trace(cpu_trace), analyze_trace(gpu_trace)
-    assert (on_cpu.device, on_gpu.device) == ("cpu", "cuda")
-    assert on_gpu.breakdown == on_cpu.breakdown  # the host's shares, as the trace has them
-    assert [f.kind for f in on_gpu.findings] == [f.kind for f in on_cpu.findings] == ["compute"]
+    launch = [_x("cudaLaunchKernel", "cuda_runtime", 790, 5, correlation=1)]
+    listed = {"deviceProperties": [{"id": 0, "name": "NVIDIA H100 80GB HBM3",
+                                    "totalGlobalMem": 85e9}]}  # fmt: skip
+    on_cpu = analyze_trace({"traceEvents": host})
+    on_gpu = analyze_trace({"traceEvents": host + launch})
+    gpu_beside = analyze_trace({"traceEvents": host, **listed})
+    assert (on_cpu.device, on_gpu.device, gpu_beside.device) == ("cpu", "cuda", "cpu")
+    assert on_gpu.breakdown == pytest.approx(on_cpu.breakdown, abs=1e-9)  # the host's shares
+    for report in (on_cpu, on_gpu, gpu_beside):
+        assert [f.kind for f in report.findings] == ["compute"]
     assert "native bf16" in on_cpu.findings[0].fix
+    assert "native bf16" in gpu_beside.findings[0].fix
     assert "native bf16" not in on_gpu.findings[0].fix
     assert on_gpu.findings[0].fix.startswith("bf16-mixed precision if not already")
     assert any("without the device's activity" in note for note in on_gpu.notes)
-    assert not any("without the device's activity" in note for note in on_cpu.notes)
+    assert any("lists a GPU but recorded no device activity" in n for n in gpu_beside.notes)
+    assert not any("device activity" in note for note in on_cpu.notes)
+
+
+def _marked_steps(n: int, *, trailing: bool, marks: bool = True) -> list[dict[str, Any]]:
+    """``n`` host steps of 1000 us (a forward mark and an add in each, when ``marks``),
+    then, if ``trailing``, torch's 100 us range for a step that never ran."""
+    out = []
+    for i in range(n):
+        t = i * 1000
+        out.append(_x(f"ProfilerStep#{i}", "user_annotation", t, 1000))
+        if marks:
+            out.append(_x("speedkit/forward", "user_annotation", t + 10, 500))
+        out.append(_x("aten::add", "cpu_op", t + 20, 900))
+    if trailing:
+        out.append(_x(f"ProfilerStep#{n}", "user_annotation", n * 1000, 100))
+    return out
+
+
+def test_a_step_range_without_a_forward_is_not_a_step() -> None:
+    """A window cut short keeps torch's range for the step that never ran."""
+    report = analyze_trace({"traceEvents": _marked_steps(2, trailing=True)})
+    assert report.steps == 2
+    assert report.step_ms == pytest.approx(1.0)
+
+
+def test_without_forward_marks_every_step_range_counts() -> None:
+    """Traces of other profilers (Lightning's, torch's own) carry no marks: all steps."""
+    report = analyze_trace({"traceEvents": _marked_steps(2, trailing=True, marks=False)})
+    assert report.steps == 3
+
+
+def test_device_mirrors_of_the_marks_neither_count_as_steps_nor_keep_one() -> None:
+    """CUDA traces repeat each range on the device's timeline: a lagging device's forward
+    mark inside the trailing host range must not make it a step, nor its steps count."""
+    host = _marked_steps(2, trailing=True)
+    mirrored = [
+        _x("ProfilerStep#0", "gpu_user_annotation", 300, 1000, tid=7),
+        _x("ProfilerStep#1", "gpu_user_annotation", 1300, 950, tid=7),
+        _x("speedkit/forward", "gpu_user_annotation", 2010, 50, tid=7),  # in the trailing range
+    ]
+    report = analyze_trace({"traceEvents": host + mirrored})
+    assert report.steps == 2
+    assert report.step_ms == pytest.approx(1.0)
 
 
 def test_device_idle_is_what_the_unprofiled_step_leaves() -> None:

@@ -68,13 +68,11 @@ def analyze_trace(
     steps, main = _steps(events)
     device_events = [e for e in events if e.cat in ("kernel", "gpu_memcpy", "gpu_memset")]
     on_device = bool(device_events)
-    # A CUDA run profiled without CUDA activity has no kernels, but its device and (with
-    # CUDA runtime tracing) its launches are in the trace: its fixes are still a GPU's.
-    cuda_run = (
-        on_device
-        or bool(data.get("deviceProperties"))
-        or any(e.cat in ("cuda_runtime", "cuda_driver") for e in events)
-    )
+    # A CUDA run whose kernels the trace lacks still shows its launches (CUDA runtime
+    # calls): its fixes are a GPU's. A listed GPU alone says nothing of the run (torch
+    # lists the machine's GPUs in a CPU run's trace too): a note, not the advice.
+    cuda_run = on_device or any(e.cat in ("cuda_runtime", "cuda_driver") for e in events)
+    gpu_listed = bool(data.get("deviceProperties"))
     host = [
         e
         for e in events
@@ -127,6 +125,12 @@ def analyze_trace(
             "the shares are the host's, whose kernel launches return at once, so compute "
             "looks cheaper and the loop dearer than they are; profile with "
             "ProfilerActivity.CUDA (ProfilerSchedule does) for where the device's time goes"
+        )
+    elif gpu_listed and not on_device:
+        notes.append(
+            "the trace lists a GPU but recorded no device activity: read as a CPU run. If "
+            "this run trained on the GPU, profile with ProfilerActivity.CUDA (ProfilerSchedule "
+            "does): without it the shares are the host's and the fixes a CPU's"
         )
     if unprofiled_data_share is not None and not on_device:
         traced, true = breakdown["data"], min(max(unprofiled_data_share, 0.0), 1.0)

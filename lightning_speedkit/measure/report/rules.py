@@ -96,9 +96,8 @@ class Evidence:
     on_device: bool
     """The trace has CUDA kernels (the GPU is the device), not a CPU-only trace."""
     cuda_run: bool = False
-    """The run had a CUDA device (kernels, CUDA runtime calls or its properties in the
-    trace), whether or not the trace recorded the device's activity: its fixes are a
-    GPU's."""
+    """The run computed on a CUDA device (kernels or CUDA runtime calls in the trace),
+    whether or not the trace recorded the device's activity: its fixes are a GPU's."""
 
     @property
     def compute(self) -> float:

@@ -59,11 +59,14 @@ class _Timeline:
 
 
 def _steps(events: list[_Event]) -> tuple[list[_Event], Any]:
-    steps = sorted((e for e in events if e.name.startswith("ProfilerStep#")), key=lambda e: e.start)
+    # The host's ranges: CUDA traces mirror each on the device's timeline
+    # (``gpu_user_annotation``, device clock), which is not where a step is.
+    host = [e for e in events if e.cat != "gpu_user_annotation"]
+    steps = sorted((e for e in host if e.name.startswith("ProfilerStep#")), key=lambda e: e.start)
     # ProfilerSchedule marks each step's forward. A window that training ends (or a run
     # that stops) cuts short keeps torch's last ProfilerStep range, opened for a step that
     # never ran: a step without a forward where the others have one is not a step.
-    forwards = sorted(e.start for e in events if e.name == "speedkit/forward")
+    forwards = sorted(e.start for e in host if e.name == "speedkit/forward")
     if forwards:
         ran = [s for s in steps if _inside_starts(forwards, s.start, s.end)]
         steps = ran or steps
