@@ -361,7 +361,7 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
         if cache is not None:
             notes.append(
                 f"kit: SampleCache: decoded samples kept in memory (same data, same order): "
-                f"{cache.warmed:,} decoded by workers before the first step, "
+                f"{cache.warmed:,} decoded before the first step, "
                 f"{cache.misses:,} read in-process, {cache.hits:,} served from memory "
                 f"({cache.nbytes / 2**20:.0f} MiB)"
             )
