@@ -494,7 +494,7 @@ class HangWatchdog(L.Callback):
         text = _report_text(progress, behind, silent, limit, self._dir)
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(text)
+            path.write_text(text, encoding="utf-8")
             written: str | None = str(path)
         except OSError:
             written = None
@@ -616,7 +616,7 @@ def _write_stacks(path: Path, rank: int, world_size: int, why: str, progress: Ra
     lines += ["", "--- faulthandler (most recent call first) ---", ""]
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    with partial.open("w") as out:
+    with partial.open("w", encoding="utf-8") as out:
         out.write("\n".join(lines) + "\n")
         out.flush()
         faulthandler.dump_traceback(file=out, all_threads=True)

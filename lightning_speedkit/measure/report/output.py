@@ -105,7 +105,7 @@ class Report:
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         md, js = directory / f"{stem}.md", directory / f"{stem}.json"
-        md.write_text(self.to_markdown())
+        md.write_text(self.to_markdown(), encoding="utf-8")
         js.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
         written = [md, js]
         png = self.plot(directory / f"{stem}.png")

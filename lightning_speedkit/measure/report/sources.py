@@ -10,6 +10,7 @@ import ast
 import bisect
 import re
 import sys
+import tokenize
 from collections import defaultdict
 from collections.abc import Mapping
 from pathlib import Path
@@ -67,8 +68,9 @@ def _call_line(file: str, first_line: int, func: str) -> str:
     candidates = [Path(file), *(Path(p) / file for p in sys.path if p)]
     for path in candidates:
         try:
-            source = path.read_text()
-        except (OSError, UnicodeDecodeError):
+            with tokenize.open(path) as handle:  # the source's own encoding, not the locale's
+                source = handle.read()
+        except (OSError, SyntaxError, UnicodeDecodeError):  # SyntaxError: a bad coding line
             continue
         try:
             tree = ast.parse(source)
