@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import platform
 import statistics
 import sys
 import time
@@ -44,6 +45,7 @@ from collections import deque
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from functools import cached_property
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning as L
@@ -305,13 +307,30 @@ def _native_bf16(platform: str, capabilities: Mapping[str, Any] | None) -> bool 
     return any(bool(capabilities.get(flag)) for flag in _NATIVE_BF16_X86)
 
 
+def _cpuinfo_capabilities(cpuinfo: str, machine: str) -> dict[str, Any] | None:
+    """What ``torch.cpu.get_capabilities()`` says of bf16, from Linux's ``/proc/cpuinfo``
+    text and ``platform.machine()``: for a torch without that function. None when the
+    text has no ``flags`` line."""
+    for line in cpuinfo.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() == "flags":
+            flags = set(value.split())
+            return {"architecture": machine, **{f: f in flags for f in _NATIVE_BF16_X86}}
+    return None
+
+
 def _cpu_native_bf16() -> bool | None:
     """:func:`_native_bf16` for this machine, from torch's public
-    ``torch.cpu.get_capabilities()`` (read once by torch, then cached); None on a torch
-    without it. Tests replace this function to take either branch on any machine."""
+    ``torch.cpu.get_capabilities()`` (read once by torch, then cached), or, on a torch
+    without it, from ``/proc/cpuinfo``. Tests replace this function to take either branch
+    on any machine."""
     query = getattr(torch.cpu, "get_capabilities", None)
     if query is None:
-        return None
+        try:
+            text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
+        except OSError:
+            return None
+        return _native_bf16(sys.platform, _cpuinfo_capabilities(text, platform.machine()))
     try:
         capabilities = query()
     except RuntimeError:  # a CPU torch's cpuinfo could not read

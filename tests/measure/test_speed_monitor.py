@@ -428,10 +428,34 @@ def test_this_machine_native_bf16_agrees_with_proc_cpuinfo() -> None:
     linux_x86 = sys.platform.startswith("linux") and platform.machine() == "x86_64"
     if not linux_x86 or not cpuinfo.exists():
         pytest.skip("the flags are read from /proc/cpuinfo on Linux x86-64")
-    if not hasattr(torch.cpu, "get_capabilities"):
-        pytest.skip(f"torch {torch.__version__} has no torch.cpu.get_capabilities: unknown")
     flags = set()
     for line in cpuinfo.read_text().splitlines():
         if line.startswith("flags"):
             flags |= set(line.split(":", 1)[1].split())
     assert sm._cpu_native_bf16() is bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+_CPUINFO = """processor\t: 0
+vendor_id\t: AuthenticAMD
+model name\t: AMD EPYC
+flags\t\t: fpu sse2 avx2 {extra}
+bugs\t\t: sysret_ss_attrs
+"""
+
+
+@pytest.mark.parametrize(
+    ("extra", "native"), [("", False), ("avx512f avx512_bf16", True), ("amx_bf16 amx_tile", True)]
+)
+def test_without_torchs_capabilities_the_flags_come_from_proc_cpuinfo(
+    extra: str, native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A torch without ``torch.cpu.get_capabilities`` (older ones): /proc/cpuinfo's flags."""
+    capabilities = sm._cpuinfo_capabilities(_CPUINFO.format(extra=extra), "x86_64")
+    assert sm._native_bf16("linux", capabilities) is native
+    assert sm._native_bf16("linux", sm._cpuinfo_capabilities(_CPUINFO, "aarch64")) is None
+    assert sm._cpuinfo_capabilities("processor\t: 0\n", "x86_64") is None
+    # and on this machine, with torch's query gone, the same answer as with it
+    if sys.platform.startswith("linux") and Path("/proc/cpuinfo").exists():
+        with_query = sm._cpu_native_bf16()
+        monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
+        assert sm._cpu_native_bf16() is with_query
