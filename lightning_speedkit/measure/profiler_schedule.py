@@ -437,6 +437,7 @@ class ProfilerSchedule(L.Callback):
             self._batch_start = now
             return
         self._regions.exit("data_fetch")
+        self._regions.exit("checkpoint")
         if self._recording():
             self._regions.enter("forward")
             self._batch_end = None  # a profiled step: its timings are the profiler's
@@ -529,6 +530,26 @@ class ProfilerSchedule(L.Callback):
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._regions.exit("data_fetch")  # validation is not data wait
+        if self._recording():  # inside a window: not a training step's time (the report)
+            self._regions.enter("validation")
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._regions.exit("validation")
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        # ModelCheckpoint saves after this callback's batch end has opened the next fetch:
+        # writing the file is not data wait, in a window nor in the un-profiled timings.
+        self._batch_end = None  # this gap is not timed
+        if self._recording():
+            self._regions.exit("data_fetch")
+            self._regions.enter("checkpoint")
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # A checkpoint loaded by validate() or test() is not a run to resume: only fit's
+        # restore, which on_train_start takes, is.
+        self._resumed = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         running = not self._disabled
@@ -568,6 +589,10 @@ class ProfilerSchedule(L.Callback):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
+        if self._recording():  # the step the exception ended is no step: say so in the trace
+            self._regions.exit_all()
+            self._regions.enter("aborted")
+            self._regions.exit("aborted")
         self._end_window()
 
     def _end_window(self) -> None:

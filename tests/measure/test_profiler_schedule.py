@@ -179,6 +179,76 @@ def test_a_run_that_fails_in_a_windows_warm_up_writes_no_empty_trace(tmp_path: P
     assert callback.state_dict()["windows"] == 0  # a resumed run takes the window whole
 
 
+def test_a_step_an_exception_ends_is_marked_and_not_reported_as_one(tmp_path: Path) -> None:
+    """Steps 5 and 6 recorded; an exception at the start of step 6, raised by a callback
+    after ProfilerSchedule (which has opened step 6's forward): the trace is written with
+    step 5, and step 6's range carries the mark that keeps it out of the report."""
+    callback = ProfilerSchedule(skip_first=4, wait=0, warmup=1, active=2, repeat=1,
+                                dirpath=tmp_path)  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", max_steps=10, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback, RaiseAt(6)])  # fmt: skip
+    with pytest.raises(RuntimeError, match="stopped by the test"):
+        trainer.fit(MLP(), loader(n=256))
+    (path,) = callback.traces
+    assert count(events(path), "speedkit/aborted") == 1
+    assert callback.report is not None
+    assert callback.report.steps == 1
+
+
+class ValidatingMLP(MLP):
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.net(batch)
+
+
+def test_validation_and_checkpoints_inside_a_window_are_marked_apart(tmp_path: Path) -> None:
+    """Validation after step 5 and a checkpoint after every step, inside the window that
+    records steps 4 to 6: validation has its own range, and that step is left out of the
+    report; each save has a range of its own, outside the data fetch."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = ProfilerSchedule(skip_first=3, wait=0, warmup=1, active=3, repeat=1,
+                                dirpath=tmp_path / "traces")  # fmt: skip
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", max_steps=8, logger=False, val_check_interval=6,
+                        limit_val_batches=3, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback, saves])  # fmt: skip
+    trainer.fit(ValidatingMLP(), loader(n=256), loader(n=64))
+    (path,) = callback.traces
+    trace = events(path)
+    assert count(trace, "speedkit/validation") == 1
+    assert callback.report is not None
+    assert callback.report.steps == 2  # steps 4 to 6, less the one that validated
+    spans = {
+        name: [(e["ts"], e["ts"] + e["dur"]) for e in trace
+               if e.get("name") == name and e.get("ph") == "X"]
+        for name in ("speedkit/checkpoint", "speedkit/data_fetch")
+    }  # fmt: skip
+    assert len(spans["speedkit/checkpoint"]) >= 3
+    for start, end in spans["speedkit/checkpoint"]:
+        assert not any(s < end and start < e for s, e in spans["speedkit/data_fetch"])
+
+
+def test_a_checkpoint_loaded_by_validate_is_not_resumed_by_the_next_fit(tmp_path: Path) -> None:
+    """validate(ckpt_path=...) loads the callback's state; a fresh fit after it is no
+    resumed run and takes its window."""
+
+    def make(directory: Path) -> ProfilerSchedule:
+        return ProfilerSchedule(skip_first=2, wait=0, warmup=1, active=2, repeat=1,
+                                dirpath=directory)  # fmt: skip
+
+    (first,) = fit_resumed(make, 8, 8, tmp_path)[:1]
+    assert len(first.traces) == 1
+    callback = make(tmp_path / "again")
+    kwargs: dict[str, Any] = dict(
+        accelerator="cpu", logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+    )  # fmt: skip
+    L.Trainer(**kwargs).validate(ValidatingMLP(), loader(n=64), ckpt_path=tmp_path / "stop.ckpt")
+    L.Trainer(max_steps=6, **kwargs).fit(ValidatingMLP(), loader(n=256))
+    assert [recorded_steps(p) for p in callback.traces] == [[3, 4]]
+
+
 def test_a_resumed_run_keeps_an_endless_schedules_phase(tmp_path: Path) -> None:
     """repeat=0 with wait=2: a step recorded every four (3, 7, 11). Stopped after five
     steps, between two windows, the resumed run records 7 and 11 beside the first run's

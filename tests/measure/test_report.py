@@ -512,6 +512,18 @@ def test_without_forward_marks_every_step_range_counts() -> None:
     assert report.steps == 3
 
 
+@pytest.mark.parametrize("mark", ["speedkit/validation", "speedkit/aborted"])
+def test_a_step_that_validated_or_failed_is_not_a_training_step(mark: str) -> None:
+    """ProfilerSchedule marks validation run inside a window and the step an exception
+    ended: left out while another step remains; kept where every step has the mark."""
+    events = _marked_steps(3, trailing=False)
+    events.append(_x(mark, "user_annotation", 1600, 300))  # inside the second step
+    report = analyze_trace({"traceEvents": events})
+    assert report.steps == 2
+    every = [*_marked_steps(1, trailing=False), _x(mark, "user_annotation", 600, 300)]
+    assert analyze_trace({"traceEvents": every}).steps == 1
+
+
 def test_device_mirrors_of_the_marks_neither_count_as_steps_nor_keep_one() -> None:
     """CUDA traces repeat each range on the device's timeline: a lagging device's forward
     mark inside the trailing host range must not make it a step, nor its steps count."""

@@ -58,6 +58,10 @@ class _Timeline:
             self.labels[where] = value
 
 
+#: ProfilerSchedule's marks of a recorded step that is no training step.
+_NOT_A_STEP = ("speedkit/validation", "speedkit/aborted")
+
+
 def _steps(events: list[_Event]) -> tuple[list[_Event], Any]:
     # The host's ranges: CUDA traces mirror each on the device's timeline
     # (``gpu_user_annotation``, device clock), which is not where a step is.
@@ -65,11 +69,15 @@ def _steps(events: list[_Event]) -> tuple[list[_Event], Any]:
     steps = sorted((e for e in host if e.name.startswith("ProfilerStep#")), key=lambda e: e.start)
     # ProfilerSchedule marks each step's forward. A window that training ends (or a run
     # that stops) cuts short keeps torch's last ProfilerStep range, opened for a step that
-    # never ran: a step without a forward where the others have one is not a step.
+    # never ran: a step without a forward where the others have one is not a step. Nor is
+    # one that ran validation or that an exception ended (ProfilerSchedule marks both).
     forwards = sorted(e.start for e in host if e.name == "speedkit/forward")
     if forwards:
         ran = [s for s in steps if _inside_starts(forwards, s.start, s.end)]
         steps = ran or steps
+    other = sorted(e.start for e in host if e.name in _NOT_A_STEP)
+    if other:
+        steps = [s for s in steps if not _inside_starts(other, s.start, s.end)] or steps
     if steps:
         return steps, steps[0].tid
     ops = [e for e in events if e.cat == "cpu_op"]
