@@ -160,7 +160,8 @@ class ProfilerSchedule(L.Callback):
         active: steps recorded per window (3 is plenty; each one adds to the trace).
         repeat: windows; 0 repeats until training ends.
         dirpath: where traces go; default ``<log dir>/profiler``.
-        num_traces_to_keep: per rank, the newest traces kept; older ones are deleted.
+        num_traces_to_keep: per rank, the newest traces of this fit kept; its older ones
+            are deleted (traces of earlier runs in the directory are left alone).
         max_trace_mb: a compressed trace larger than this is deleted with a warning.
         record_shapes: record operator input shapes (bigger traces).
         with_stack: record Python stacks, which name the call sites of host syncs
