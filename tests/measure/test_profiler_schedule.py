@@ -166,14 +166,22 @@ class RaiseAt(L.Callback):
             raise RuntimeError("stopped by the test")
 
 
-def test_a_run_that_fails_in_a_windows_warm_up_writes_no_empty_trace(tmp_path: Path) -> None:
+def fit_until_raised(tmp_path: Path, step: int) -> ProfilerSchedule:
+    """skip_first=4: warm-up at step 4, steps 5 and 6 recorded; a callback after
+    ProfilerSchedule raises as step ``step`` begins."""
     callback = ProfilerSchedule(skip_first=4, wait=0, warmup=1, active=2, repeat=1,
                                 dirpath=tmp_path)  # fmt: skip
+    raiser = RaiseAt(step)
     trainer = L.Trainer(accelerator="cpu", max_steps=10, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[callback, RaiseAt(5)])  # fmt: skip
+                        enable_model_summary=False, callbacks=[callback, raiser])  # fmt: skip
     with pytest.raises(RuntimeError, match="stopped by the test"):
         trainer.fit(MLP(), loader(n=256))
+    return callback
+
+
+def test_a_run_that_fails_in_a_windows_warm_up_writes_no_empty_trace(tmp_path: Path) -> None:
+    callback = fit_until_raised(tmp_path, 5)
     assert callback.traces == []
     assert list(tmp_path.glob("*.pt.trace.json.gz")) == []
     assert callback.state_dict()["windows"] == 0  # a resumed run takes the window whole
@@ -183,13 +191,7 @@ def test_a_step_an_exception_ends_is_marked_and_not_reported_as_one(tmp_path: Pa
     """Steps 5 and 6 recorded; an exception at the start of step 6, raised by a callback
     after ProfilerSchedule (which has opened step 6's forward): the trace is written with
     step 5, and step 6's range carries the mark that keeps it out of the report."""
-    callback = ProfilerSchedule(skip_first=4, wait=0, warmup=1, active=2, repeat=1,
-                                dirpath=tmp_path)  # fmt: skip
-    trainer = L.Trainer(accelerator="cpu", max_steps=10, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False, callbacks=[callback, RaiseAt(6)])  # fmt: skip
-    with pytest.raises(RuntimeError, match="stopped by the test"):
-        trainer.fit(MLP(), loader(n=256))
+    callback = fit_until_raised(tmp_path, 6)
     (path,) = callback.traces
     assert count(events(path), "speedkit/aborted") == 1
     assert callback.report is not None
