@@ -132,19 +132,21 @@ class HandTunedTask(VLMTask):
         return logits
 
     def configure_optimizers(self) -> Any:
+        """The task's AdamW and warm-up, the AdamW constructed with ``fused=True``."""
         config = super().configure_optimizers()
-        groups = config["optimizer"].param_groups
+        own, schedule = config["optimizer"], config["lr_scheduler"]["scheduler"]
         optimizer = torch.optim.AdamW(
-            [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in groups],
-            lr=self.lr,
-            betas=(0.9, 0.98),
+            [{"params": g["params"], "weight_decay": g["weight_decay"]} for g in own.param_groups],
+            lr=own.defaults["lr"],
+            betas=own.defaults["betas"],
+            eps=own.defaults["eps"],
             fused=True,
         )
-        warmup = max(1, self.warmup_steps)
-        schedule = torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lambda step: min(1.0, (step + 1) / warmup)
+        config["optimizer"] = optimizer
+        config["lr_scheduler"]["scheduler"] = torch.optim.lr_scheduler.LambdaLR(
+            optimizer, schedule.lr_lambdas
         )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        return config
 
 
 # ---------------------------------------------------------------- the loader, by hand
@@ -181,12 +183,13 @@ class HandTunedData(VLMDataModule):
             self.preloaded = InMemory(self.datasets["train"])
 
     def train_dataloader(self) -> DataLoader[Batch]:
-        dataset: Dataset[Any] = self.preloaded or self.datasets["train"]
+        train = self.datasets["train"]
+        dataset: Dataset[Any] = train if self.preloaded is None else self.preloaded
         workers = self.num_workers
         return DataLoader(
             dataset,
             batch_size=self.micro_batch,
-            sampler=self.shuffle_sampler(self.datasets["train"]),  # the same order as plain's
+            sampler=self.shuffle_sampler(train),  # the same order as plain's
             drop_last=True,
             num_workers=workers,
             collate_fn=self.collate,

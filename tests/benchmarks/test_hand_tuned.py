@@ -47,10 +47,12 @@ def test_the_hand_tuned_optimizer_is_the_tasks_adamw_fused() -> None:
     module = load_module(SCRIPT)
     cfg = VLMConfig.preset("tiny", vocab_size=CaptionTokenizer().vocab_size)
     torch.manual_seed(0)
-    plain = VLMTask(cfg).configure_optimizers()["optimizer"]
+    plain_config = VLMTask(cfg).configure_optimizers()
+    plain = plain_config["optimizer"]
     torch.manual_seed(0)
     task = module.HandTunedTask(cfg, pad_id=0, compile_model=False)
-    hand = task.configure_optimizers()["optimizer"]
+    hand_config = task.configure_optimizers()
+    hand = hand_config["optimizer"]
     assert isinstance(hand, torch.optim.AdamW)
     assert hand.defaults["fused"] is True
     assert len(hand.param_groups) == len(plain.param_groups) == 2
@@ -58,6 +60,14 @@ def test_the_hand_tuned_optimizer_is_the_tasks_adamw_fused() -> None:
         assert [p.shape for p in ours["params"]] == [p.shape for p in theirs["params"]]
         for key in ("lr", "betas", "eps", "weight_decay"):
             assert ours[key] == theirs[key], key
+    # the task's warm-up, driving the fused optimizer
+    schedules = [c["lr_scheduler"]["scheduler"] for c in (hand_config, plain_config)]
+    assert schedules[0].optimizer is hand
+    assert hand_config["lr_scheduler"]["interval"] == "step"
+    for _ in range(3):
+        for schedule in schedules:
+            schedule.step()
+        assert schedules[0].get_last_lr() == schedules[1].get_last_lr()
 
 
 def test_the_compiled_hand_tuned_model_keeps_the_tasks_checkpoint_keys() -> None:
