@@ -275,9 +275,11 @@ class ProfilerSchedule(L.Callback):
         """Give up on a trace write that failed inside torch's ``step()``/``stop()``, now
         that it has returned."""
         if self._failure is not None:
+            # Cleared only once the profiler is stopped: with wait=0 the failed step() has
+            # begun the next window, and stop() would write it (see _write_trace).
             what, why = self._failure
-            self._failure = None
             self._give_up(what, why)
+            self._failure = None
 
     # -- set-up ----------------------------------------------------------------------------------
 

@@ -453,6 +453,31 @@ def test_a_full_disk_is_named_and_partial_files_removed(
     assert sorted(tmp_path.iterdir()) == []
 
 
+def test_giving_up_after_a_failed_write_writes_no_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # wait=0, warmup=0: the step() that fails to write the first window has already begun
+    # the next one. Giving up stops that profiler, and its stop() must write nothing.
+    real_export = torch.profiler.profile.export_chrome_trace
+    calls = []
+
+    def fails_once(self: Any, path: str, *args: Any, **kwargs: Any) -> None:
+        calls.append(path)
+        if len(calls) == 1:
+            raise OSError("transient")
+        real_export(self, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch.profiler.profile, "export_chrome_trace", fails_once)
+    callback = ProfilerSchedule(wait=0, warmup=0, active=1, repeat=0, dirpath=tmp_path)
+    with pytest.warns(UserWarning, match="training goes on without profiling") as record:
+        trainer = fit(callback, steps=4)
+    assert sum("ProfilerSchedule" in str(w.message) for w in record) == 1
+    assert trainer.global_step == 4
+    assert len(calls) == 1
+    assert callback.traces == []
+    assert sorted(tmp_path.iterdir()) == []
+
+
 def test_torchs_default_schedule_records_steps_three_to_five(tmp_path: Path) -> None:
     callback = ProfilerSchedule(wait=1, warmup=1, active=3, dirpath=tmp_path)
     fit(callback, steps=8)
