@@ -293,6 +293,26 @@ def test_lightning_pytorch_profiler_trace_is_understood(
     assert sorted(p.name for p in (tmp_path / "out").iterdir())[0].endswith(".report.json")
 
 
+def test_lightning_profiler_trace_cut_short_by_the_fits_end_counts_only_whole_steps(
+    tmp_path: Path,
+) -> None:
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    # The window outlasts training: torch's last range holds the last backward and the
+    # fit's teardown, no training_step. Steps 2-5 ran in the window.
+    schedule = torch.profiler.schedule(wait=1, warmup=1, active=10)
+    profiler = PyTorchProfiler(dirpath=tmp_path, filename="lt", export_to_chrome=True,
+                               schedule=schedule)  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, profiler=profiler,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(MLP(), loader(n=256))
+    (trace,) = sorted(tmp_path.glob("*.pt.trace.json"))
+    names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}
+    assert {f"ProfilerStep#{i}" for i in range(2, 7)} <= names  # torch's 5 ranges
+    assert analyze_trace(trace).steps == 4
+
+
 def test_lightning_module_names_are_read_at_the_top_level_depth() -> None:
     names = {"model", "model.vision", "model.vision.blocks", "model.vision.blocks.0",
              "model.projector", "model.decoder", "model.decoder.head"}  # fmt: skip

@@ -67,11 +67,13 @@ def _steps(events: list[_Event]) -> tuple[list[_Event], Any]:
     # (``gpu_user_annotation``, device clock), which is not where a step is.
     host = [e for e in events if e.cat != "gpu_user_annotation"]
     steps = sorted((e for e in host if e.name.startswith("ProfilerStep#")), key=lambda e: e.start)
-    # ProfilerSchedule marks each step's forward. A window that training ends (or a run
-    # that stops) cuts short keeps torch's last ProfilerStep range, opened for a step that
-    # never ran: a step without a forward where the others have one is not a step. Nor is
-    # one that ran validation or that an exception ended (ProfilerSchedule marks both).
-    forwards = sorted(e.start for e in host if e.name == "speedkit/forward")
+    # ProfilerSchedule marks each step's forward, Lightning's PyTorchProfiler the
+    # strategy's training_step. A window that training ends (or a run that stops) cuts
+    # short keeps torch's last ProfilerStep range, opened for a step that never ran (with
+    # Lightning's profiler: the last backward and the fit's teardown): a step without a
+    # forward where the others have one is not a step. Nor is one that ran validation or
+    # that an exception ended (ProfilerSchedule marks both).
+    forwards = sorted(e.start for e in host if _is_forward(e.name))
     if forwards:
         ran = [s for s in steps if _inside_starts(forwards, s.start, s.end)]
         steps = ran or steps
@@ -90,6 +92,12 @@ def _steps(events: list[_Event]) -> tuple[list[_Event], Any]:
     mine = [e for e in ops if e.tid == main]
     whole = _Event("trace", "", min(e.start for e in mine), max(e.end for e in mine), main, {})
     return [whole], main
+
+
+def _is_forward(name: str) -> bool:
+    """A step's forward: ProfilerSchedule's mark, or Lightning's profiled
+    ``[Strategy]<Strategy>.training_step`` (recent versions put ``[pl][profile]`` before it)."""
+    return name == "speedkit/forward" or ("[Strategy]" in name and name.endswith(".training_step"))
 
 
 def _inside_starts(starts: list[float], start: float, end: float) -> bool:
