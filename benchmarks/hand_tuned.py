@@ -24,7 +24,8 @@ precision, each for ``--steps`` optimizer steps, one after another in one proces
     python benchmarks/hand_tuned.py                                    # CPU: tiny VLM, fp32
     python benchmarks/hand_tuned.py --size base --precision bf16-mixed # a GPU: VLM base
 
-Prints a table and writes JSON (``--out``).
+Prints a table and writes JSON (``--out``), after each run as well as at the end: a run
+that crashes or runs out of time loses only itself (``"complete": false`` until the end).
 """
 
 from __future__ import annotations
@@ -332,41 +333,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.rounds} round(s) of {', '.join(runs)}; {device}, torch {torch.__version__}"
     )
 
-    rounds: list[dict[str, DemoResult]] = []
-    with _quiet_third_party():
-        for index in range(args.rounds):
-            done: dict[str, DemoResult] = {}
-            for run in runs:
-                run_config = replace(config, output_dir=f"{args.output_dir}/round{index}")
-                if run == "hand":
-                    result = train_hand_tuned(
-                        run_config, peak, micro_batch=micro_batch, num_workers=args.num_workers,
-                        preload=args.preload, compile_model=compile_model,
-                    )  # fmt: skip
-                else:
-                    result = _train(run_config, run, peak)
-                if result is None:  # not rank 0
-                    return 0
-                done[run] = result
-            rounds.append(done)
-            print(f"\nround {index + 1} of {args.rounds}")
-            print(comparison_table(list(done.values())))
-
-    summary = _summary(rounds)
-    print("\nsamples/s ratios, per round (median):")
-    for label, values in summary.items():
-        shown = ", ".join(f"{v:.2f}x" for v in values["rounds"])
-        print(f"  {label:<10} {shown}  ({values['median']:.2f}x)")
-    wall = {
-        run: statistics.median(r[run].wall_sec for r in rounds) for run in runs
-    }  # compile included
-    print("wall time of fit, compilation included (s, median): " + ", ".join(
-        f"{run} {seconds:.1f}" for run, seconds in wall.items()
-    ))  # fmt: skip
-
     out = args.out or HERE.parent / "results" / f"hand_tuned_{'cuda' if on_cuda else 'cpu'}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    record = {
+    header = {
         "benchmark": "hand_tuned",
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": device,
@@ -379,13 +348,66 @@ def main(argv: list[str] | None = None) -> int:
             "compile": compile_model,
             "micro_batch": micro_batch,
         },
-        "rounds": [{run: asdict(r) for run, r in round_.items()} for round_ in rounds],
-        "ratios": summary,
-        "wall_sec_median": wall,
     }
-    out.write_text(json.dumps(_finite(record), indent=2, default=str, allow_nan=False))
+
+    rounds: list[dict[str, DemoResult]] = []
+    with _quiet_third_party():
+        for index in range(args.rounds):
+            done: dict[str, DemoResult] = {}
+            rounds.append(done)
+            for run in runs:
+                run_config = replace(config, output_dir=f"{args.output_dir}/round{index}")
+                if run == "hand":
+                    result = train_hand_tuned(
+                        run_config, peak, micro_batch=micro_batch, num_workers=args.num_workers,
+                        preload=args.preload, compile_model=compile_model,
+                    )  # fmt: skip
+                else:
+                    result = _train(run_config, run, peak)
+                if result is None:  # not rank 0
+                    return 0
+                done[run] = result
+                # Each run's figures reach the file as it ends: a crash or a time limit
+                # in a later run (a GPU machine's) loses only that run.
+                _write(out, header, rounds, complete=False)
+            print(f"\nround {index + 1} of {args.rounds}")
+            print(comparison_table(list(done.values())))
+
+    summary = _summary(rounds)
+    print("\nsamples/s ratios, per round (median):")
+    for label, values in summary.items():
+        shown = ", ".join(f"{v:.2f}x" for v in values["rounds"])
+        print(f"  {label:<10} {shown}  ({values['median']:.2f}x)")
+    wall = _wall(rounds)
+    print("wall time of fit, compilation included (s, median): " + ", ".join(
+        f"{run} {seconds:.1f}" for run, seconds in wall.items()
+    ))  # fmt: skip
+    _write(out, header, rounds, complete=True)
     print(f"wrote {out}")
     return 0
+
+
+def _wall(rounds: list[dict[str, DemoResult]]) -> dict[str, float]:
+    """Each run's median wall time of fit over the rounds it ran in (compilation included)."""
+    runs = dict.fromkeys(run for round_ in rounds for run in round_)
+    return {run: statistics.median(r[run].wall_sec for r in rounds if run in r) for run in runs}
+
+
+def _write(
+    out: Path, header: dict[str, Any], rounds: list[dict[str, DemoResult]], *, complete: bool
+) -> None:
+    """The record of the runs done so far; ``complete`` once every round has run."""
+    record = {
+        **header,
+        "complete": complete,
+        "rounds": [{run: asdict(r) for run, r in round_.items()} for round_ in rounds],
+        "ratios": _summary(rounds),
+        "wall_sec_median": _wall(rounds),
+    }
+    text = json.dumps(_finite(record), indent=2, default=str, allow_nan=False)
+    partial = out.with_name(out.name + ".tmp")
+    partial.write_text(text)
+    partial.replace(out)  # a reader never sees half a file
 
 
 def _finite(value: Any) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -93,6 +94,7 @@ def test_the_benchmark_runs_plain_and_hand_tuned_side_by_side(
             "--output-dir", str(tmp_path / "runs"), "--out", str(out)]  # fmt: skip
     assert module.main(argv) == 0
     saved = json.loads(out.read_text())
+    assert saved["complete"] is True
     assert saved["config"]["micro_batch"] == 16
     assert saved["config"]["compile"] is False
     assert len(saved["rounds"]) == 2
@@ -110,6 +112,35 @@ def test_the_benchmark_runs_plain_and_hand_tuned_side_by_side(
     ]
     assert ratios["rounds"] == pytest.approx(expected)
     assert set(saved["ratios"]) == {"hand/plain"}  # no kit run, no kit ratio
+
+
+def test_each_run_reaches_the_file_as_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = load_module(SCRIPT)
+    finished = []
+
+    def train(config: Any, run: str, peak: Any) -> Any:
+        if len(finished) == 3:  # round 2's kit run: a crash, or a machine's time limit
+            raise RuntimeError("killed")
+        finished.append(run)
+        speed = {"plain": 100.0, "kit": 150.0}[run]
+        return module.DemoResult(run, [], "tiny", 1, 1, 6, speed, None, None, None, None,
+                                 None, None, 1.0, 0.5, 0.5, 0.5, 10.0 * len(finished))  # fmt: skip
+
+    monkeypatch.setattr(module, "_train", train)
+    monkeypatch.setattr(module, "measure_matmul_peak", lambda *a, **k: 1e9)
+    out = tmp_path / "hand.json"
+    argv = ["--runs", "plain,kit", "--rounds", "2", "--steps", "6", "--warmup-steps", "2",
+            "--output-dir", str(tmp_path / "runs"), "--out", str(out)]  # fmt: skip
+    with pytest.raises(RuntimeError, match="killed"):
+        module.main(argv)
+    saved = json.loads(out.read_text())
+    assert saved["complete"] is False
+    assert [list(r) for r in saved["rounds"]] == [["plain", "kit"], ["plain"]]
+    assert saved["ratios"] == {"kit/plain": {"rounds": [1.5], "median": 1.5}}
+    assert saved["wall_sec_median"] == {"plain": 20.0, "kit": 20.0}  # medians of 10, 30; 20
+    assert [p.name for p in tmp_path.iterdir() if p.is_file()] == ["hand.json"]
 
 
 def test_a_micro_batch_that_does_not_divide_the_batch_is_refused(tmp_path: Path) -> None:
