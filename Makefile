@@ -39,10 +39,12 @@ docs: venv
 # Two test processes, a test file each at a time (tests in a file share fixtures and
 # some time against each other); PYTEST_WORKERS= runs them in this process.
 PYTEST_WORKERS ?= -n 2 --dist loadfile
+# The slowest tests are listed at the end of every run: the suite has a 20-minute budget.
+PYTEST_DURATIONS ?= --durations=20
 
 # pytest exits 5 when it collected no test: that is a broken suite, not a pass.
 pytest: venv
-	$(BIN)/python -m pytest $(PYTEST_WORKERS) $(PYTEST_ARGS); status=$$?; \
+	$(BIN)/python -m pytest $(PYTEST_WORKERS) $(PYTEST_DURATIONS) $(PYTEST_ARGS); status=$$?; \
 	if [ $$status -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$status
 
 # mypy (about 40 s from a cold cache, on one core) runs beside pytest: both must pass.
