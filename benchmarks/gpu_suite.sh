@@ -13,20 +13,30 @@
 # go to RESULTS (default benchmarks/results/gpu_suite: the published results stay as
 # they are until compared), a log of each stage beside them; STEPS sets the demo runs'
 # length (default 300), BATCH the optimizer's batch of the hand stage (default 32, the
-# demo's: MFU grows with it, the plain baseline's loader cost with it).
+# demo's: MFU grows with it, the plain baseline's loader cost with it). SIZE, PRECISION,
+# ACCELERATOR, DATA_DIR and WORK (defaults: base, bf16-mixed, gpu, the demo's corpus,
+# .gpu_suite for the runs' own output) let the tests run the stages on a CPU at a tiny
+# size, so that no GPU minute goes to a broken script.
 set -uo pipefail
 
 PYTHON=${PYTHON:-python}
 STEPS=${STEPS:-300}
 BATCH=${BATCH:-32}
+SIZE=${SIZE:-base}
+PRECISION=${PRECISION:-bf16-mixed}
+ACCELERATOR=${ACCELERATOR:-gpu}
+DATA=()
+if [ -n "${DATA_DIR:-}" ]; then DATA=(--data-dir "$DATA_DIR"); fi
+case "$ACCELERATOR" in gpu | cuda) DEVICE=cuda ;; *) DEVICE=$ACCELERATOR ;; esac
 SELF=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$(basename "${BASH_SOURCE[0]}")
 ROOT=$(dirname "$(dirname "$SELF")")
 cd "$ROOT" || exit 2
 RESULTS=${RESULTS:-benchmarks/results/gpu_suite}
-mkdir -p "$RESULTS" .gpu_suite/path
+WORK=${WORK:-$ROOT/.gpu_suite}  # the runs' own output (traces, reports, checkpoints)
+mkdir -p "$RESULTS" "$WORK/path"
 # The example package is installed as `speedkit_examples`; from a checkout it is a link.
-ln -sfn "$ROOT/examples" .gpu_suite/path/speedkit_examples
-export PYTHONPATH="$ROOT:$ROOT/.gpu_suite/path${PYTHONPATH:+:$PYTHONPATH}"
+ln -sfn "$ROOT/examples" "$WORK/path/speedkit_examples"
+export PYTHONPATH="$ROOT:$WORK/path${PYTHONPATH:+:$PYTHONPATH}"
 SPEEDKIT=("$PYTHON" -c "import sys; from lightning_speedkit.cli import main; sys.exit(main())")
 
 stage_tests() {
@@ -37,22 +47,24 @@ stage_tests() {
 }
 
 stage_hand() {
-    "$PYTHON" benchmarks/hand_tuned.py --size base --precision bf16-mixed --steps "$STEPS" \
-        --batch-size "$BATCH" --num-workers 8 --out "$RESULTS/hand_tuned_cuda.json"
+    "$PYTHON" benchmarks/hand_tuned.py --size "$SIZE" --precision "$PRECISION" \
+        --accelerator "$ACCELERATOR" --steps "$STEPS" --batch-size "$BATCH" --num-workers 8 \
+        "${DATA[@]}" --output-dir "$WORK/hand" --out "$RESULTS/hand_tuned_$DEVICE.json"
 }
 
 stage_seeds() {
     local seed
     for seed in 1 2; do
-        "${SPEEDKIT[@]}" demo --accelerator gpu --precision bf16-mixed --size base \
-            --steps "$STEPS" --seed "$seed" --output-dir ".gpu_suite/demo_seed$seed" || return
-        cp ".gpu_suite/demo_seed$seed/demo.json" "$RESULTS/demo_gpu_seed$seed.json"
+        "${SPEEDKIT[@]}" demo --accelerator "$ACCELERATOR" --precision "$PRECISION" \
+            --size "$SIZE" --steps "$STEPS" --seed "$seed" "${DATA[@]}" \
+            --output-dir "$WORK/demo_seed$seed" || return
+        cp "$WORK/demo_seed$seed/demo.json" "$RESULTS/demo_${DEVICE/cuda/gpu}_seed$seed.json"
     done
 }
 
 stage_swap() {
-    "$PYTHON" benchmarks/swap_training.py --accelerator cuda \
-        --out "$RESULTS/swap_training_cuda.json"
+    "$PYTHON" benchmarks/swap_training.py --accelerator "$DEVICE" "${DATA[@]}" \
+        --out "$RESULTS/swap_training_$DEVICE.json"
 }
 
 run_stage() {
@@ -73,7 +85,7 @@ case "${1:-}" in
         exit "$failed"
         ;;
     *)
-        sed -n '2,16p' "$SELF"
+        sed -n '2,18p' "$SELF"
         exit 2
         ;;
 esac
