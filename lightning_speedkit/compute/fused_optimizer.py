@@ -14,22 +14,29 @@ them, on the CPU) back in what is saved, and a ``load_state_dict`` hook switches
 again after a resume loads them. A checkpoint therefore loads into an optimizer
 that was never switched, and resumes the same either way.
 
-Each switch is tried first on a throwaway parameter of the same device and dtype
-(construct the optimizer with the flag, take one step), so a combination torch
-does not support is reported, not discovered at the first real step.
+Each switch is tried first on throwaway parameters of the group's devices and dtypes,
+large enough for the kernels' vectorised loops: a few steps with the flag and the
+same steps with the plain (single-tensor) implementation, whose parameters and state
+must agree within the dtype's rounding. A combination torch refuses, or one it
+computes wrongly (on the CPU, fused SGD leaves bf16/fp16 weights of 16 or more
+elements where they were), is reported and left alone, not discovered in training.
+Optimizers holding parameters that get sparse gradients (an ``nn.Embedding`` or
+``nn.EmbeddingBag`` with ``sparse=True``, found in the model when one is given) are
+left alone too: the fused kernels refuse sparse gradients.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
+from torch import nn
 
 from lightning_speedkit import _compat, _validation
 
@@ -39,6 +46,12 @@ log = logging.getLogger(__name__)
 
 Implementation = Literal["fused", "foreach"]
 _MARK = "_speedkit_fused"  # attribute on a switched optimizer: its groups' original flags
+# The probe: big enough that every element-wise kernel runs its vectorised loop (CPU
+# vectors hold 8 to 64 elements) and a scalar tail (the size is prime), a few steps so
+# that state created at the first step (momentum buffers) is read and updated after.
+_PROBE_NUMEL = 1031
+_PROBE_STEPS = 3
+_PROBE_LR = 0.1  # moves a probe weight of about 1 by many units of bf16 rounding per step
 
 
 @dataclass(frozen=True)
@@ -72,29 +85,138 @@ def _devices_and_dtypes(group: dict[str, Any]) -> list[tuple[torch.device, torch
     return list(dict.fromkeys((p.device, p.dtype) for p in group["params"]))
 
 
-def _probe(
+def _tolerance(dtype: torch.dtype) -> float:
+    """How far apart (relative, in norm) two correct implementations may land after the probe.
+
+    Rounding differs in low precision: 16 units of rounding (0.125 in bfloat16, 0.016 in
+    float16; fused and plain Adam measure 0.03 and 0.004 apart), never below 1e-4.
+    """
+    eps = torch.finfo(dtype).eps if dtype.is_floating_point or dtype.is_complex else 0.0
+    return max(16 * eps, 1e-4)
+
+
+def _probe_values(count: int, generator: torch.Generator) -> torch.Tensor:
+    """Magnitudes in [0.5, 1.5) with random signs: no rounding to zero, no overflow in fp16."""
+    sign = torch.randint(0, 2, (count,), generator=generator) * 2 - 1
+    return (torch.rand(count, generator=generator) + 0.5) * sign
+
+
+def _run_probe(
     cls: type[torch.optim.Optimizer],
-    group: dict[str, Any],
-    flag: Implementation,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> str | None:
-    """Construct ``cls`` with ``flag=True`` on a throwaway parameter and step it; None if fine."""
-    accepted = inspect.signature(cls.__init__).parameters
-    options = {k: v for k, v in group.items() if k in accepted and k not in ("params", "foreach",
-                                                                            "fused")}  # fmt: skip
-    options[flag] = True
-    try:
-        probe = torch.zeros(2, device=device, dtype=dtype, requires_grad=True)
-        optimizer = cls([probe], **options)
-        probe.grad = torch.zeros_like(probe)
+    options: dict[str, Any],
+    places: list[tuple[torch.device, torch.dtype]],
+) -> list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]]:
+    """Per probe weight: before and after ``_PROBE_STEPS`` steps, and its state (same data)."""
+    generator = torch.Generator().manual_seed(0)
+    starts = [_probe_values(_PROBE_NUMEL, generator).to(device=d, dtype=t) for d, t in places]
+    grads = [[_probe_values(_PROBE_NUMEL, generator).to(device=d, dtype=t) for d, t in places]
+             for _ in range(_PROBE_STEPS)]  # fmt: skip
+    params = [start.clone().requires_grad_() for start in starts]
+    optimizer = cls(params, **options)
+    for step_grads in grads:
+        for param, grad in zip(params, step_grads, strict=True):
+            param.grad = grad.clone()
         optimizer.step()
-    except Exception as exc:  # torch refuses unsupported combinations with several error types
-        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return [(s, p.detach(), dict(optimizer.state[p])) for s, p in zip(starts, params, strict=True)]
+
+
+def _wide(tensor: torch.Tensor) -> torch.Tensor:
+    """On the CPU in float32 (complex64 for complex), to compare across devices and dtypes."""
+    return tensor.detach().cpu().to(torch.complex64 if tensor.is_complex() else torch.float32)
+
+
+def _distance(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor) -> float:
+    """``||got - want|| / scale``; NaN where either holds a NaN."""
+    return float((_wide(got) - _wide(want)).norm() / scale.clamp_min(1e-12))
+
+
+def _disagreement(
+    plain: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]],
+    tried: list[tuple[torch.Tensor, torch.Tensor, dict[str, Any]]],
+) -> str | None:
+    """Where the tried implementation's probe parted from the plain one's; None if nowhere."""
+    for (start, want, want_state), (_, got, got_state) in zip(plain, tried, strict=True):
+        tolerance = _tolerance(start.dtype)
+        where = f"on {start.device.type} {str(start.dtype).removeprefix('torch.')} parameters"
+        update = (_wide(want) - _wide(start)).norm()
+        off = _distance(got, want, update)
+        if not off <= tolerance:  # NaN counts as off
+            moved = _distance(got, start, update)
+            if moved < 0.5:
+                return f"{where} (it moves the weights {moved:.0%} as far as the plain step)"
+            return f"{where} (its weights land {off:.0%} of the update away from the plain step's)"
+        for key, expected in want_state.items():
+            found = got_state.get(key)
+            if not isinstance(expected, torch.Tensor) or not isinstance(found, torch.Tensor):
+                if (
+                    isinstance(expected, torch.Tensor)
+                    or isinstance(found, torch.Tensor)
+                    or (found != expected)
+                ):
+                    return (
+                        f"{where} (its state `{key}` is {found!r}, the plain step's {expected!r})"
+                    )
+                continue
+            if found.shape != expected.shape:
+                return f"{where} (its state `{key}` has another shape than the plain step's)"
+            off = _distance(found, expected, _wide(expected).norm())
+            if not off <= tolerance:
+                return f"{where} (its state `{key}` lands {off:.0%} away from the plain step's)"
     return None
 
 
-def _choose(optimizer: torch.optim.Optimizer) -> tuple[Implementation | None, str]:
+def _probe(
+    cls: type[torch.optim.Optimizer], group: dict[str, Any], flag: Implementation
+) -> str | None:
+    """Why ``flag=True`` cannot run ``group`` as the plain optimizer does; None if it can.
+
+    Throwaway weights, one per device and dtype of the group's parameters, take the same
+    steps with the flag and with the plain single-tensor implementation, with the
+    group's hyperparameters (but a learning rate that moves them well past rounding):
+    the flag's weights and state must land where the plain ones do. The reason reads
+    after "torch's fused Adam".
+    """
+    places = _devices_and_dtypes(group)
+    if not places:
+        return None
+    accepted = inspect.signature(cls.__init__).parameters
+    options = {k: v for k, v in group.items() if k in accepted and k not in ("params", "foreach",
+                                                                            "fused")}  # fmt: skip
+    if "lr" in options:
+        lr = options["lr"]
+        options["lr"] = (
+            torch.full_like(lr, _PROBE_LR) if isinstance(lr, torch.Tensor) else _PROBE_LR
+        )
+    reference = dict(options, foreach=False) if "foreach" in accepted else dict(options)
+    try:
+        plain = _run_probe(cls, reference, places)
+    except Exception as exc:  # the plain step cannot run these options on these devices either
+        return f"could not be checked: the plain step fails on a probe too ({_error(exc)})"
+    try:
+        tried = _run_probe(cls, dict(options, **{flag: True}), places)
+    except Exception as exc:  # torch refuses unsupported combinations with several error types
+        return f"refused these parameters ({_error(exc)})"
+    why = _disagreement(plain, tried)
+    return None if why is None else f"does not match the plain step {why}"
+
+
+def _error(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+
+
+def _sparse_gradient_parameters(model: nn.Module | None) -> dict[int, str]:
+    """id of each parameter of ``model`` getting sparse gradients -> the module that makes them."""
+    found: dict[int, str] = {}
+    for name, module in model.named_modules() if model is not None else ():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse is True:
+            found[id(module.weight)] = f"`{name or type(module).__name__}` " \
+                                       f"({type(module).__name__} with sparse=True)"  # fmt: skip
+    return found
+
+
+def _choose(
+    optimizer: torch.optim.Optimizer, sparse: Mapping[int, str]
+) -> tuple[Implementation | None, str]:
     cls = type(optimizer)
     name = cls.__name__
     if not cls.__module__.startswith("torch.optim"):
@@ -104,29 +226,43 @@ def _choose(optimizer: torch.optim.Optimizer) -> tuple[Implementation | None, st
         )
     groups = optimizer.param_groups
     if hasattr(optimizer, _MARK):  # a later fit() handing back the same optimizer
+        switched_groups = len(getattr(optimizer, _MARK))
         before: Implementation = "fused" if groups[0].get("fused") else "foreach"
+        added = len(groups) - switched_groups
+        if added > 0:
+            return before, (
+                f"switched to {before} before; the {added} group(s) added since "
+                f"(add_param_group) run as they were added, unswitched"
+            )
         return before, f"switched to {before} before"
     if all(group.get("fused") for group in groups):
         return None, "already fused (as constructed)"
     for flag in ("fused", "foreach"):
         if any(group.get(flag) is False for group in groups):
             return None, f"`{flag}=False` was set explicitly: left as chosen"
+    if any(group.get("foreach") is True for group in groups):
+        return None, "`foreach=True` was set explicitly: left as chosen"
     if any(group.get("differentiable") for group in groups):
         return None, "differentiable=True: torch has no fused or foreach kernel for that"
+    params = [p for group in groups for p in group["params"]]
+    if not params:
+        return None, "its parameter groups hold no parameters: nothing to switch"
+    makers = [sparse[id(p)] for p in params if id(p) in sparse]
+    if makers or any(p.grad is not None and p.grad.is_sparse for p in params):
+        maker = f" from {makers[0]}" if makers else ""
+        return None, (
+            f"some of its parameters get sparse gradients{maker}, which torch's fused "
+            f"kernels refuse: left as it is"
+        )
     places = list(dict.fromkeys(pair for g in groups for pair in _devices_and_dtypes(g)))
     where = ", ".join(sorted({str(device.type) for device, _ in places}))
     if "fused" in optimizer.defaults:
-        failures = [
-            why for g in groups for device, dtype in _devices_and_dtypes(g)
-            if (why := _probe(cls, g, "fused", device, dtype)) is not None
-        ]  # fmt: skip
+        failures = [why for g in groups if (why := _probe(cls, g, "fused")) is not None]
         if not failures:
             return "fused", f"torch's fused {name} kernel on {where}"
-        fused_no = f"torch's fused {name} refused these parameters ({failures[0]})"
+        fused_no = f"torch's fused {name} {failures[0]}"
     else:
         fused_no = f"torch has no fused {name}"
-    if all(group.get("foreach") for group in groups):
-        return None, f"already foreach; {fused_no}"
     if "foreach" not in optimizer.defaults:
         return None, f"{fused_no}, nor a foreach one"
     foreach_devices = _compat.foreach_kernel_devices()
@@ -135,18 +271,17 @@ def _choose(optimizer: torch.optim.Optimizer) -> tuple[Implementation | None, st
             f"{fused_no}, and its foreach kernels run on {', '.join(foreach_devices)} only "
             f"(parameters on {where})"
         )
-    failures = [
-        why for g in groups for device, dtype in _devices_and_dtypes(g)
-        if (why := _probe(cls, g, "foreach", device, dtype)) is not None
-    ]  # fmt: skip
+    failures = [why for g in groups if (why := _probe(cls, g, "foreach")) is not None]
     if failures:
-        return None, f"{fused_no}, and its foreach kernel refused these parameters ({failures[0]})"
+        return None, f"{fused_no}, and its foreach kernel {failures[0]}"
     return "foreach", f"{fused_no}; foreach (multi-tensor) kernels on {where}"
 
 
-def _apply(optimizer: torch.optim.Optimizer, implementation: Implementation) -> None:
-    """Set the flags on every group; step counts where the fused kernel reads them."""
-    for group in optimizer.param_groups:
+def _apply(
+    optimizer: torch.optim.Optimizer, implementation: Implementation, groups: int | None = None
+) -> None:
+    """Set the flags on the first ``groups`` groups (default all), step counts where read."""
+    for group in optimizer.param_groups[:groups]:
         group["fused"] = implementation == "fused"
         if "foreach" in optimizer.defaults:
             group["foreach"] = implementation == "foreach"
@@ -185,24 +320,38 @@ def _install_hooks(optimizer: torch.optim.Optimizer, implementation: Implementat
         return state_dict
 
     def on_load(opt: torch.optim.Optimizer) -> None:
-        _apply(opt, implementation)  # the loaded groups carry the original flags
+        # The loaded groups carry the original flags. Only the groups that were probed are
+        # switched again: one added later (add_param_group) stays as it was added.
+        _apply(opt, implementation, len(getattr(opt, _MARK)))
 
     optimizer.register_state_dict_post_hook(on_save)
     optimizer.register_load_state_dict_post_hook(on_load)
 
 
-def fuse_optimizers(optimizers: Iterable[Any]) -> list[OptimizerSwitch]:
+def fuse_optimizers(
+    optimizers: Iterable[Any], *, model: nn.Module | None = None
+) -> list[OptimizerSwitch]:
     """Switch each optimizer to torch's fused kernels where torch has them, else foreach.
 
     The optimizers are changed in place (a flag per parameter group, read at the next
     ``step()``); their state is kept. ``state_dict()`` keeps saving what the
     unswitched optimizer would, and ``load_state_dict()`` switches again, so
     checkpoints are interchangeable with plain runs. Wrapped optimizers (Lightning's,
-    DeepSpeed's ZeRO) are switched inside. Optimizers that are not torch's own, or
-    whose fused/foreach flag was set to False explicitly, are left alone.
+    DeepSpeed's ZeRO) are switched inside. Optimizers that are not torch's own, whose
+    fused/foreach flag was set explicitly (``fused=False``, ``foreach=False`` or
+    ``foreach=True``), whose kernel fails or disagrees with the plain step on a probe of
+    their parameters' devices and dtypes, or that hold parameters getting sparse
+    gradients, are left alone.
 
     Fused kernels compute the same update in another order: expect differences at
     the level of float rounding (about 1e-7 relative in float32), not more.
+
+    Args:
+        optimizers: a list (any iterable) of optimizers, e.g. ``trainer.optimizers``.
+        model: the model the optimizers train. Where given, optimizers holding the
+            weights of an ``nn.Embedding``/``nn.EmbeddingBag`` with ``sparse=True`` are
+            left alone (the fused kernels refuse sparse gradients). Without it, only
+            gradients already sparse at the call are seen.
 
     Returns:
         One :class:`OptimizerSwitch` per optimizer: what it runs now, or why nothing
@@ -219,6 +368,18 @@ def fuse_optimizers(optimizers: Iterable[Any]) -> list[OptimizerSwitch]:
         >>> adamw.param_groups[0]["fused"], adamw.state_dict()["param_groups"][0]["fused"]
         (True, None)
     """
+    if (
+        isinstance(optimizers, (str, bytes, Mapping))
+        or _torch_optimizer(optimizers) is not None
+        or not isinstance(optimizers, Iterable)
+    ):
+        _validation.fail("optimizers", optimizers, "must be a list of optimizers",
+                         "pass a list, e.g. `fuse_optimizers([optimizer])` or "
+                         "`fuse_optimizers(trainer.optimizers)`")  # fmt: skip
+    _validation.optional(_validation.instance, "model", model, kinds=nn.Module,
+                         what="a torch.nn.Module (or None)",
+                         fix="pass the model the optimizers train, or leave it out")  # fmt: skip
+    sparse = _sparse_gradient_parameters(model)
     results: list[OptimizerSwitch] = []
     for index, wrapped in enumerate(optimizers):
         optimizer = _torch_optimizer(wrapped)
@@ -226,11 +387,11 @@ def fuse_optimizers(optimizers: Iterable[Any]) -> list[OptimizerSwitch]:
             results.append(OptimizerSwitch(index, type(wrapped).__name__, None,
                                            "not a torch.optim.Optimizer"))  # fmt: skip
             continue
-        implementation, reason = _choose(optimizer)
+        implementation, reason = _choose(optimizer, sparse)
         if implementation is not None:
             if not hasattr(optimizer, _MARK):
                 _install_hooks(optimizer, implementation)
-            _apply(optimizer, implementation)
+            _apply(optimizer, implementation, len(getattr(optimizer, _MARK)))  # probed groups
         log.debug("%s: %s (%s)", type(optimizer).__name__, implementation, reason)
         results.append(OptimizerSwitch(index, type(optimizer).__name__, implementation, reason))
     return results
@@ -259,7 +420,7 @@ class FusedOptimizer(L.Callback):
         self.switched: list[OptimizerSwitch] = []
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self.switched = fuse_optimizers(trainer.optimizers)
+        self.switched = fuse_optimizers(trainer.optimizers, model=pl_module)
         if self.verbose and self.switched:
             lines = [
                 f"  {s.index}: {s.optimizer} -> {s.implementation or 'unchanged'} ({s.reason})"

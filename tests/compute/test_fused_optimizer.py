@@ -8,10 +8,12 @@ from typing import Any
 import pytest
 import torch
 from torch import nn
+from torch.optim import adam as adam_module
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from lightning_speedkit import FusedOptimizer
-from lightning_speedkit.compute import OptimizerSwitch, fuse_optimizers
+from lightning_speedkit.compute import OptimizerSwitch, fuse_optimizers, fused_optimizer
+from lightning_speedkit.errors import SpeedkitConfigError
 
 from .models import Losses, Net, loader, trainer
 
@@ -97,8 +99,10 @@ def test_what_is_left_alone_and_why() -> None:
         torch.optim.Adam(params, differentiable=True),
         torch.optim.Adam(params, fused=True),
         "not an optimizer",
+        torch.optim.AdamW(params, foreach=True),
+        torch.optim.AdamW([{"params": []}]),
     ])  # fmt: skip
-    assert [s.implementation for s in switches] == [None] * 8
+    assert [s.implementation for s in switches] == [None] * 10
     reasons = [s.reason for s in switches]
     assert reasons[0].startswith("torch has no fused RMSprop, and its foreach kernels run on cuda")
     assert reasons[1] == "torch has no fused LBFGS, nor a foreach one"
@@ -108,6 +112,8 @@ def test_what_is_left_alone_and_why() -> None:
     assert reasons[5].startswith("differentiable=True")
     assert reasons[6] == "already fused (as constructed)"
     assert reasons[7] == "not a torch.optim.Optimizer"
+    assert reasons[8] == "`foreach=True` was set explicitly: left as chosen"
+    assert reasons[9] == "its parameter groups hold no parameters: nothing to switch"
 
 
 def test_checkpoints_are_the_plain_optimizers_and_load_either_way() -> None:
@@ -184,6 +190,247 @@ def test_hugging_face_gpt2_with_fused_adamw_matches_plain() -> None:
             torch.cat([p.flatten() for p in m.parameters()]) for m in (fused_model, plain_model)
         ]
         assert float((flat[0] - flat[1]).norm() / flat[1].norm()) <= RTOL
+
+
+def _low_precision_sgd_is_broken(dtype: torch.dtype) -> bool:
+    """Whether this torch's fused CPU SGD leaves a 64-element weight of ``dtype`` unmoved."""
+    weight = torch.ones(64, dtype=dtype, requires_grad=True)
+    optimizer = torch.optim.SGD([weight], lr=0.1, fused=True)
+    weight.grad = torch.full_like(weight, 2.0)
+    optimizer.step()
+    return bool((weight.detach() == 1).any())
+
+
+def _bf16_linears(dtype: torch.dtype) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 1)).to(dtype)
+    return model, copy.deepcopy(model)
+
+
+def _train_low_precision(model: nn.Module, optimizer: torch.optim.Optimizer, dtype: Any) -> None:
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x, y = torch.randn(16, 8, generator=g), torch.randn(16, 1, generator=g)
+        optimizer.zero_grad()
+        nn.functional.mse_loss(model(x.to(dtype)).float(), y).backward()
+        optimizer.step()
+
+
+def _movements(
+    model: nn.Module, plain_model: nn.Module, start: list[torch.Tensor]
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """How far each weight matrix moved from ``start``, in ``model`` and in ``plain_model``."""
+    pairs = zip(model.parameters(), plain_model.parameters(), start, strict=True)
+    return [
+        (p.detach().float() - p0, q.detach().float() - p0) for p, q, p0 in pairs if p.dim() == 2
+    ]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_sgd_trains_as_the_plain_one_does(dtype: torch.dtype) -> None:
+    # On the CPU, torch's fused SGD does not write the update back to a bf16/fp16 weight of
+    # 16 elements or more (its vectorised loop): a 2-element probe passed, training stalled.
+    model, plain_model = _bf16_linears(dtype)
+    start = [p.detach().float().clone() for p in model.parameters()]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    plain = torch.optim.SGD(plain_model.parameters(), lr=0.1, momentum=0.9)
+    (switch,) = fuse_optimizers([optimizer])
+    if _low_precision_sgd_is_broken(dtype):  # torch 2.13 on the CPU
+        assert switch.implementation is None
+        name = str(dtype).removeprefix("torch.")
+        assert switch.reason.startswith(
+            f"torch's fused SGD does not match the plain step on cpu {name} parameters (it "
+            f"moves the weights "
+        )
+        assert optimizer.param_groups[0]["fused"] is not True
+    _train_low_precision(model, optimizer, dtype)
+    _train_low_precision(plain_model, plain, dtype)
+    for moved, plain_moved in _movements(model, plain_model, start):
+        assert float(plain_moved.norm()) > 0.05  # each weight matrix really trains...
+        # ...and the switched (or left alone) optimizer moves it as far, to bf16 rounding
+        assert float((moved - plain_moved).norm() / plain_moved.norm()) <= 0.05
+
+
+@pytest.mark.parametrize(
+    ("name", "dtype"),
+    [
+        ("Adam", torch.bfloat16),
+        ("AdamW", torch.bfloat16),
+        ("Adagrad", torch.bfloat16),
+        ("Adagrad", torch.float16),  # (plain fp16 Adam divides by an eps that rounds to 0: NaN)
+    ],
+)
+def test_low_precision_adam_and_adagrad_are_still_fused(name: str, dtype: torch.dtype) -> None:
+    model, plain_model = _bf16_linears(dtype)
+    start = [p.detach().float().clone() for p in model.parameters()]
+    optimizer = OPTIMIZERS[name](model.parameters())
+    plain = OPTIMIZERS[name](plain_model.parameters())
+    (switch,) = fuse_optimizers([optimizer])
+    assert (switch.implementation, switch.reason) == (
+        "fused",
+        f"torch's fused {name} kernel on cpu",
+    )
+    _train_low_precision(model, optimizer, dtype)
+    _train_low_precision(plain_model, plain, dtype)
+    for moved, plain_moved in _movements(model, plain_model, start):
+        assert float(plain_moved.norm()) > 0.05
+        assert float((moved - plain_moved).norm() / plain_moved.norm()) <= 0.1  # bf16 rounding
+
+
+def _leaves_big_weights(kernel: Any) -> Any:
+    """``kernel``, but weights of 16 elements or more keep their value: the CPU SGD bug."""
+
+    def broken(params: list[torch.Tensor], *args: Any, **kwargs: Any) -> None:
+        before = [p.detach().clone() for p in params]
+        kernel(params, *args, **kwargs)
+        with torch.no_grad():
+            for p, b in zip(params, before, strict=True):
+                if p.numel() >= 16:
+                    p.copy_(b)
+
+    return broken
+
+
+def _forgets_momentum(kernel: Any) -> Any:
+    """``kernel``, but the last probe step halves Adam's exp_avg: right weights, wrong state."""
+    calls = [0]
+
+    def broken(
+        params: list[torch.Tensor], grads: Any, exp_avgs: Any, *args: Any, **kw: Any
+    ) -> None:
+        kernel(params, grads, exp_avgs, *args, **kw)
+        calls[0] += 1
+        if calls[0] % fused_optimizer._PROBE_STEPS == 0:
+            with torch.no_grad():
+                for exp_avg in exp_avgs:
+                    exp_avg.mul_(0.5)
+
+    return broken
+
+
+def test_the_probe_compares_weights_and_state_with_the_plain_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    adam = adam_module._fused_adam
+    monkeypatch.setattr(adam_module, "_fused_adam", _leaves_big_weights(adam))
+    (switch,) = fuse_optimizers([torch.optim.Adam(_model().parameters())])
+    assert switch.implementation is None
+    assert switch.reason.startswith(
+        "torch's fused Adam does not match the plain step on cpu float32 parameters (it moves "
+        "the weights 0% as far as the plain step)"
+    )
+    monkeypatch.setattr(adam_module, "_fused_adam", _forgets_momentum(adam))
+    (switch,) = fuse_optimizers([torch.optim.Adam(_model().parameters())])
+    assert switch.implementation is None
+    assert "(its state `exp_avg` lands 50% away from the plain step's)" in switch.reason
+    monkeypatch.setattr(adam_module, "_fused_adam", adam)
+    assert fuse_optimizers([torch.optim.Adam(_model().parameters())])[0].implementation == "fused"
+
+
+class _SparseNet(Net):
+    """Net, with a sparse-gradient embedding of token ids added to its input."""
+
+    def __init__(self, optimizer: str, bag: bool) -> None:
+        super().__init__()
+        torch.manual_seed(1)
+        self.tokens: nn.Module = (
+            nn.EmbeddingBag(10, 16, mode="sum", sparse=True)
+            if bag
+            else nn.Embedding(10, 16, sparse=True)
+        )
+        self.optimizer = optimizer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ids = (x[..., 0].abs() * 5).long().clamp(max=9)  # (batch, tokens)
+        added = self.tokens(ids)  # (batch, tokens, 16) or, from the bag, (batch, 16)
+        return super().forward(x + (added if added.dim() == 3 else added[:, None]))
+
+    def configure_optimizers(self) -> Any:
+        if self.optimizer == "adagrad":
+            return torch.optim.Adagrad(self.parameters(), lr=self.lr)
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+@pytest.mark.parametrize(
+    ("optimizer", "bag"), [("sgd", False), ("adagrad", False), ("sgd", True), ("adagrad", True)]
+)
+def test_sparse_gradients_leave_the_optimizer_alone(optimizer: str, bag: bool) -> None:
+    # torch's fused SGD and Adagrad raise at the first step on a sparse gradient; the plain
+    # ones take it. The callback finds the modules that make them in the LightningModule.
+    plain_losses, fused_losses = Losses(), Losses()
+    plain_model, model = _SparseNet(optimizer, bag), _SparseNet(optimizer, bag)
+    trainer(4, [plain_losses]).fit(plain_model, loader())
+    callback = FusedOptimizer(verbose=False)
+    trainer(4, [callback, fused_losses]).fit(model, loader())  # raised RuntimeError before
+    (switch,) = callback.switched
+    kind = "EmbeddingBag" if bag else "Embedding"
+    assert (switch.implementation, switch.reason) == (None, (
+        f"some of its parameters get sparse gradients from `tokens` ({kind} with sparse=True), "
+        f"which torch's fused kernels refuse: left as it is"
+    ))  # fmt: skip
+    assert model.tokens.weight.grad is not None
+    assert model.tokens.weight.grad.is_sparse
+    assert fused_losses.losses == plain_losses.losses  # the plain optimizer, the same numbers
+    assert not torch.equal(model.tokens.weight, _SparseNet(optimizer, bag).tokens.weight)
+
+
+def test_a_sparse_gradient_already_there_is_seen_without_the_model() -> None:
+    embedding = nn.Embedding(10, 4, sparse=True)
+    optimizer = torch.optim.SGD(embedding.parameters(), lr=0.1)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    (switch,) = fuse_optimizers([optimizer])
+    assert switch.implementation is None
+    assert switch.reason.startswith("some of its parameters get sparse gradients, which")
+    before = embedding.weight.detach().clone()
+    optimizer.step()
+    assert float((embedding.weight - before).abs().sum()) == pytest.approx(0.8)  # 2 rows x 4
+
+
+@pytest.mark.parametrize(
+    ("given", "shown"),
+    [
+        ("single", "got a SGD object"),
+        ("adam", "got 'adam' (a string)"),
+        (None, "got None"),
+        ({"a": 1}, "got {'a': 1}"),
+    ],
+)
+def test_bad_optimizers_are_refused_by_name(given: Any, shown: str) -> None:
+    optimizer = torch.optim.SGD(_model().parameters(), lr=0.1)
+    value = optimizer if given == "single" else given
+    with pytest.raises(
+        SpeedkitConfigError, match=r"^`optimizers` must be a list of optimizers"
+    ) as e:
+        fuse_optimizers(value)
+    assert shown in str(e.value)
+    assert "`fuse_optimizers([optimizer])`" in str(e.value)
+    assert optimizer.param_groups[0]["fused"] is None  # nothing was switched
+    with pytest.raises(SpeedkitConfigError, match=r"^`model` must be a torch\.nn\.Module"):
+        fuse_optimizers([optimizer], model="net")  # type: ignore[arg-type]
+
+
+def test_a_group_added_after_the_switch_is_not_switched_by_a_load() -> None:
+    # A group added later was never probed: a load must not fuse it. Here it holds bf16
+    # weights, which torch's fused CPU SGD would leave where they were.
+    model = _model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    assert fuse_optimizers([optimizer])[0].implementation == "fused"
+    late = nn.Linear(8, 32).to(torch.bfloat16)
+    optimizer.add_param_group({"params": late.parameters()})
+    optimizer.load_state_dict(copy.deepcopy(optimizer.state_dict()))
+    assert optimizer.param_groups[0]["fused"] is True  # the probed group is switched again
+    assert optimizer.param_groups[1]["fused"] is not True
+    (again,) = fuse_optimizers([optimizer])
+    assert again.reason == (
+        "switched to fused before; the 1 group(s) added since (add_param_group) run as they "
+        "were added, unswitched"
+    )
+    assert optimizer.param_groups[1]["fused"] is not True
+    before = late.weight.detach().float().clone()
+    late(torch.ones(4, 8, dtype=torch.bfloat16)).float().sum().backward()
+    optimizer.step()
+    assert float((late.weight.detach().float() - before).abs().min()) > 0.1  # every element moved
+    assert optimizer.state_dict()["param_groups"][1]["fused"] is None
 
 
 def test_callback_switches_the_trainers_optimizer_in_place() -> None:
