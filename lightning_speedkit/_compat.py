@@ -42,11 +42,25 @@ def train_loader_source(trainer: L.Trainer) -> Any:
     return trainer.fit_loop._data_source
 
 
-def replace_train_loader(trainer: L.Trainer, loader: Any) -> None:
-    """Make the fit loop use ``loader`` as if it had been passed to ``fit``."""
-    source = trainer.fit_loop._data_source
+def replace_train_loader(trainer: L.Trainer, loader: Any, *, before_loop: bool = False) -> None:
+    """Make the fit loop use ``loader`` as if it had been passed to ``fit``.
+
+    ``before_loop`` (a callback's ``on_fit_start``, before the fit loop runs): a loader
+    the loop has already built is dropped, with its fetcher, so that it builds
+    ``loader``. Reading ``trainer.estimated_stepping_batches`` in ``configure_optimizers``
+    (warm-up and OneCycle schedules) builds the train loader that early. Later, the
+    loader being iterated stays until the loop reloads (see
+    :func:`reload_train_loader_next_epoch`).
+    """
+    loop = trainer.fit_loop
+    source = loop._data_source
     source.instance = loader
     source.name = "train_dataloader"
+    if before_loop and loop._combined_loader is not None:
+        if loop._data_fetcher is not None:
+            loop._data_fetcher.teardown()  # its iterator may hold worker processes
+            loop._data_fetcher = None
+        loop._combined_loader = None
 
 
 def reload_train_loader_next_epoch(trainer: L.Trainer) -> Callable[[], None]:

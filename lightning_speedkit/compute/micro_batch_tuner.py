@@ -33,13 +33,14 @@ the global batch bound the search.
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import random
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +51,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import BatchSampler, DataLoader
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit.data.worker_search import _generators, rebuild_dataloader
@@ -234,8 +235,15 @@ def _preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
     """Gradients, buffers, modes and random states of ``model`` and ``loader``, put back after."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
-    buffers = [(b, b.detach().clone()) for b in model.buffers()]
+    # By name: a forward may assign a new tensor (``self.count = self.count + 1``).
+    buffers = [(m, name, b, b.detach().clone()) for m in model.modules()
+               for name, b in m._buffers.items() if b is not None]  # fmt: skip
     modes = [(m, m.training) for m in model.modules()]
+    # What a training step counts outside tensors (``self.seen += n``), and torchmetrics'
+    # states (not buffers): a trial's updates would show in the first epoch's metrics.
+    scalars = [(m, {k: v for k, v in vars(m).items() if type(v) in (int, float, bool)})
+               for m in model.modules()]  # fmt: skip
+    metrics = [(m, _metric_state(m)) for m in model.modules() if _is_metric(m)]
     torch_state = torch.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     python_state = random.getstate()
@@ -252,10 +260,16 @@ def _preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
         for p, grad in zip(params, grads, strict=True):
             p.grad = grad
         with torch.no_grad():
-            for buffer, saved in buffers:
+            for m, name, buffer, saved in buffers:
                 buffer.copy_(saved)
+                m._buffers[name] = buffer
         for m, training in modes:
             m.training = training
+        for m, values in scalars:
+            vars(m).update(values)
+        for m, kept in metrics:
+            for name, value in kept.items():
+                setattr(m, name, value)
         torch.set_rng_state(torch_state)
         if cuda_states is not None:
             torch.cuda.set_rng_state_all(cuda_states)
@@ -264,6 +278,17 @@ def _preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
             numpy.random.set_state(numpy_state)
         for generator, state in zip(generators, generator_states, strict=True):
             generator.set_state(state)
+
+
+def _is_metric(module: nn.Module) -> bool:
+    metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)
+    return metric is not None and isinstance(module, metric)
+
+
+def _metric_state(metric: Any) -> dict[str, Any]:
+    """A torchmetrics Metric's accumulated state (``add_state``'s), copied, and its counters."""
+    names = [*metric._defaults, "_update_count", "_computed", "_forward_cache"]
+    return {name: copy.deepcopy(getattr(metric, name)) for name in names if hasattr(metric, name)}
 
 
 def _eager() -> contextlib.AbstractContextManager[Any]:
@@ -280,19 +305,26 @@ def check_tune_arguments(
 ) -> list[int] | None:
     """Refuse bad arguments, naming the argument (shared by the function and the callback)."""
     if candidates is not None:
-        if (
-            isinstance(candidates, (str, bytes))
-            or not isinstance(candidates, Sequence)
-            or (not candidates)
-        ):
+        given = candidates
+        # Any iterable of sizes (a list, a range, a numpy array), not a string or a mapping.
+        listed = (
+            None
+            if isinstance(given, (str, bytes, Mapping)) or not isinstance(given, Iterable)
+            else list(given)
+        )
+        if not listed:
             fix = "pass e.g. `candidates=[8, 16, 32]`, or None for powers of two"
-            _validation.fail("candidates", candidates,
+            _validation.fail("candidates", given,
                              "must be a non-empty list of micro-batch sizes", fix)  # fmt: skip
         candidates = sorted(
-            {_validation.positive_int(f"candidates[{i}]", c) for i, c in enumerate(candidates)}
+            {_validation.positive_int(f"candidates[{i}]", c) for i, c in enumerate(listed)}
         )
     _validation.optional(_validation.positive_int, "max_micro_batch", max_micro_batch,
                          hint="or None to stop at memory")  # fmt: skip
+    if candidates and max_micro_batch is not None and max_micro_batch < candidates[0]:
+        _validation.fail("max_micro_batch", max_micro_batch,
+                         f"is below every candidate ({candidates})",
+                         "raise it, or give smaller candidates")  # fmt: skip
     _validation.probability("memory_headroom", memory_headroom, high_open=True, example=0.1,
                             hint="the share of free memory kept free")  # fmt: skip
     return candidates
@@ -368,7 +400,8 @@ def tune_micro_batch(
         measure: ``measure(run, micro_batch) -> StepMeasurement`` instead of
             :func:`timed_measure` (one warm-up, median of three).
         agree: ranks running in lockstep pass a function that returns True only if
-            every rank's argument is True; each candidate runs only then.
+            every rank's argument is True; each candidate runs only then, and a size
+            counts only if it fitted on every rank.
 
     Example::
 
@@ -412,6 +445,14 @@ def tune_micro_batch(
     sizes = [
         n for n in sizes if (cap is None or n <= cap) and (per_rank is None or per_rank % n == 0)
     ]
+    left_out = [n for n in candidates or () if n not in sizes]
+    if left_out and sizes:
+        rank_zero_info(
+            f"MicroBatchTuner: candidates {left_out} left out: the micro-batch must divide the "
+            f"{per_rank} samples each rank contributes per optimizer step"
+            + (f" and be at most {cap}" if cap is not None else "")
+            + "."
+        )
     if not sizes:
         _validation.fail("candidates", candidates,
                          f"holds no micro-batch that divides the {per_rank} samples each rank "
@@ -451,10 +492,15 @@ def tune_micro_batch(
                     table.append(row)
                 break
             table.append(row)
-            batch = next(iter(rebuild_dataloader(dataloader, batch_size=n, num_workers=0)))
-            samples = extract_batch_size(batch)
+            trial = rebuild_dataloader(dataloader, batch_size=n, num_workers=0)
+            batch = next(iter(trial), None)  # None: drop_last and fewer than n samples
+            samples = 0 if batch is None else _samples(trial, batch)
             if samples < n:
-                row["skipped"] = stopped = f"the dataset gives only {samples} samples per batch"
+                row["skipped"] = stopped = (
+                    f"the dataset gives only {samples} samples per batch"
+                    if batch is not None
+                    else f"the dataset holds fewer than {n} samples (drop_last)"
+                )
                 continue
             batch = move(batch)
 
@@ -465,14 +511,14 @@ def tune_micro_batch(
 
             try:
                 measured = measure(run, n)
-            except (torch.OutOfMemoryError, MemoryError) as exc:
+            except Exception as exc:
+                if not _out_of_memory(exc):  # e.g. batch norm refuses one sample: the next size
+                    failures.append(exc)
+                    row["skipped"] = f"the step failed: {type(exc).__name__}: {_first_line(exc)}"
+                    continue
                 row["skipped"] = stopped = f"out of memory ({type(exc).__name__})"
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-                continue
-            except Exception as exc:  # e.g. batch norm refuses one sample: try the next size
-                failures.append(exc)
-                row["skipped"] = f"the step failed: {type(exc).__name__}: {_first_line(exc)}"
                 continue
             finally:
                 for p in params:
@@ -486,6 +532,11 @@ def tune_micro_batch(
                 row["skipped"] = stopped = (
                     f"peak {peak / GIB:.2f} GiB over the limit {limit / GIB:.2f} GiB"  # type: ignore[operator]
                 )
+    for row in table:  # a size counts only where it fits on every rank (one call each)
+        if agree(bool(row["fits"])) or not row["fits"]:
+            continue
+        row["fits"] = False
+        row["skipped"] = "does not fit on another rank"
     if failures and not any(row["samples_per_sec"] for row in table):
         raise failures[0]  # the step fails at every size: the user's error, not a size's
     fitting = [r for r in table if r["fits"] and r["samples_per_sec"]]
@@ -506,6 +557,26 @@ def tune_micro_batch(
     )  # fmt: skip
     result.dataloader = rebuild_dataloader(dataloader, batch_size=best)
     return result
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """torch's OutOfMemoryError, Python's MemoryError, or the RuntimeError torch raises
+    elsewhere for the same (the CPU allocator's "can't allocate memory", an older CUDA's
+    "out of memory")."""
+    if isinstance(exc, (torch.OutOfMemoryError, MemoryError)):
+        return True
+    text = str(exc)
+    return isinstance(exc, RuntimeError) and (
+        "can't allocate memory" in text or "out of memory" in text.lower()
+    )
+
+
+def _samples(loader: DataLoader[Any], batch: Any) -> int:
+    """Samples in ``loader``'s first batch: the indices its sampler drew, for a map-style
+    dataset (a batch's first tensor may be time-major, or a scalar); else the batch's size."""
+    if not isinstance(loader.dataset, IterableDataset) and loader.batch_sampler is not None:
+        return len(next(iter(loader.batch_sampler)))
+    return int(extract_batch_size(batch))
 
 
 def _first_line(exc: BaseException) -> str:
@@ -578,12 +649,15 @@ class MicroBatchTuner(L.Callback):
 
     It runs in ``on_fit_start``: after ``setup``, so the step it times has the
     kit's other changes (attention swap, activation checkpointing, compiled blocks,
-    run uncompiled for the trials), on the device, in the Trainer's precision. Each
-    rank times its own step without gradient communication (DDP's gradient sync is
-    paid once per optimizer step whatever the micro-batch); under the sharded
-    strategies, whose forward communicates, the ranks run the candidates together.
-    Rank 0's choice is used everywhere. The model and optimizer come back exactly as
-    they were (see :func:`tune_micro_batch`).
+    run uncompiled for the trials), on the device, in the Trainer's precision. The
+    ranks run the candidates together and stop together, each timing its own step
+    (without DDP's gradient sync, paid once per optimizer step whatever the
+    micro-batch; the sharded strategies' forward communicates, and runs whole). A
+    size counts only if it fitted on every rank; rank 0's timings choose among those.
+    A training step that communicates itself (a contrastive loss's ``all_gather``)
+    and runs out of memory on one rank only leaves the others waiting in it: bound
+    the search with ``max_micro_batch`` there. The model and optimizer come back
+    exactly as they were (see :func:`tune_micro_batch`).
 
     ``result`` holds ``best`` (``{"batch_size": n}``) and ``table`` (every candidate:
     samples/s, step time, peak memory, why it stopped). ``micro_batch/size``,
@@ -699,6 +773,9 @@ class MicroBatchTuner(L.Callback):
         scheduler = self._scheduler
         if scheduler is None:
             return
+        if getattr(trainer, "fast_dev_run", False):  # not in its stubs
+            rank_zero_info("MicroBatchTuner: not tuning in a `fast_dev_run` (a smoke test).")
+            return
         loader = _compat.train_loader_source(trainer).dataloader()
         if not isinstance(loader, DataLoader):
             rank_zero_warn(
@@ -716,7 +793,7 @@ class MicroBatchTuner(L.Callback):
         saved = self._saved_choice(global_batch, trainer.world_size)
         self._loaded = {}
         if saved is not None:
-            self._apply(trainer, loader, saved, f"kept from the checkpoint ({saved})")
+            self._keep(trainer, loader, saved, global_batch)
             return
         strategy = trainer.strategy
         wrapper = strategy.model
@@ -731,7 +808,10 @@ class MicroBatchTuner(L.Callback):
                 with strategy.precision_plugin.train_step_context():
                     return pl_module.training_step(batch, 0)
 
-        lockstep = not direct and trainer.world_size > 1
+        # Every rank runs the same sizes and stops where any rank stops: a rank's own
+        # search could end elsewhere (another device's memory), and a training step
+        # that communicates (a contrastive loss's all_gather) would then hang.
+        lockstep = trainer.world_size > 1
         self.result = tune_micro_batch(
             wrapper if wrapper is not None else pl_module,
             loader,
@@ -749,6 +829,13 @@ class MicroBatchTuner(L.Callback):
             else None,
         )
         best = int(strategy.broadcast(self.result.best["batch_size"], src=0))
+        if best != self.result.best["batch_size"]:  # rank 0's choice: this rank's result says so
+            rates = [r["samples_per_sec"] for r in self.result.table if r["micro_batch"] == best]
+            self.result = replace(
+                self.result, best={"batch_size": best},
+                best_samples_per_sec=rates[0] if rates else None,
+                accumulation=global_batch // (best * trainer.world_size),
+            )  # fmt: skip
         self._apply(trainer, loader, best, "")
         self._pending = (trainer, loader)
 
@@ -768,23 +855,27 @@ class MicroBatchTuner(L.Callback):
         assert self._scheduler is not None  # set in setup
         self._chosen = best
         if best != loader.batch_size:
-            _compat.replace_train_loader(trainer, rebuild_dataloader(loader, batch_size=best))
+            _compat.replace_train_loader(
+                trainer, rebuild_dataloader(loader, batch_size=best), before_loop=True
+            )
         self._scheduler.set_micro_batch_size(best)
         if not self.verbose:
             return
-        global_batch = self._scheduler.target_global_batch or best
-        accumulation = global_batch // (best * trainer.world_size)
+        target = self._scheduler.target_global_batch or best
+        accumulation = max(1, target // (best * trainer.world_size))
+        trained = best * accumulation * trainer.world_size
+        cut = (
+            f"micro-batch {best} x {accumulation} accumulation x {trainer.world_size} rank(s) = "
+            f"global batch {trained}"
+            + ("" if trained == target else f", not the target {target}: {best} does not divide it")
+        )
         if how:
-            rank_zero_info(
-                f"MicroBatchTuner: micro-batch {best} x {accumulation} accumulation x "
-                f"{trainer.world_size} rank(s) = global batch {global_batch}, {how}."
-            )
+            rank_zero_info(f"MicroBatchTuner: {cut}, {how}.")
             return
         assert self.result is not None
         rank_zero_info(
-            f"MicroBatchTuner: micro-batch {best} x {accumulation} accumulation x "
-            f"{trainer.world_size} rank(s) = global batch {global_batch} (was micro-batch "
-            f"{loader.batch_size}; tuned in {self.result.seconds:.1f} s):\n{_table(self.result)}"
+            f"MicroBatchTuner: {cut} (was micro-batch {loader.batch_size}; tuned in "
+            f"{self.result.seconds:.1f} s):\n{_table(self.result)}"
         )
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -819,8 +910,19 @@ class MicroBatchTuner(L.Callback):
         global_batch = int(scheduler.target_global_batch or 0) if scheduler else 0
         saved = self._saved_choice(global_batch, trainer.world_size)
         self._loaded = {}
-        if saved is not None and saved != self._chosen:
-            self._apply(trainer, loader, saved, f"kept from the checkpoint ({saved})")
+        if saved is not None:
+            self._keep(trainer, loader, saved, global_batch)
+
+    def _keep(
+        self, trainer: L.Trainer, loader: DataLoader[Any], saved: int, global_batch: int
+    ) -> None:
+        """Train with a checkpoint's micro-batch, untimed: ``result`` has it, no table."""
+        self.result = MicroBatchResult(
+            best={"batch_size": saved}, table=[], best_samples_per_sec=None,
+            given=loader.batch_size, global_batch=global_batch,
+            accumulation=global_batch // (saved * trainer.world_size),
+        )  # fmt: skip
+        self._apply(trainer, loader, saved, f"kept from the checkpoint ({saved})")
 
 
 def _table(result: MicroBatchResult) -> str:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import inspect
 import json
 import logging
 import math
@@ -203,11 +204,26 @@ def rebuild_dataloader(
         kwargs.update(sampler=loader.sampler, batch_size=size, drop_last=loader.drop_last)
     else:
         kwargs["batch_sampler"] = loader.batch_sampler
+    if _TAKES_IN_ORDER:
+        kwargs["in_order"] = getattr(loader, "in_order", True)
     if kwargs["num_workers"] == 0:  # options DataLoader refuses without workers
-        kwargs.update(persistent_workers=False, prefetch_factor=None, multiprocessing_context=None)
+        kwargs.update(persistent_workers=False, prefetch_factor=None, multiprocessing_context=None,
+                      timeout=0)  # fmt: skip
     if kwargs["pin_memory"] and not torch.cuda.is_available():
         kwargs["pin_memory"] = False
+    if type(loader) is not DataLoader:
+        # A subclass's constructor may take other arguments, or these with other meanings:
+        # what it adds cannot be rebuilt with confidence, so say what is lost.
+        rank_zero_warn(
+            f"The train loader, a {type(loader).__name__}, is rebuilt as a torch DataLoader "
+            f"with the same dataset, sampler, collate_fn and settings; what "
+            f"{type(loader).__name__} adds to DataLoader is not kept. Build a plain DataLoader "
+            f"to keep nothing back, or remove the tuner."
+        )
     return DataLoader(**kwargs)
+
+
+_TAKES_IN_ORDER = "in_order" in inspect.signature(DataLoader).parameters  # torch >= 2.6
 
 
 # --- measuring one candidate -------------------------------------------------------------

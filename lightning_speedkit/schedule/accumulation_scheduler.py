@@ -320,18 +320,21 @@ class AccumulationScheduler(L.Callback):
         self._restore_loop = _compat.take_over_accumulation(
             trainer, self._window_done, self._window_starts
         )
-        if self._micro is not None:
-            # Known before configure_optimizers: trainer.estimated_stepping_batches (which LR
-            # schedulers size themselves from) counts the first window's accumulation.
+        # Known before configure_optimizers (given, or the batch size of a loader passed to
+        # fit): trainer.estimated_stepping_batches, which LR schedulers size themselves
+        # from, counts the first window's accumulation. A loader from a hook is not built
+        # here: that would run the user's hook early.
+        micro = self._micro or _loader_batch_size(_compat.train_loader_source(trainer).instance)
+        if micro is not None:
             trainer.accumulate_grad_batches = accumulation_for(
-                self._first_global_batch(), self._micro, trainer.world_size
+                self._first_global_batch(micro), micro, trainer.world_size
             )
 
-    def _first_global_batch(self) -> int:
+    def _first_global_batch(self, micro: int) -> int:
         if self.schedule is not None:
             start = [batch for key, batch in self.schedule.items() if key == 0]
-            return start[0] if start else (self._micro or 1)
-        return self.target_global_batch or (self._micro or 1)
+            return start[0] if start else micro
+        return self.target_global_batch or micro
 
     def set_micro_batch_size(self, micro_batch_size: int) -> None:
         """Count micro-batches of this size from the fit's first window on.

@@ -196,6 +196,10 @@ def test_the_default_measure_times_and_reads_the_peak_on_cpu() -> None:
         ({"candidates": "8"}, r"`candidates` must be a non-empty list"),
         ({"candidates": [4, 0]}, r"`candidates\[1\]` must be an integer >= 1, got 0"),
         ({"max_micro_batch": 0}, r"`max_micro_batch` must be an integer >= 1, got 0"),
+        (
+            {"candidates": [4, 8], "max_micro_batch": 2},
+            r"`max_micro_batch` is below every candidate \(\[4, 8\]\), got 2",
+        ),
         ({"memory_headroom": 1.0}, r"`memory_headroom` must be a number in \[0, 1\), got 1.0"),
         (
             {"candidates": [5, 7], "global_batch": 32},
@@ -211,6 +215,103 @@ def test_bad_arguments_name_the_argument(kwargs: dict[str, Any], match: str) -> 
     model, loader, step = _setup()
     with pytest.raises(SpeedkitConfigError, match=match):
         tune_micro_batch(model, loader, step, **kwargs)
+
+
+def test_candidates_may_be_any_iterable_of_sizes() -> None:
+    import numpy as np
+
+    model, loader, step = _setup()
+    measure, ran = fake_measure(SECONDS)
+    tune_micro_batch(model, loader, step, candidates=np.array([8, 2]), measure=measure)
+    assert ran == [2, 8]
+
+
+class Counting(nn.Module):
+    """A training step's side effects outside the parameters: a buffer assigned anew, a
+    torchmetrics metric, a plain counter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import torchmetrics
+
+        self.linear = nn.Linear(16, 1)
+        self.register_buffer("seen", torch.zeros(()))
+        self.samples = torchmetrics.SumMetric()
+        self.steps = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen = self.seen + x.shape[0]  # a new tensor, not an in-place update
+        self.samples.update(torch.tensor(float(x.shape[0])))
+        self.steps += 1
+        return self.linear(x)
+
+
+def test_a_trial_steps_side_effects_are_undone() -> None:
+    model = Counting()
+    buffer = model.seen
+    loader = DataLoader(TensorDataset(torch.randn(64, 16), torch.randn(64, 1)), batch_size=4)
+
+    def step(batch: Any) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(model(x), y)
+
+    tune_micro_batch(model, loader, step, candidates=[2, 4, 8], measure=fake_measure(SECONDS)[0])
+    assert model.seen is buffer
+    assert float(model.seen) == 0.0
+    assert model.steps == 0
+    assert model.samples._update_count == 0
+    model.samples.update(torch.tensor(3.0))
+    assert float(model.samples.compute()) == 3.0  # nothing of the trials' 14 samples
+
+
+def test_a_loader_with_a_worker_timeout_is_tried_without_workers() -> None:
+    model, loader, step = _setup()
+    timed = DataLoader(loader.dataset, batch_size=4, num_workers=1, timeout=30)
+    result = tune_micro_batch(model, timed, step, candidates=[2, 4],
+                              measure=fake_measure(SECONDS)[0])  # fmt: skip
+    assert result.best == {"batch_size": 4}
+    assert result.dataloader is not None
+    assert (result.dataloader.num_workers, result.dataloader.timeout) == (1, 30)
+
+
+def test_a_candidate_larger_than_a_drop_last_dataset_stops_the_search() -> None:
+    model, loader, step = _setup(n=12)
+    short = DataLoader(loader.dataset, batch_size=4, drop_last=True)
+    measure, ran = fake_measure(SECONDS)
+    result = tune_micro_batch(model, short, step, candidates=[4, 8, 16, 32], measure=measure)
+    assert ran == [4, 8]
+    assert result.table[-1]["skipped"] == "the dataset holds fewer than 16 samples (drop_last)"
+
+
+def test_the_cpu_allocators_error_is_out_of_memory() -> None:
+    model, loader, step = _setup()
+
+    def measure(run: Callable[[], None], n: int) -> StepMeasurement:
+        if n >= 8:
+            raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: "
+                               "can't allocate memory: you tried to allocate 1 bytes")  # fmt: skip
+        run()
+        return StepMeasurement(0.01)
+
+    result = tune_micro_batch(model, loader, step, candidates=[4, 8, 16], measure=measure)
+    assert [row["micro_batch"] for row in result.table] == [4, 8]  # 16 is not tried
+    assert result.table[1]["skipped"] == "out of memory (RuntimeError)"
+
+
+def test_samples_are_counted_from_the_sampler_not_guessed_from_the_batch() -> None:
+    # Time-major batches (tokens first) and a dict led by a scalar: the first tensor's
+    # first dimension is not the number of samples.
+    data = TensorDataset(torch.randn(64, 16))
+    loader = DataLoader(data, batch_size=4, collate_fn=lambda s: {
+        "n": torch.tensor(len(s)), "x": torch.stack([x for (x,) in s]).T})  # fmt: skip
+    model = nn.Linear(4, 1, bias=False)
+
+    def step(batch: Any) -> torch.Tensor:
+        return model(batch["x"].T.reshape(-1, 4)).sum()
+
+    measure, ran = fake_measure(SECONDS)
+    tune_micro_batch(model, loader, step, candidates=[4, 16, 32], measure=measure)
+    assert ran == [4, 16, 32]
 
 
 def test_a_custom_batch_sampler_is_refused_with_the_fix() -> None:
@@ -289,6 +390,54 @@ def test_the_callback_trains_with_the_choice_and_accumulation_follows() -> None:
     generator.manual_seed(3)
     first = next(iter(DataLoader(dataset(96), batch_size=8, shuffle=True, generator=generator)))
     assert torch.equal(losses.batches[0][0], first[0])
+
+
+class OneCycle(Seen):
+    """Sizes its schedule from ``trainer.estimated_stepping_batches``, which loads the
+    train loader before any callback's ``on_fit_start``."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        self.estimated = self.trainer.estimated_stepping_batches
+        cycle = torch.optim.lr_scheduler.OneCycleLR(optimizer, 0.1, total_steps=self.estimated)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": cycle, "interval": "step"}}
+
+
+def test_a_loader_loaded_early_for_estimated_stepping_batches_is_replaced() -> None:
+    measure, _ = fake_measure({4: 0.04, 8: 0.02, 16: 0.08, 32: 0.2})  # 8 is the fastest
+    tuner = MicroBatchTuner([4, 8, 16, 32], measure=measure, verbose=False)
+    scheduler = AccumulationScheduler(target_global_batch=32, verbose=False)
+    model = OneCycle()
+    run = trainer(-1, [scheduler, tuner], max_epochs=2)
+    run.fit(model, DataLoader(dataset(128), batch_size=4))
+    assert tuner.result is not None
+    assert tuner.result.best == {"batch_size": 8}
+    assert model.sizes[4:] == [8] * 32  # after the trials: 2 epochs of 16 micro-batches of 8
+    assert scheduler.history[0].accumulation == 4
+    assert run.global_step == model.estimated == 8  # 2 epochs of 4 steps of 32 samples
+
+
+def test_a_fast_dev_run_is_not_tuned() -> None:
+    measure, ran = fake_measure(SECONDS)
+    tuner = MicroBatchTuner(measure=measure, verbose=False)
+    scheduler = AccumulationScheduler(target_global_batch=32, verbose=False)
+    run = trainer(-1, [scheduler, tuner], fast_dev_run=True)
+    run.fit(Net(), DataLoader(dataset(), batch_size=4))
+    assert ran == []
+    assert tuner.result is None
+
+
+class Loader(DataLoader):  # type: ignore[type-arg]
+    """A DataLoader subclass: what it adds cannot be rebuilt with confidence."""
+
+
+def test_a_dataloader_subclass_rebuilt_says_what_is_lost() -> None:
+    model, given, step = _setup()
+    subclassed = Loader(given.dataset, batch_size=4)
+    with pytest.warns(UserWarning, match="a Loader, is rebuilt as a torch DataLoader"):
+        result = tune_micro_batch(model, subclassed, step, candidates=[4, 8],
+                                  measure=fake_measure(SECONDS)[0])  # fmt: skip
+    assert type(result.dataloader) is DataLoader
 
 
 def test_nothing_the_tuner_did_shows_in_training() -> None:

@@ -32,10 +32,18 @@ def test_compute_levers_train_on_two_ranks_and_resume_exactly(tmp_path: Path) ->
             half = len(rank["losses"]) // 2
             assert rank["resumed_losses"] == pytest.approx(rank["losses"][half:], rel=1e-5)
             if tuner:
-                # rank 1's own timing preferred 16: every rank trains with rank 0's choice,
-                # 8, two micro-batches per optimizer step (8 x 2 x 2 ranks = the global 32)
+                # rank 0 timed 16 fastest, but it is over rank 1's memory; rank 1 timed 4
+                # fastest: every rank trains with 8, rank 0's best of what fits on both,
+                # two micro-batches per optimizer step (8 x 2 x 2 ranks = the global 32)
                 assert rank["sizes"] == [8] * 8
                 assert rank["resumed_sizes"] == [8] * 4
+                assert rank["tuned"]["best"] == 8  # on rank 1 too: its result says so
+                assert list(rank["tuned"]["table"]) == ["1", "2", "4", "8", "16"]  # together
+                assert rank["resumed_tuned"] == {"best": 8, "table": {}}  # from the checkpoint
+        if tuner:
+            skipped = [ranks[r][strategy]["tuned"]["table"]["16"] for r in (0, 1)]
+            assert skipped[0] == "does not fit on another rank"
+            assert skipped[1].startswith("peak 1073741824.00 GiB over the limit")
         if strategy != "fsdp_zero2":  # FSDP's parameters are sharded: each rank has its part
             assert ranks[0][strategy]["checksum"] == ranks[1][strategy]["checksum"]
     # the same global batch and data: DDP and ZeRO-2 train the same numbers

@@ -3,8 +3,9 @@
 ``--strategies A,B`` (``ddp``, ``fsdp_zero2``, ...) run in turn in the same two
 processes (they start once). The loader gives micro-batches of 4;
 the target global batch is 32. MicroBatchTuner's timing is injected and differs by
-rank (rank 0 finds 8 fastest, rank 1 finds 16): both ranks must train with rank 0's 8,
-so 2 micro-batches per optimizer step on 2 ranks, 2 optimizer steps per epoch (64
+rank (rank 0 finds 16 fastest, then 8; rank 1 finds 4 fastest and 16 over its
+memory): both ranks must train with 8, rank 0's best of the sizes that fit on both, so
+2 micro-batches per optimizer step on 2 ranks, 2 optimizer steps per epoch (64
 samples). Under DeepSpeed, where MicroBatchTuner refuses, it is left out.
 
 The script fits 4 steps with a checkpoint at step 2 (an epoch end), then fits again
@@ -85,18 +86,26 @@ def loader() -> DataLoader[Any]:
     return DataLoader(TensorDataset(x, torch.sin(x[:, :1])), batch_size=GIVEN)
 
 
-def timing(rank: int) -> Any:
-    fastest = 8 if rank == 0 else 16
+def timing() -> Any:
+    """Rank 0 finds 16 fastest, then 8; rank 1 finds 4 fastest, and 16 over its memory.
+
+    The step runs on every rank (under fsdp_zero2 it communicates: a rank that skipped it
+    would leave the other waiting); rank 1's peak at 16 is reported over any limit.
+    """
 
     def measure(run: Any, n: int) -> StepMeasurement:
+        rank = dist.get_rank()  # known once fit has started the process group
+        rates = {16: 2000.0, 8: 1000.0} if rank == 0 else {4: 1000.0}
         run()
-        return StepMeasurement(n / (1000.0 if n == fastest else 100.0))
+        peak = 2**60 if rank == 1 and n >= 16 else None
+        return StepMeasurement(n / rates.get(n, 100.0), peak)
 
     return measure
 
 
-def fit(args: argparse.Namespace, steps: int, resume: Path | None) -> tuple[L.Trainer, Task, Any]:
-    rank = int(dist.get_rank()) if dist.is_initialized() else 0
+def fit(
+    args: argparse.Namespace, steps: int, resume: Path | None
+) -> tuple[L.Trainer, Task, Any, MicroBatchTuner | None]:
     compile_callback = RegionalCompile(backend="aot_eager", verbose=False)
     callbacks: list[L.Callback] = [
         compile_callback,
@@ -105,15 +114,24 @@ def fit(args: argparse.Namespace, steps: int, resume: Path | None) -> tuple[L.Tr
         SpeedMonitor(warmup_steps=1, log_every_n_steps=2),
         ModelCheckpoint(args.out / "ckpt", every_n_train_steps=2, save_top_k=-1),
     ]
+    tuner = None
     if not args.strategy.startswith("deepspeed"):  # where MicroBatchTuner refuses
-        callbacks.insert(1, MicroBatchTuner(measure=timing(rank), verbose=False))
+        tuner = MicroBatchTuner(measure=timing(), verbose=False)
+        callbacks.insert(1, tuner)
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=args.strategy, max_steps=steps, logger=False,
         callbacks=callbacks, enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
     task = Task()
     trainer.fit(task, loader(), ckpt_path=resume)
-    return trainer, task, compile_callback
+    return trainer, task, compile_callback, tuner
+
+
+def _result(tuner: MicroBatchTuner | None) -> Any:
+    if tuner is None or tuner.result is None:
+        return None
+    table = {row["micro_batch"]: row["skipped"] for row in tuner.result.table}
+    return {"best": tuner.result.best["batch_size"], "table": table}
 
 
 def main() -> None:
@@ -127,10 +145,10 @@ def main() -> None:
     for strategy in args.strategies.split(","):
         run = argparse.Namespace(**{**vars(args), "strategy": strategy,
                                     "out": args.out / strategy})  # fmt: skip
-        straight, task, compiled = fit(run, steps=4, resume=None)
+        straight, task, compiled, tuner = fit(run, steps=4, resume=None)
         rank = straight.global_rank
         ckpt = run.out / "ckpt" / "epoch=0-step=2.ckpt"
-        resumed, resumed_task, _ = fit(run, steps=4, resume=ckpt)
+        resumed, resumed_task, _, resumed_tuner = fit(run, steps=4, resume=ckpt)
         fused = [s.implementation for c in straight.callbacks if isinstance(c, FusedOptimizer)
                  for s in c.switched]  # fmt: skip
         results[strategy] = {
@@ -143,6 +161,8 @@ def main() -> None:
             "graphs": compiled.watch.graphs,
             "fused": fused,
             "checksum": float(sum(p.detach().double().sum() for p in resumed_task.parameters())),
+            "tuned": _result(tuner),
+            "resumed_tuned": _result(resumed_tuner),
         }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"rank{rank}.json").write_text(json.dumps(results))
