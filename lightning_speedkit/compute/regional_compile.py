@@ -12,12 +12,20 @@ that was never compiled.
 Compilation happens lazily, at a block's first call. :class:`CompileWatch` counts
 what dynamo compiles (graphs, recompilations, seconds) from torch's compile
 callbacks: plain Python counters, read by the callback at log time, no device sync.
+
+A KV cache defeats the sharing: Hugging Face decoders (GPT-2, Llama, T5) build one by
+default (``config.use_cache=True``), in training too, and each layer reads its own slot
+of it, on which dynamo guards, so every layer compiles a graph of its own and past
+dynamo's recompile limit (8) the rest run eagerly. Training needs no cache:
+:class:`RegionalCompile` turns ``use_cache`` off for the fit (restored at its end), and
+a compiled block's first call with a cache warns.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+import weakref
 from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
@@ -101,6 +109,54 @@ def compiled_blocks(model: nn.Module) -> list[str]:
     return [name for name, module in model.named_modules() if _is_compiled(module)]
 
 
+def _cache_configs(model: nn.Module, names: Sequence[str]) -> list[tuple[str, Any]]:
+    """``(qualified name, config)`` of the modules around the blocks ``names`` whose
+    ``config.use_cache`` is True (Hugging Face models: a KV cache built at every call,
+    in training too), one per config object."""
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is not True or id(config) in seen:
+            continue
+        prefix = f"{name}." if name else ""
+        if any(block == name or block.startswith(prefix) for block in names):
+            seen.add(id(config))
+            found.append((name, config))
+    return found
+
+
+def _described(configs: Sequence[tuple[str, Any]], model: nn.Module) -> str:
+    return ", ".join(
+        f"{type(model.get_submodule(name)).__name__} ({name or 'the model'})" for name, _ in configs
+    )
+
+
+#: Compiled blocks that were called with a KV cache among their arguments (a
+#: ``DynamicCache`` and the like): the likely cause of their recompiling, one graph per layer.
+_CACHE_CALLED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
+def _carries_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether a block's call carries a KV cache object (transformers' ``*Cache`` classes)."""
+    return any(type(value).__name__.endswith("Cache") for value in (*args, *kwargs.values()))
+
+
+def _note_cache(module: nn.Module) -> None:
+    """Record a block called with a KV cache; the first of its class (among live modules)
+    warns, as it happens: every other layer is about to compile a graph of its own."""
+    first = not any(type(other) is type(module) for other in _CACHE_CALLED)
+    _CACHE_CALLED.add(module)
+    if first:
+        rank_zero_warn(
+            f"RegionalCompile: a compiled {type(module).__name__} is called with a KV cache "
+            f"(`past_key_values`); each layer reads its own slot of it, so each layer compiles "
+            f"a graph of its own, and past dynamo's limit (8) the rest run uncompiled. Training "
+            f"needs no cache: set `model.config.use_cache = False` or pass `use_cache=False` "
+            f"(the RegionalCompile callback turns `config.use_cache` off for the fit)."
+        )
+
+
 def _cpu_compiler_missing(backend: Any) -> str | None:
     """Why inductor cannot build CPU kernels here, or None when it can."""
     if backend != "inductor":
@@ -134,6 +190,13 @@ def compile_blocks(
     the block has when it is first called. While a TorchDispatchMode is active (a
     FLOP count, :func:`~lightning_speedkit.count_flops`), the blocks run eagerly, so
     that it sees every operator.
+
+    A block nested inside another one found is not compiled apart (the outer one's
+    graph holds it). The first call of a block that carries a KV cache (Hugging Face
+    decoders build one by default, ``config.use_cache=True``) warns: each layer reads
+    its own slot of it, so each layer compiles a graph of its own; set
+    ``model.config.use_cache = False`` for training (:class:`RegionalCompile` does so
+    for the fit).
 
     Args:
         model: the module, before DDP/FSDP/DeepSpeed wrap it.
@@ -189,14 +252,21 @@ def _compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:
     A TorchDispatchMode (the kit's FLOP count) sees every operator only if the block
     runs eagerly: compiled kernels hide the operators they fuse, and dynamo does not
     compile under such a mode anyway (with ``fullgraph=True`` it raises). So while one
-    is active, the block's own call runs; otherwise the compiled one.
+    is active, the block's own call runs; otherwise the compiled one. A call that
+    carries a KV cache is noted (:data:`_CACHE_CALLED`), to name the cause should the
+    block recompile.
     """
     module.compile(**options)
     compiled, eager = _compat.compiled_and_eager_calls(module)
+    ref = weakref.ref(module)  # the module holds this call: no cycle through it
 
     def call(*args: Any, **kwargs: Any) -> Any:
-        if not torch.compiler.is_compiling() and _compat.dispatch_mode_active():
-            return eager(*args, **kwargs)
+        if not torch.compiler.is_compiling():
+            if _compat.dispatch_mode_active():
+                return eager(*args, **kwargs)
+            held = ref()
+            if held is not None and held not in _CACHE_CALLED and _carries_cache(args, kwargs):
+                _note_cache(held)
         return compiled(*args, **kwargs)
 
     _compat.set_compiled_call(module, call)
@@ -212,8 +282,12 @@ class CompileWatch:
     fire around every frame dynamo compiles and every backward graph compiled later.
     A compile id ``"F/N"`` is the N-th compilation of frame F: N above 0 is a
     recompilation (a guard, such as a tensor's shape, failed). Everything dynamo
-    compiles in the process while installed is counted. Counters are plain Python;
-    reading them costs nothing on the device.
+    compiles in the process while installed is counted, and the counts add up:
+    ``graphs`` is the frames compiled plus ``recompiles``. A frame first compiled
+    before the watch was installed (in an earlier fit in the same process) counts its
+    first compilation here as a graph, not as a recompilation; :attr:`by_frame` keeps
+    dynamo's own count, earlier compilations included, which its recompile limit
+    counts. Counters are plain Python; reading them costs nothing on the device.
 
     Example::
 
@@ -230,13 +304,15 @@ class CompileWatch:
         self.graphs = 0
         """Frames compiled, recompilations included (backward graphs not counted apart)."""
         self.recompiles = 0
-        """Compilations of a frame that had been compiled before."""
+        """Compilations of a frame this watch had seen compiled before."""
         self.seconds = 0.0
         """Wall time spent compiling, forward and backward graphs."""
         self.compilations = 0
         """Compilations begun, backward graphs included."""
         self.by_frame: Counter[str] = Counter()
-        """Recompilations per frame id."""
+        """Recompilations per frame id, as dynamo counts them (against its recompile
+        limit): those before the watch was installed included."""
+        self._frames: set[str] = set()
         self._started: float | None = None
         self._installed = False
 
@@ -271,9 +347,12 @@ class CompileWatch:
         compile_id = str(getattr(args[0], "compile_id", "")) if args else ""
         frame, _, attempt = compile_id.lstrip("!").rpartition("/")
         self.graphs += 1
-        if attempt.split("_")[0].isdigit() and int(attempt.split("_")[0]) > 0:
-            self.recompiles += 1
-            self.by_frame[frame] += 1
+        number = int(attempt.split("_")[0]) if attempt.split("_")[0].isdigit() else 0
+        if number > 0:
+            self.by_frame[frame] = max(self.by_frame[frame], number)
+            if frame in self._frames:  # its first compilation was counted here too
+                self.recompiles += 1
+        self._frames.add(frame)
 
     def snapshot(self) -> tuple[int, int, float]:
         return self.graphs, self.recompiles, self.seconds
@@ -295,14 +374,24 @@ class RegionalCompile(L.Callback):
     ``ActivationCheckpointing`` in any order (the compiled call traces the forward
     the block has at its first call). Checkpoints keep the uncompiled names.
 
+    A Hugging Face model whose ``config.use_cache`` is True (GPT-2, Llama, T5 by
+    default) builds a KV cache at every call, training included, and each layer reads
+    its own slot of it: every layer would compile a graph of its own. The callback sets
+    ``use_cache`` to False on the configs of the modules around the compiled blocks for
+    the fit, and for a later validate, test or predict of the compiled model (one info
+    line says so), and restores it when that ends: a loss uses no cache, and
+    ``generate`` takes its own setting from the generation config.
+
     What compilation cost is logged every ``log_every_n_steps`` while it changes:
     ``compile/seconds``, ``compile/graphs`` and ``compile/recompiles`` (everything
     dynamo compiled in the process during the fit). When one compiled frame keeps
-    recompiling (``recompile_warning`` times beyond one compilation per block class;
-    new shapes, usually), one warning says
-    how to stop it: ``dynamic=True``, or fewer distinct shapes by length bucketing or
-    sequence packing (:class:`~lightning_speedkit.SpeedDataModuleMixin`). Past
-    dynamo's recompile limit (8) the block would run uncompiled.
+    recompiling (``recompile_warning`` times beyond one compilation per block class),
+    one warning names the likely cause and the fix: a KV cache passed to the blocks
+    (``use_cache=False``); new batch shapes (``dynamic=True``, or fewer distinct shapes
+    by length bucketing or sequence packing,
+    :class:`~lightning_speedkit.SpeedDataModuleMixin`); with ``dynamic=True`` already
+    set, a guard that ``TORCH_LOGS=recompiles`` shows. Past dynamo's recompile limit
+    (8) the block would run uncompiled.
 
     Args:
         blocks: ``"auto"`` (the model's repeated blocks) or module classes or names.
@@ -349,9 +438,11 @@ class RegionalCompile(L.Callback):
         self._reported = False
         self._warned = False
         self._classes = 1
+        self._cache_off: list[Any] = []
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage != "fit":
+        if stage != "fit":  # validate, test, predict: blocks a fit compiled stay compiled
+            self._turn_cache_off(pl_module, compiled_blocks(pl_module), stage)
             return
         self._reported = False
         missing = (
@@ -370,6 +461,7 @@ class RegionalCompile(L.Callback):
             pl_module, self.blocks, mode=self.mode, dynamic=self.dynamic,
             fullgraph=self.fullgraph, backend=self.backend,
         )  # fmt: skip
+        self._turn_cache_off(pl_module, self.compiled, "fit")
         self.watch.install()
         kinds = sorted({type(pl_module.get_submodule(n)).__name__ for n in self.compiled})
         # Blocks whose forward the kit replaced (activation checkpointing) all run through
@@ -384,6 +476,56 @@ class RegionalCompile(L.Callback):
             )
         else:
             rank_zero_info("RegionalCompile: no repeated blocks found; nothing compiled")
+
+    def _turn_cache_off(self, pl_module: L.LightningModule, names: list[str], stage: str) -> None:
+        """``config.use_cache = False`` around the compiled blocks ``names`` for this stage
+        (a KV cache makes each layer compile apart); restored by :meth:`_restore_cache`."""
+        cached = _cache_configs(pl_module, names)
+        for _, config in cached:
+            config.use_cache = False
+        self._cache_off += [config for _, config in cached]
+        if cached and self.verbose:
+            stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn
+            rank_zero_info(
+                f"RegionalCompile: `config.use_cache` off for the {stage} on "
+                f"{_described(cached, pl_module)}, restored at its end: a KV cache, which "
+                f"the loss does not use, makes each layer compile a graph of its own"
+            )
+
+    def _restore_cache(self) -> None:
+        for config in self._cache_off:
+            config.use_cache = True
+        self._cache_off = []
+
+    def _recompile_warning(self, pl_module: L.LightningModule) -> str:
+        watch = self.watch
+        said = (
+            f"RegionalCompile: a compiled block recompiled {watch.most_recompiled} times "
+            f"({watch.recompiles} recompilations, {watch.seconds:.1f} s compiling so far)"
+        )
+        limit = "past dynamo's limit (8) it runs uncompiled"
+        blocks = [pl_module.get_submodule(name) for name in self.compiled]
+        if any(block in _CACHE_CALLED for block in blocks):
+            return (
+                f"{said}: its calls carry a KV cache (`past_key_values`), and each layer "
+                f"reads its own slot of it, so each layer compiles a graph of its own; "
+                f"{limit}. Training needs no cache: pass `use_cache=False` to the model, or "
+                f"set `model.config.use_cache = False` (changing shapes are not the cause, "
+                f"and `dynamic=True` would not help)."
+            )
+        if self.dynamic is True:
+            return (
+                f"{said}, with `dynamic=True` already set, so not because a length changes; "
+                f"{limit}. Run with `TORCH_LOGS=recompiles` to see the guard that fails (a "
+                f"Python number, flag or module attribute that differs between calls; a "
+                f"dimension of size 0 or 1, which dynamo specializes)."
+            )
+        return (
+            f"{said}, most likely because batch shapes keep changing; {limit}. Compile for "
+            f"symbolic shapes with `RegionalCompile(dynamic=True)`, or give batches fewer "
+            f"distinct shapes: length bucketing or sequence packing (SpeedDataModuleMixin's "
+            f"`lengths=` or PackingCollate). `TORCH_LOGS=recompiles` shows the guard that fails."
+        )
 
     def on_train_batch_end(
         self,
@@ -406,15 +548,7 @@ class RegionalCompile(L.Callback):
         allowed = self.recompile_warning + self._classes - 1
         if not self._warned and watch.most_recompiled >= allowed:
             self._warned = True
-            rank_zero_warn(
-                f"RegionalCompile: a compiled block recompiled {watch.most_recompiled} times "
-                f"({watch.recompiles} recompilations, {watch.seconds:.1f} s compiling so far), "
-                f"most likely because batch shapes keep changing; past dynamo's limit (8) it "
-                f"runs uncompiled. Compile for symbolic shapes with "
-                f"`RegionalCompile(dynamic=True)`, or give batches fewer distinct shapes: length "
-                f"bucketing or sequence packing (SpeedDataModuleMixin's `lengths=` or "
-                f"PackingCollate)."
-            )
+            rank_zero_warn(self._recompile_warning(pl_module))
         now = watch.snapshot()
         if now != self._logged and (trainer.global_step % _compat.log_every_n_steps(trainer) == 0):
             self._log(trainer)
@@ -434,8 +568,10 @@ class RegionalCompile(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.watch.remove()
+        self._restore_cache()
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         self.watch.remove()
+        self._restore_cache()

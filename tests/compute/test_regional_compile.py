@@ -7,9 +7,10 @@ import warnings
 from collections.abc import Iterator
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
-from torch import nn
+from torch import Tensor, nn
 from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader
 
@@ -21,7 +22,8 @@ from lightning_speedkit import (
     swap_attention,
 )
 from lightning_speedkit.compute import CompileWatch, compile_blocks, compiled_blocks
-from lightning_speedkit.distributed import checkpoint_blocks
+from lightning_speedkit.compute import regional_compile as rc
+from lightning_speedkit.distributed import checkpoint_blocks, checkpointed_blocks
 
 from ..helpers.recorder import Recorder
 from .models import Block, Losses, Net, dataset, loader, trainer
@@ -206,7 +208,257 @@ def test_compile_watch_counts_only_while_installed() -> None:
     f(torch.ones(3))
     watch.remove()
     f(torch.ones(4))
-    assert (watch.graphs, watch.recompiles) == (1, 1)
+    # one graph, whose frame was first compiled before the watch listened: counted as a
+    # graph, not a recompilation (graphs = frames + recompiles); dynamo's own count of the
+    # frame's recompilations, which its limit reads, still says 1
+    assert (watch.graphs, watch.recompiles) == (1, 0)
+    assert watch.most_recompiled == 1
+
+
+def test_a_second_fit_in_the_process_counts_graphs_and_recompiles_that_add_up() -> None:
+    """The frame of ``Block.forward`` was compiled in a first fit; the second fit's first
+    compilation of it is dynamo's ``0/1``, but the first this fit saw."""
+    model = Net(depth=2)
+    compile_blocks(model, backend="eager", dynamic=False)
+    x = dataset(4).tensors[0]
+    model(x)  # four tokens: the frame compiled once, before the watch
+    watch = CompileWatch().install()
+    model(x[:, :2])  # two tokens: compiled again, the first compilation this watch sees
+    model(x[:, :3])  # three: a recompilation of a frame it saw compiled
+    watch.remove()
+    assert (watch.graphs, watch.recompiles) == (2, 1)  # it said (2, 2) before
+    assert watch.most_recompiled == 2
+
+
+# --- what "auto" picks: no generic containers, no block inside another ----------------------
+
+
+class Resnet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Linear(8, 8)
+        self.norm = nn.LayerNorm(8)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.conv(self.norm(x))
+
+
+class Down(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.resnets = nn.ModuleList([Resnet(), Resnet()])
+
+    def forward(self, x: Tensor) -> Tensor:
+        for resnet in self.resnets:
+            x = resnet(x)
+        return x
+
+
+class UNetLike(nn.Module):
+    """Diffusers' layout: Resnet blocks inside each Down block, and one on its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(8, 8)  # every block's input then needs grad, as in a real model
+        self.down = nn.ModuleList([Down(), Down()])
+        self.mid = Resnet()
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = self.stem(x)
+        for block in self.down:
+            x = block(x)
+        return self.mid(x)
+
+
+class SequentialNet(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
+
+
+def test_auto_never_takes_a_generic_container_for_a_block() -> None:
+    # "Sequential" was the block class: the container and every child compiled, the root too
+    stacked = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
+    assert compile_blocks(stacked, backend="eager") == []  # was ['', '0', '1', '2']
+    assert compile_blocks(SequentialNet(), backend="eager") == []  # was ['net', 'net.0', ...]
+    assert checkpoint_blocks(SequentialNet()) == []  # the finder is shared
+    # named, Sequential is taken, but the model is never one of its own blocks
+    named = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.ReLU()) for _ in range(3)])
+    assert compile_blocks(named, ["Sequential"], backend="eager") == ["0", "1", "2"]
+
+
+def test_a_block_inside_another_block_is_not_compiled_or_checkpointed_again() -> None:
+    model = UNetLike()
+    # the lone `mid` makes Resnet a block class, but the Resnets inside the compiled Down
+    # blocks are in their graphs already: compiled again, they were nested regions
+    assert compile_blocks(model, backend="eager") == ["down.0", "down.1", "mid"]
+    assert compiled_blocks(model) == ["down.0", "down.1", "mid"]  # was 7 modules
+    x = torch.randn(2, 8)
+    watch = CompileWatch().install()
+    model(x).sum().backward()
+    watch.remove()
+    assert (watch.graphs, watch.recompiles) == (2, 0)  # Down.forward and Resnet.forward
+    other = UNetLike()
+    assert checkpoint_blocks(other) == ["down.0", "down.1", "mid"]
+    assert checkpointed_blocks(other) == ["down.0", "down.1", "mid"]  # none nested
+
+
+# --- Hugging Face decoders: the KV cache ----------------------------------------------------
+
+
+def _gpt2(layers: int) -> Any:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_embd=32, n_layer=layers, n_head=2, n_positions=32, vocab_size=64,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))  # fmt: skip
+
+
+class Tokens(torch.utils.data.Dataset[Tensor]):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i: int) -> Tensor:
+        return torch.randint(0, 64, (12,), generator=torch.Generator().manual_seed(i))
+
+
+class Decoder(L.LightningModule):
+    """A tiny GPT-2 trained on its own tokens; ``use_cache`` passed to its call if set."""
+
+    def __init__(self, layers: int = 4, use_cache: bool | None = None) -> None:
+        super().__init__()
+        self.model = _gpt2(layers)
+        self.use_cache = use_cache
+
+    def training_step(self, batch: Tensor, batch_idx: int) -> Tensor:
+        kwargs = {} if self.use_cache is None else {"use_cache": self.use_cache}
+        return self.model(batch, labels=batch, **kwargs).loss  # type: ignore[no-any-return]
+
+    def validation_step(self, batch: Tensor, batch_idx: int) -> None:
+        self.model(batch, labels=batch)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_hugging_face_decoder_layers_share_one_graph_with_the_cache_off_for_the_fit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    said: list[str] = []
+    monkeypatch.setattr(rc, "rank_zero_info", said.append)
+    task = Decoder(layers=4)
+    assert task.model.config.use_cache is True  # transformers' default, in training too
+    callback = RegionalCompile(backend="aot_eager", recompile_warning=2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(2, [callback]).fit(task, DataLoader(Tokens(), batch_size=4))
+    assert callback.compiled == [f"model.transformer.h.{i}" for i in range(4)]
+    # the cache made every layer compile apart: 4 graphs, 3 recompilations, and past 8
+    # layers the rest ran eagerly
+    assert (callback.watch.graphs, callback.watch.recompiles) == (1, 0)
+    assert counters["stats"]["unique_graphs"] == 1
+    assert task.model.config.use_cache is True  # restored when the fit ended
+    assert [line for line in said if "use_cache" in line] == [
+        "RegionalCompile: `config.use_cache` off for the fit on GPT2LMHeadModel (model), "
+        "restored at its end: a KV cache, which the loss does not use, makes each layer "
+        "compile a graph of its own"
+    ]
+    assert not [w for w in caught if "recompiled" in str(w.message)]
+    assert not [w for w in caught if "KV cache" in str(w.message)]
+    # a validate of the compiled model later: the cache is off for it too (eval mode is
+    # a new graph, one for the four layers; with the cache, each layer compiled its own)
+    watch = CompileWatch().install()
+    trainer(1, [callback], limit_val_batches=1).validate(task, DataLoader(Tokens(), batch_size=4))
+    watch.remove()
+    assert (watch.graphs, watch.recompiles) == (1, 0)
+    assert task.model.config.use_cache is True
+    assert said[-1].startswith("RegionalCompile: `config.use_cache` off for the validate on")
+
+
+def test_compiled_blocks_called_with_a_cache_warn_once_that_each_layer_compiles_apart() -> None:
+    model = _gpt2(3)
+    assert len(compile_blocks(model, backend="aot_eager")) == 3
+    ids = torch.randint(0, 64, (2, 8))
+    watch = CompileWatch().install()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(ids, labels=ids).loss.backward()
+    watch.remove()
+    assert (watch.graphs, watch.recompiles) == (3, 2)  # what the warning is about
+    ours = [str(w.message) for w in caught if "KV cache" in str(w.message)]
+    assert len(ours) == 1  # once, not once per layer
+    assert ours[0].startswith("RegionalCompile: a compiled GPT2Block is called with a KV cache")
+    assert "`model.config.use_cache = False`" in ours[0]
+    # with the cache off: one graph for the three layers, and no warning
+    torch._dynamo.reset()
+    fresh = _gpt2(3)
+    fresh.config.use_cache = False
+    compile_blocks(fresh, backend="aot_eager")
+    watch = CompileWatch().install()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fresh(ids, labels=ids).loss.backward()
+    watch.remove()
+    assert (watch.graphs, watch.recompiles) == (1, 0)
+    assert not [w for w in caught if "KV cache" in str(w.message)]
+
+
+@pytest.mark.parametrize("dynamic", [None, True])
+def test_the_recompile_warning_names_the_cache_when_the_call_passes_one(
+    dynamic: bool | None,
+) -> None:
+    """``use_cache=True`` passed to the call itself: the config is not what turns it on."""
+    task = Decoder(layers=4, use_cache=True)
+    callback = RegionalCompile(
+        backend="aot_eager", dynamic=dynamic, recompile_warning=2, verbose=False
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(1, [callback]).fit(task, DataLoader(Tokens(), batch_size=4))
+    assert (callback.watch.graphs, callback.watch.recompiles) == (4, 3)  # one per layer
+    ours = [str(w.message) for w in caught if "recompiled" in str(w.message)]
+    assert len(ours) == 1
+    assert "its calls carry a KV cache" in ours[0]
+    assert "use_cache=False" in ours[0]
+    assert "RegionalCompile(dynamic=True)" not in ours[0]  # it said: changing batch shapes
+    assert "bucketing" not in ours[0]
+
+
+class Tagged(Block):
+    """A block whose forward branches on a string attribute, set anew every step."""
+
+    tag = "0"
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = super().forward(x)
+        return out * 2 if self.tag.endswith("0") else out
+
+
+class TaggedNet(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([Tagged()])  # one: each step compiles it once
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        for block in self.blocks:
+            block.tag = str(batch_idx + 1)
+        return super().training_step(batch, batch_idx)
+
+
+def test_the_recompile_warning_does_not_recommend_dynamic_true_when_it_is_set() -> None:
+    callback = RegionalCompile(
+        ["Tagged"], backend="eager", dynamic=True, recompile_warning=3, verbose=False
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(5, [callback]).fit(TaggedNet(), loader(40, batch_size=8))
+    assert (callback.watch.graphs, callback.watch.recompiles) == (5, 4)  # a new tag each step
+    ours = [str(w.message) for w in caught if "recompiled" in str(w.message)]
+    assert len(ours) == 1
+    assert "`dynamic=True` already set" in ours[0]
+    assert "TORCH_LOGS=recompiles" in ours[0]
+    assert "RegionalCompile(dynamic=True)" not in ours[0]
+    assert "KV cache" not in ours[0]
 
 
 @pytest.mark.slow
