@@ -63,6 +63,14 @@ def replace_train_loader(trainer: L.Trainer, loader: Any, *, before_loop: bool =
         loop._combined_loader = None
 
 
+def metric_state(metric: Any) -> dict[str, Any]:
+    """A torchmetrics ``Metric``'s accumulated state (what ``add_state`` declared) and the
+    caches its ``update`` and ``compute`` keep, by attribute name: ``setattr`` each back
+    to put the metric where it was."""
+    names = [*metric._defaults, "_update_count", "_computed", "_forward_cache"]
+    return {name: getattr(metric, name) for name in names if hasattr(metric, name)}
+
+
 def reload_train_loader_next_epoch(trainer: L.Trainer) -> Callable[[], None]:
     """Make the fit loop request its train loader again when the next epoch starts.
 

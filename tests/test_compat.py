@@ -21,6 +21,7 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torchmetrics
 from lightning.pytorch.strategies import (
     DDPStrategy,
     DeepSpeedStrategy,
@@ -326,6 +327,12 @@ PRIVATE_NAMES: list[tuple[str, str, Callable[[], Any]]] = [
     # Lightning
     ("train_loader_source, replace_train_loader", "_data_source",
      _attribute(lambda: _trainer().fit_loop, "_data_source")),
+    ("replace_train_loader", "_combined_loader",
+     lambda: "_combined_loader" in vars(_trainer().fit_loop) or None),
+    ("replace_train_loader", "_data_fetcher",
+     lambda: "_data_fetcher" in vars(_trainer().fit_loop) or None),
+    # torchmetrics (Lightning's)
+    ("metric_state", "_defaults", _attribute(lambda: torchmetrics.SumMetric(), "_defaults")),
     ("take_over_accumulation", "_accumulated_batches_reached",
      _attribute(lambda: _trainer().fit_loop.epoch_loop, "_accumulated_batches_reached")),
     ("take_over_accumulation", "_make_zero_grad_fn",

@@ -237,13 +237,14 @@ def _preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
     grads = [p.grad for p in params]
     # By name: a forward may assign a new tensor (``self.count = self.count + 1``).
     buffers = [(m, name, b, b.detach().clone()) for m in model.modules()
-               for name, b in m._buffers.items() if b is not None]  # fmt: skip
+               for name, b in m.named_buffers(recurse=False)]  # fmt: skip
     modes = [(m, m.training) for m in model.modules()]
     # What a training step counts outside tensors (``self.seen += n``), and torchmetrics'
     # states (not buffers): a trial's updates would show in the first epoch's metrics.
     scalars = [(m, {k: v for k, v in vars(m).items() if type(v) in (int, float, bool)})
                for m in model.modules()]  # fmt: skip
-    metrics = [(m, _metric_state(m)) for m in model.modules() if _is_metric(m)]
+    metrics = [(m, copy.deepcopy(_compat.metric_state(m))) for m in model.modules()
+               if _is_metric(m)]  # fmt: skip
     torch_state = torch.get_rng_state()
     cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
     python_state = random.getstate()
@@ -262,7 +263,7 @@ def _preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
         with torch.no_grad():
             for m, name, buffer, saved in buffers:
                 buffer.copy_(saved)
-                m._buffers[name] = buffer
+                setattr(m, name, buffer)  # the buffer object it had, should it hold another
         for m, training in modes:
             m.training = training
         for m, values in scalars:
@@ -283,12 +284,6 @@ def _preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
 def _is_metric(module: nn.Module) -> bool:
     metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)
     return metric is not None and isinstance(module, metric)
-
-
-def _metric_state(metric: Any) -> dict[str, Any]:
-    """A torchmetrics Metric's accumulated state (``add_state``'s), copied, and its counters."""
-    names = [*metric._defaults, "_update_count", "_computed", "_forward_cache"]
-    return {name: copy.deepcopy(getattr(metric, name)) for name in names if hasattr(metric, name)}
 
 
 def _eager() -> contextlib.AbstractContextManager[Any]:
