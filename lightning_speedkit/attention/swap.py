@@ -464,6 +464,7 @@ class _SwappedForward:
     def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> bool:
         # The check is not the model's work: no FLOPs counted, and what its runs save for
         # backward stays theirs (an enclosing activation checkpoint must not count it).
+        modes = [(m, m.training) for m in self.module.modules()]
         with _eval(self.module), not_counted(), _keep_saved_tensors():
             passed = self._check(
                 args,
@@ -471,6 +472,7 @@ class _SwappedForward:
                 grad,
                 time_it=True,  # auto always times its candidates; one backend only if measure
                 label="forward+backward" if grad else "forward",
+                training=modes if any(training for _, training in modes) else None,
             )
         if passed:
             self.checked_forward = True
@@ -485,8 +487,13 @@ class _SwappedForward:
         *,
         time_it: bool,
         label: str,
+        training: list[tuple[nn.Module, bool]] | None = None,
     ) -> bool:
         """Compare fused against own on copies of these inputs; revert on failure.
+
+        Compared in eval mode (no dropout, the same numbers both ways); ``training``, the
+        modes of a module called in training, has each passing backend also run once
+        in them, to drop one that cannot (the CPU's flash kernel has no dropout).
 
         Returns whether a check happened and passed (the adapter may not handle
         these inputs: then nothing is decided).
@@ -536,6 +543,10 @@ class _SwappedForward:
                     f"parity error {error_value:.2e} > tolerance {tolerance:.1e} "
                     f"on {label} inputs with backend {backend!r}"
                 )
+        if training is not None:
+            runs = [(p, self._fails_in_training(p[0], copies, training)) for p in passing]
+            passing = [p for p, why in runs if why is None]
+            failure = next((why for _, why in runs if why is not None), failure)
         if not passing:
             self._revert(failure)
             return False
@@ -553,6 +564,40 @@ class _SwappedForward:
         entry.checked = label
         entry.status = "active"
         return True
+
+    def _fails_in_training(
+        self,
+        backend: str,
+        inputs: tuple[tuple[Any, ...], dict[str, Any]],
+        modes: list[tuple[nn.Module, bool]],
+    ) -> str | None:
+        """Why ``backend`` cannot run the module's training call, or None if it can.
+
+        One forward in the module's training modes (dropout on), without gradients; the
+        random state and the buffers (running statistics) are put back after it, so
+        training draws and computes what it would have.
+        """
+        ctx = SwapContext(
+            self.module, self.original, self._attend(backend), self.ctx.binding, checking=True
+        )
+        cuda = sorted({t.device.index or 0 for t in _tensors(inputs) if t.device.type == "cuda"})
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        try:
+            with torch.random.fork_rng(devices=cuda), torch.no_grad():
+                for m, training in modes:
+                    m.training = training
+                _bind(self.adapter.forward, ctx, inputs)()
+        except Exception as error:
+            return (
+                f"backend {backend!r} cannot run the training call "
+                f"({type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]})"
+            )
+        finally:
+            self.module.eval()  # the check goes on in eval mode; its caller restores modes
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+        return None
 
     def _reference(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> _Run | None:
         """The module's own forward in float32: inputs, parameters and buffers upcast."""

@@ -520,6 +520,32 @@ def test_hugging_face_model_switches_to_sdpa_per_call_and_matches() -> None:
     assert model.config._attn_implementation == "eager"  # switched for the call only
 
 
+def test_a_backend_that_cannot_run_the_training_call_is_not_kept() -> None:
+    # The check compares in eval mode (no dropout). The CPU's flash kernel has no dropout:
+    # it passed there, then every training call raised "No available kernel".
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    model = _llama(attention_dropout=0.1).train()
+    report = swap_attention(model, "flash")
+    torch.manual_seed(1)
+    with pytest.warns(UserWarning, match="cannot run the training call"):
+        loss = model(ids, labels=ids).loss
+    loss.backward()  # trains: the module's own attention
+    assert report.modules[0].status == "reverted"
+    assert "backend 'flash' cannot run the training call" in report.modules[0].reason
+    auto = _llama(attention_dropout=0.1).train()
+    report = swap_attention(auto, "auto")
+    auto(ids, labels=ids).loss.backward()
+    assert report.modules[0].status == "active"
+    assert report.modules[0].backend != "flash"
+    # The trial run in training modes left the random state as it was: the same dropout
+    # masks as the model's own attention draws (and the same loss, to rounding).
+    reference = _llama(attention_dropout=0.1).train()
+    torch.manual_seed(1)
+    expected = reference(ids, labels=ids).loss
+    torch.manual_seed(1)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-6)
+
+
 def test_hugging_face_calls_asking_for_attentions_get_them() -> None:
     model = _llama()
     swap_attention(model, "sdpa")
