@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
-__all__ = ["block_instances", "repeated_block_types"]
+__all__ = ["CacheOff", "block_instances", "cache_configs", "repeated_block_types"]
 
 
 #: torch's generic containers: a model's structure, never a block of its own. A
@@ -108,3 +110,73 @@ def block_instances(model: nn.Module, kinds: list[type[nn.Module]]) -> list[tupl
 
     visit(model, "")
     return found
+
+
+def cache_configs(model: nn.Module, names: Sequence[str]) -> list[tuple[str, Any]]:
+    """``(qualified name, config)`` of the modules around the blocks ``names`` whose
+    ``config.use_cache`` is True (Hugging Face models: a KV cache built at every call,
+    in training too), one per config object."""
+    found: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "use_cache", None) is not True or id(config) in seen:
+            continue
+        prefix = f"{name}." if name else ""
+        if any(block == name or block.startswith(prefix) for block in names):
+            seen.add(id(config))
+            found.append((name, config))
+    return found
+
+
+def described(configs: Sequence[tuple[str, Any]], model: nn.Module) -> str:
+    """``"T5ForConditionalGeneration (the model), T5Stack (decoder)"``: who holds ``configs``."""
+    return ", ".join(
+        f"{type(model.get_submodule(name)).__name__} ({name or 'the model'})" for name, _ in configs
+    )
+
+
+class CacheOff:
+    """``config.use_cache = False`` around a model's blocks for a while; :meth:`restore`
+    turns it back on.
+
+    Training needs no KV cache, and one built in training gets in the way of what the
+    kit does to the blocks: each layer reads its own slot of it (so a compiled layer
+    compiles apart), and a checkpointed block's recomputation reads back what its
+    forward stored there (T5's cross-attention keys and values: the recomputation then
+    saves fewer tensors and backward fails) or appends its keys and values a second
+    time (GPT-2, Llama), while the cache keeps them alive until backward.
+
+    Example::
+
+        >>> from types import SimpleNamespace
+        >>> from torch import nn
+        >>> model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        >>> model.config = SimpleNamespace(use_cache=True)
+        >>> cache = CacheOff()
+        >>> cache.turn_off(model, ["0", "1"])
+        'Sequential (the model)'
+        >>> model.config.use_cache
+        False
+        >>> cache.restore()
+        >>> model.config.use_cache
+        True
+    """
+
+    def __init__(self) -> None:
+        self._configs: list[Any] = []
+
+    def turn_off(self, model: nn.Module, names: Sequence[str]) -> str:
+        """Turn the cache off on the configs around the blocks ``names``; returns who holds
+        them (as :func:`described`), ``""`` when none had it on."""
+        found = cache_configs(model, names)
+        for _, config in found:
+            config.use_cache = False
+        self._configs += [config for _, config in found]
+        return described(found, model)
+
+    def restore(self) -> None:
+        """Turn the cache back on where :meth:`turn_off` turned it off (once)."""
+        for config in self._configs:
+            config.use_cache = True
+        self._configs = []

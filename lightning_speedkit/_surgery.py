@@ -9,14 +9,25 @@ parameter references and checkpoints of the unchanged model all stay valid, and
 The replacement is kept in an attribute, and ``module.forward`` becomes the module's
 bound method of one function, the same for every module, that calls it: so
 torch.compile traces all instances of a block class into one graph. (With a
-per-instance callable as ``forward``, dynamo guards on its identity and compiles
-once per instance, and past its recompile limit of 8 blocks not at all.)
+per-instance callable as ``forward``, a ``functools.partial`` included, dynamo guards
+on its identity and compiles once per instance, and past its recompile limit of 8
+blocks not at all.)
+
+Pickle stores a bound method as ``getattr(module, "_call_replaced")``, which no module
+has, so a pickled model (or ``torch.save(model)``) saved but did not load. The kit's
+bound methods (and only those: any other is reduced exactly as pickle does) are
+registered with copyreg and multiprocessing's pickler to pickle as the module, which
+the loading side binds again. A model loaded from a pickle keeps the kit's forwards
+as they were (checkpointed blocks stay checkpointed, swapped attention stays swapped),
+as ``copy.deepcopy`` does.
 """
 
 from __future__ import annotations
 
+import copyreg
 import types
 from collections.abc import Callable
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from torch import nn
@@ -34,9 +45,25 @@ def _call_replaced(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
     return getattr(self, _REPLACED)(*args, **kwargs)
 
 
+def _bound(module: nn.Module) -> Callable[..., Any]:
+    """``module.forward`` while the kit has replaced it, for ``module``."""
+    return types.MethodType(_call_replaced, module)
+
+
+def _reduce_method(method: types.MethodType) -> tuple[Any, ...]:
+    """Pickle a bound method: the kit's as its module, any other as pickle does."""
+    if method.__func__ is _call_replaced:
+        return _bound, (method.__self__,)
+    return getattr, (method.__self__, method.__func__.__name__)
+
+
+copyreg.pickle(types.MethodType, _reduce_method)
+ForkingPickler.register(types.MethodType, _reduce_method)
+
+
 def _install(module: nn.Module, forward: Callable[..., Any]) -> None:
     module.__dict__[_REPLACED] = forward
-    module.__dict__["forward"] = types.MethodType(_call_replaced, module)
+    module.__dict__["forward"] = _bound(module)
 
 
 def refuse_wrapped(model: nn.Module, what: str) -> None:

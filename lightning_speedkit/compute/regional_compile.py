@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_speedkit import _compat, _surgery, _validation
-from lightning_speedkit._blocks import block_instances, repeated_block_types
+from lightning_speedkit._blocks import CacheOff, block_instances, repeated_block_types
 
 __all__ = ["CompileWatch", "RegionalCompile", "compile_blocks", "compiled_blocks"]
 
@@ -107,29 +107,6 @@ def _is_compiled(module: nn.Module) -> bool:
 def compiled_blocks(model: nn.Module) -> list[str]:
     """Qualified names of the modules of ``model`` compiled in place (``nn.Module.compile``)."""
     return [name for name, module in model.named_modules() if _is_compiled(module)]
-
-
-def _cache_configs(model: nn.Module, names: Sequence[str]) -> list[tuple[str, Any]]:
-    """``(qualified name, config)`` of the modules around the blocks ``names`` whose
-    ``config.use_cache`` is True (Hugging Face models: a KV cache built at every call,
-    in training too), one per config object."""
-    found: list[tuple[str, Any]] = []
-    seen: set[int] = set()
-    for name, module in model.named_modules():
-        config = getattr(module, "config", None)
-        if getattr(config, "use_cache", None) is not True or id(config) in seen:
-            continue
-        prefix = f"{name}." if name else ""
-        if any(block == name or block.startswith(prefix) for block in names):
-            seen.add(id(config))
-            found.append((name, config))
-    return found
-
-
-def _described(configs: Sequence[tuple[str, Any]], model: nn.Module) -> str:
-    return ", ".join(
-        f"{type(model.get_submodule(name)).__name__} ({name or 'the model'})" for name, _ in configs
-    )
 
 
 #: Compiled blocks that were called with a KV cache among their arguments (a
@@ -438,7 +415,7 @@ class RegionalCompile(L.Callback):
         self._reported = False
         self._warned = False
         self._classes = 1
-        self._cache_off: list[Any] = []
+        self._cache_off = CacheOff()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":  # validate, test, predict: blocks a fit compiled stay compiled
@@ -480,22 +457,17 @@ class RegionalCompile(L.Callback):
     def _turn_cache_off(self, pl_module: L.LightningModule, names: list[str], stage: str) -> None:
         """``config.use_cache = False`` around the compiled blocks ``names`` for this stage
         (a KV cache makes each layer compile apart); restored by :meth:`_restore_cache`."""
-        cached = _cache_configs(pl_module, names)
-        for _, config in cached:
-            config.use_cache = False
-        self._cache_off += [config for _, config in cached]
-        if cached and self.verbose:
+        holders = self._cache_off.turn_off(pl_module, names)
+        if holders and self.verbose:
             stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn
             rank_zero_info(
                 f"RegionalCompile: `config.use_cache` off for the {stage} on "
-                f"{_described(cached, pl_module)}, restored at its end: a KV cache, which "
+                f"{holders}, restored at its end: a KV cache, which "
                 f"the loss does not use, makes each layer compile a graph of its own"
             )
 
     def _restore_cache(self) -> None:
-        for config in self._cache_off:
-            config.use_cache = True
-        self._cache_off = []
+        self._cache_off.restore()
 
     def _recompile_warning(self, pl_module: L.LightningModule) -> str:
         watch = self.watch

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -15,7 +16,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_speedkit import _surgery, _validation
-from lightning_speedkit._blocks import block_instances, repeated_block_types
+from lightning_speedkit._blocks import CacheOff, block_instances, repeated_block_types
 
 __all__ = [
     "ActivationCheckpointing",
@@ -31,7 +32,52 @@ BlockChoice = str | Sequence[type[nn.Module] | str]
 def _checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if not (module.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)  # nothing is kept for backward anyway
-    return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    if torch.compiler.is_compiling() or next(module.buffers(), None) is None:
+        # Compiled, the recomputation is part of the backward graph, and buffer updates are
+        # applied once, after the graph (dynamo takes no context managers of ours here).
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    return checkpoint(
+        forward, *args, use_reentrant=False, context_fn=partial(_contexts, module), **kwargs
+    )
+
+
+def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager[None], Any]:
+    """Checkpoint's (forward, recomputation) contexts: the forward as it is, the
+    recomputation with the block's buffers put back as they were before it."""
+    return contextlib.nullcontext(), _buffers_kept(module)
+
+
+def _buffers(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
+    """``(owner, name, buffer)`` of every buffer in ``module``, each tensor once."""
+    found: list[tuple[nn.Module, str, torch.Tensor]] = []
+    seen: set[int] = set()
+    for owner in module.modules():
+        for name, buffer in owner.named_buffers(recurse=False):
+            if id(buffer) not in seen:
+                seen.add(id(buffer))
+                found.append((owner, name, buffer))
+    return found
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: nn.Module) -> Iterator[None]:
+    """Run the recomputation, then put the block's buffers back as they were before it.
+
+    The recomputation runs the block's forward again, in train mode: batch norm would
+    update its running statistics (and ``num_batches_tracked``) a second time per step,
+    and any buffer a forward updates would take the update twice. The forward left the
+    buffers as the unwrapped model has them; they end so again.
+    """
+    with torch.no_grad():
+        saved = [(owner, name, buffer, buffer.clone()) for owner, name, buffer in _buffers(module)]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for owner, name, buffer, value in saved:
+                if getattr(owner, name, None) is not buffer:  # the forward assigned a new one
+                    setattr(owner, name, buffer)
+                buffer.copy_(value)
 
 
 def _check_fraction(fraction: Any) -> float:
@@ -131,7 +177,12 @@ def checkpoint_blocks(
     for one more forward of them (about a third more compute per step). Outputs and
     gradients are unchanged (dropout's random state is replayed), as are the state_dict
     keys and the optimizer's parameters: only each block instance's ``forward`` changes.
-    In eval or under ``no_grad`` the blocks run as they are.
+    The recomputation leaves the block's buffers as the forward left them (batch norm's
+    running statistics are updated once per step, as without checkpointing). In eval
+    or under ``no_grad`` the blocks run as they are. A Hugging Face model's KV cache
+    (``config.use_cache=True``) must be off for training: pass ``use_cache=False`` or
+    set ``model.config.use_cache = False`` (the callback does so for the fit). A
+    pickled (or ``torch.save``-d) model loads with its blocks still checkpointed.
 
     Args:
         model: the module, before DDP/FSDP/DeepSpeed wrap it.
@@ -227,6 +278,13 @@ class ActivationCheckpointing(L.Callback):
     backward. The blocks checkpointed are printed (rank 0). A later ``fit`` of the same
     module keeps them; a ``fit`` of another module checkpoints that one's blocks.
 
+    A Hugging Face model's ``config.use_cache`` (True by default: a KV cache built at
+    every call, in training too) is turned off around the checkpointed blocks for the
+    fit, and turned back on at its end (or when it fails): the recomputation in
+    backward would read back what the forward stored in the cache (T5's cross-attention
+    keys and values, and backward fails) or append to it a second time (GPT-2, Llama),
+    and the cache would hold its tensors until backward.
+
     Args:
         blocks: ``"auto"`` (the model's repeated blocks) or a list of module classes,
             class names or import paths (see :func:`checkpoint_blocks`). What can be
@@ -250,6 +308,7 @@ class ActivationCheckpointing(L.Callback):
         self.verbose = _validation.boolean("verbose", verbose)
         self.checkpointed: list[str] = []
         """The blocks checkpointed in the module of the latest ``fit``."""
+        self._cache_off = CacheOff()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
@@ -257,16 +316,31 @@ class ActivationCheckpointing(L.Callback):
         already = checkpointed_blocks(pl_module)
         if already:  # a later fit() of the same module: its blocks stay as they are
             self.checkpointed = already
-            return
-        blocks = "auto" if self._blocks is None else self._blocks
-        self.checkpointed = checkpoint_blocks(pl_module, blocks, self.fraction)
+        else:
+            blocks = "auto" if self._blocks is None else self._blocks
+            self.checkpointed = checkpoint_blocks(pl_module, blocks, self.fraction)
+        holders = self._cache_off.turn_off(pl_module, self.checkpointed)
         if not self.verbose:
             return
-        if self.checkpointed:
+        if self.checkpointed and not already:
             kinds = sorted({type(pl_module.get_submodule(n)).__name__ for n in self.checkpointed})
             rank_zero_info(
                 f"ActivationCheckpointing: {len(self.checkpointed)} blocks "
                 f"({', '.join(kinds)}) recompute their activations in backward"
             )
-        else:
+        elif not self.checkpointed:
             rank_zero_info("ActivationCheckpointing: no repeated blocks found; nothing changed")
+        if holders:
+            rank_zero_info(
+                f"ActivationCheckpointing: `config.use_cache` off for the fit on {holders}, "
+                f"restored at its end: the recomputation in backward would read back or "
+                f"append to a KV cache, which the loss does not use"
+            )
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._cache_off.restore()
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self._cache_off.restore()

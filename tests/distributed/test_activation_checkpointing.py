@@ -248,3 +248,156 @@ def test_with_swapped_attention_checked_inside_a_checkpointed_block() -> None:
         m(images, ids).square().mean().backward()
     for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
         torch.testing.assert_close(q.grad, p.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def _tiny_t5(use_cache: bool) -> Any:
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    config = T5Config(
+        vocab_size=48, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_decoder_layers=2,
+        num_heads=2, dropout_rate=0.1, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    config.use_cache = use_cache
+    torch.manual_seed(0)
+    return T5ForConditionalGeneration(config)
+
+
+class _Seq2Seq(L.LightningModule):
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        source, target = batch
+        return self.model(input_ids=source, labels=target).loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def test_t5_with_its_default_cache_trains_like_the_unwrapped_model_without_one(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """T5's default ``use_cache=True`` stored the cross-attention keys and values in the
+    cache in the forward and read them back in the recomputation, which then saved fewer
+    tensors: backward failed. The callback turns the cache off for the fit."""
+    from torch.utils.data import DataLoader, TensorDataset
+
+    generator = torch.Generator().manual_seed(3)
+    data = TensorDataset(torch.randint(1, 48, (6, 10), generator=generator),
+                         torch.randint(1, 48, (6, 7), generator=generator))  # fmt: skip
+
+    def run(model: nn.Module, callbacks: list[L.Callback]) -> tuple[list[Any], list[Any]]:
+        losses: list[torch.Tensor] = []
+        grads: list[list[torch.Tensor]] = []
+        cache_seen: list[bool] = []
+
+        class Trace(L.Callback):
+            def on_train_batch_end(self, trainer: L.Trainer, module: Any, out: Any,
+                                   *a: Any) -> None:  # fmt: skip
+                losses.append(out["loss"].detach().clone())
+                cache_seen.append(model.config.use_cache)
+
+            def on_before_optimizer_step(self, trainer: L.Trainer, module: Any,
+                                         optimizer: Any) -> None:  # fmt: skip
+                grads.append([p.grad.clone() for p in module.parameters() if p.grad is not None])
+
+        L.seed_everything(0, verbose=False)
+        trainer = L.Trainer(
+            accelerator="cpu", max_steps=3, logger=False, enable_checkpointing=False,
+            enable_progress_bar=False, enable_model_summary=False,
+            callbacks=[*callbacks, Trace()],
+        )  # fmt: skip
+        trainer.fit(_Seq2Seq(model), DataLoader(data, batch_size=2))
+        assert cache_seen == [False] * 3
+        return losses, grads
+
+    plain_losses, plain_grads = run(_tiny_t5(use_cache=False), [])
+    model = _tiny_t5(use_cache=True)
+    callback = ActivationCheckpointing()
+    with caplog.at_level("INFO"):
+        losses, grads = run(model, [callback])
+    assert callback.checkpointed  # the encoder's and the decoder's T5Block layers
+    assert model.config.use_cache is True  # back on after the fit
+    assert "`config.use_cache` off for the fit" in caplog.text
+    assert len(losses) == len(plain_losses) == 3
+    for loss, plain_loss in zip(losses, plain_losses, strict=True):
+        assert torch.equal(loss, plain_loss)
+    for step, plain_step in zip(grads, plain_grads, strict=True):
+        assert len(step) == len(plain_step)
+        assert all(torch.equal(g, h) for g, h in zip(step, plain_step, strict=True))
+
+
+def test_the_cache_is_turned_back_on_when_the_fit_fails() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    class Failing(_Seq2Seq):
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            assert self.model.config.use_cache is False
+            raise RuntimeError("boom")
+
+    model = _tiny_t5(use_cache=True)
+    data = TensorDataset(torch.randint(1, 48, (2, 5)), torch.randint(1, 48, (2, 4)))
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ActivationCheckpointing(verbose=False)],
+    )  # fmt: skip
+    with pytest.raises(RuntimeError, match="boom"):
+        trainer.fit(Failing(model), DataLoader(data, batch_size=2))
+    assert model.config.use_cache is True
+
+
+class BasicBlock(nn.Module):
+    """torchvision's ResNet BasicBlock: conv-bn-relu-conv-bn, plus the input."""
+
+    def __init__(self, channels: int, momentum: float | None = 0.1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(channels, momentum=momentum)
+        self.conv2 = nn.Conv2d(channels, channels, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(channels)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn1(self.conv1(x)).relu()
+        return (self.bn2(self.conv2(out)) + x).relu()
+
+
+class ResNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.stem = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU())
+        # momentum=None: a cumulative average, which num_batches_tracked steers
+        self.layers = nn.Sequential(BasicBlock(8), BasicBlock(8, momentum=None), BasicBlock(8))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(self.stem(x)).mean((2, 3)))
+
+
+def test_batch_norm_statistics_are_updated_once_per_step() -> None:
+    """The recomputation in backward runs batch norm's forward again in train mode: its
+    running statistics took the momentum twice and ``num_batches_tracked`` went up by 2
+    per step, so the model in eval mode differed from the unwrapped one."""
+    plain, model = ResNet(), ResNet()
+    assert checkpoint_blocks(model) == ["layers.0", "layers.1", "layers.2"]
+    generator = torch.Generator().manual_seed(1)
+    for m in (plain, model):
+        m.train()
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, model)]
+    for _ in range(3):
+        x = torch.randn(4, 3, 8, 8, generator=generator)
+        for m, optimizer in zip((plain, model), optimizers, strict=True):
+            optimizer.zero_grad()
+            m(x).square().mean().backward()
+            optimizer.step()
+    for (name, a), b in zip(plain.named_buffers(), model.buffers(), strict=True):
+        assert torch.equal(a, b), name
+    for (name, p), q in zip(plain.named_parameters(), model.parameters(), strict=True):
+        assert torch.equal(p, q), name
+    assert int(model.layers[1].bn1.num_batches_tracked) == 3
+    plain.eval()
+    model.eval()
+    x = torch.randn(2, 3, 8, 8, generator=generator)
+    assert torch.equal(plain(x), model(x))
