@@ -54,7 +54,7 @@ def _reduce_method(method: types.MethodType) -> tuple[Any, ...]:
     """Pickle a bound method: the kit's as its module, any other as pickle does."""
     if method.__func__ is _call_replaced:
         return _bound, (method.__self__,)
-    return getattr, (method.__self__, method.__func__.__name__)
+    return method.__reduce__()  # exactly what pickle does without this registration
 
 
 copyreg.pickle(types.MethodType, _reduce_method)
