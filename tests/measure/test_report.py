@@ -270,19 +270,25 @@ def test_a_failing_report_warns_once_and_training_goes_on(
 # ------------------------------------------------------------- other profilers' traces
 
 
-def test_lightning_pytorch_profiler_trace_is_understood(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
+def _lightning_profiled(tmp_path: Path, active: int, delay: float = 0.0) -> Path:
+    """The trace of Lightning's PyTorchProfiler over 6 steps: wait 1, warm up 1, ``active``."""
     from lightning.pytorch.profilers import PyTorchProfiler
 
-    schedule = torch.profiler.schedule(wait=1, warmup=1, active=2)
+    schedule = torch.profiler.schedule(wait=1, warmup=1, active=active)
     profiler = PyTorchProfiler(dirpath=tmp_path, filename="lt", export_to_chrome=True,
                                schedule=schedule)  # fmt: skip
     trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, profiler=profiler,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)  # fmt: skip
-    trainer.fit(MLP(), loader(n=256, delay=0.004))
+    trainer.fit(MLP(), loader(n=256, delay=delay))
     (trace,) = sorted(tmp_path.glob("*.pt.trace.json"))
+    return trace
+
+
+def test_lightning_pytorch_profiler_trace_is_understood(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = _lightning_profiled(tmp_path, active=2, delay=0.004)
     assert main(["report", str(trace), "--out", str(tmp_path / "out"), "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["steps"] >= 1
@@ -296,18 +302,9 @@ def test_lightning_pytorch_profiler_trace_is_understood(
 def test_lightning_profiler_trace_cut_short_by_the_fits_end_counts_only_whole_steps(
     tmp_path: Path,
 ) -> None:
-    from lightning.pytorch.profilers import PyTorchProfiler
-
     # The window outlasts training: torch's last range holds the last backward and the
     # fit's teardown, no training_step. Steps 2-5 ran in the window.
-    schedule = torch.profiler.schedule(wait=1, warmup=1, active=10)
-    profiler = PyTorchProfiler(dirpath=tmp_path, filename="lt", export_to_chrome=True,
-                               schedule=schedule)  # fmt: skip
-    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, profiler=profiler,
-                        enable_checkpointing=False, enable_progress_bar=False,
-                        enable_model_summary=False)  # fmt: skip
-    trainer.fit(MLP(), loader(n=256))
-    (trace,) = sorted(tmp_path.glob("*.pt.trace.json"))
+    trace = _lightning_profiled(tmp_path, active=10)
     names = {e.get("name", "") for e in json.loads(trace.read_text())["traceEvents"]}
     assert {f"ProfilerStep#{i}" for i in range(2, 7)} <= names  # torch's 5 ranges
     assert analyze_trace(trace).steps == 4
