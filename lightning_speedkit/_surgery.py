@@ -54,7 +54,9 @@ def _reduce_method(method: types.MethodType) -> tuple[Any, ...]:
     """Pickle a bound method: the kit's as its module, any other as pickle does."""
     if method.__func__ is _call_replaced:
         return _bound, (method.__self__,)
-    return method.__reduce__()  # exactly what pickle does without this registration
+    reduced = method.__reduce__()  # exactly what pickle does without this registration
+    assert isinstance(reduced, tuple)  # a bound method reduces to (getattr, (self, name))
+    return reduced
 
 
 copyreg.pickle(types.MethodType, _reduce_method)
