@@ -32,44 +32,43 @@ BlockChoice = str | Sequence[type[nn.Module] | str]
 def _checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     if not (module.training and torch.is_grad_enabled()):
         return forward(*args, **kwargs)  # nothing is kept for backward anyway
-    if torch.compiler.is_compiling() or next(module.buffers(), None) is None:
+    stats = [] if torch.compiler.is_compiling() else _running_stats(module)
+    if not stats:
         # Compiled, the recomputation is part of the backward graph, and buffer updates are
         # applied once, after the graph (dynamo takes no context managers of ours here).
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpoint(
-        forward, *args, use_reentrant=False, context_fn=partial(_contexts, module), **kwargs
+        forward, *args, use_reentrant=False, context_fn=partial(_contexts, stats), **kwargs
     )
 
 
-def _contexts(module: nn.Module) -> tuple[contextlib.AbstractContextManager[None], Any]:
+def _running_stats(module: nn.Module) -> list[nn.Module]:
+    """The norm layers in ``module`` that update running statistics in train mode (batch
+    norm, instance norm with ``track_running_stats``): the buffers a forward changes.
+    Constant buffers (causal masks) are not copied each step."""
+    return [
+        m for m in module.modules()
+        if getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None
+    ]  # fmt: skip
+
+
+def _contexts(stats: list[nn.Module]) -> tuple[contextlib.AbstractContextManager[None], Any]:
     """Checkpoint's (forward, recomputation) contexts: the forward as it is, the
-    recomputation with the block's buffers put back as they were before it."""
-    return contextlib.nullcontext(), _buffers_kept(module)
-
-
-def _buffers(module: nn.Module) -> list[tuple[nn.Module, str, torch.Tensor]]:
-    """``(owner, name, buffer)`` of every buffer in ``module``, each tensor once."""
-    found: list[tuple[nn.Module, str, torch.Tensor]] = []
-    seen: set[int] = set()
-    for owner in module.modules():
-        for name, buffer in owner.named_buffers(recurse=False):
-            if id(buffer) not in seen:
-                seen.add(id(buffer))
-                found.append((owner, name, buffer))
-    return found
+    recomputation with the running statistics put back as they were before it."""
+    return contextlib.nullcontext(), _buffers_kept(stats)
 
 
 @contextlib.contextmanager
-def _buffers_kept(module: nn.Module) -> Iterator[None]:
-    """Run the recomputation, then put the block's buffers back as they were before it.
+def _buffers_kept(stats: list[nn.Module]) -> Iterator[None]:
+    """Run the recomputation, then put the norm layers' buffers back as they were before it.
 
     The recomputation runs the block's forward again, in train mode: batch norm would
-    update its running statistics (and ``num_batches_tracked``) a second time per step,
-    and any buffer a forward updates would take the update twice. The forward left the
-    buffers as the unwrapped model has them; they end so again.
+    update its running statistics (and ``num_batches_tracked``) a second time per step.
+    The forward left them as the unwrapped model has them; they end so again.
     """
     with torch.no_grad():
-        saved = [(owner, name, buffer, buffer.clone()) for owner, name, buffer in _buffers(module)]
+        saved = [(owner, name, buffer, buffer.clone()) for owner in stats
+                 for name, buffer in owner.named_buffers(recurse=False)]  # fmt: skip
     try:
         yield
     finally:
@@ -177,8 +176,8 @@ def checkpoint_blocks(
     for one more forward of them (about a third more compute per step). Outputs and
     gradients are unchanged (dropout's random state is replayed), as are the state_dict
     keys and the optimizer's parameters: only each block instance's ``forward`` changes.
-    The recomputation leaves the block's buffers as the forward left them (batch norm's
-    running statistics are updated once per step, as without checkpointing). In eval
+    The recomputation leaves running statistics as the forward left them (batch norm's
+    are updated once per step, as without checkpointing). In eval
     or under ``no_grad`` the blocks run as they are. A Hugging Face model's KV cache
     (``config.use_cache=True``) must be off for training: pass ``use_cache=False`` or
     set ``model.config.use_cache = False`` (the callback does so for the fit). A
