@@ -229,21 +229,25 @@ def _compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:
     A TorchDispatchMode (the kit's FLOP count) sees every operator only if the block
     runs eagerly: compiled kernels hide the operators they fuse, and dynamo does not
     compile under such a mode anyway (with ``fullgraph=True`` it raises). So while one
-    is active, the block's own call runs; otherwise the compiled one. A call that
-    carries a KV cache is noted (:data:`_CACHE_CALLED`), to name the cause should the
-    block recompile.
+    is active, the block's own call runs; otherwise the compiled one. The first compiled
+    call that carries a KV cache is noted (:data:`_CACHE_CALLED`), to name the cause
+    should the block recompile; the calls after it are not looked at (a per-step cost).
     """
     module.compile(**options)
     compiled, eager = _compat.compiled_and_eager_calls(module)
     ref = weakref.ref(module)  # the module holds this call: no cycle through it
+    looked = False
 
     def call(*args: Any, **kwargs: Any) -> Any:
+        nonlocal looked
         if not torch.compiler.is_compiling():
             if _compat.dispatch_mode_active():
                 return eager(*args, **kwargs)
-            held = ref()
-            if held is not None and held not in _CACHE_CALLED and _carries_cache(args, kwargs):
-                _note_cache(held)
+            if not looked:
+                looked = True
+                held = ref()
+                if held is not None and _carries_cache(args, kwargs):
+                    _note_cache(held)
         return compiled(*args, **kwargs)
 
     _compat.set_compiled_call(module, call)
