@@ -58,8 +58,8 @@ from lightning_speedkit._demo import (
     comparison_table,
     fit_and_measure,
     runs_on_cuda,
+    shared_peak,
 )
-from lightning_speedkit.measure.peak import measure_matmul_peak
 from lightning_speedkit.measure.speed_monitor import PeakSetting
 from speedkit_examples.vlm.data import Batch, VLMDataModule
 from speedkit_examples.vlm.model import CausalSelfAttention, VisionSelfAttention, VLMConfig
@@ -325,8 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         warmup_steps=args.warmup_steps,
     )
-    dtype = torch.bfloat16 if args.precision.startswith("bf16") else torch.float32
-    peak: PeakSetting = "auto" if on_cuda else measure_matmul_peak("cpu", dtype, seconds=1.0)
+    peak = shared_peak(args.accelerator, args.precision)
     device = torch.cuda.get_device_name() if on_cuda else _cpu_name()
     print(
         f"VLM {args.size}, {args.precision}, batch {args.batch_size}, {args.steps} steps per run, "

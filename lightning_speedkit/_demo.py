@@ -399,6 +399,16 @@ def runs_on_cuda(accelerator: str) -> bool:
     return accelerator in ("gpu", "cuda") or (accelerator == "auto" and torch.cuda.is_available())
 
 
+def shared_peak(accelerator: str, precision: str) -> PeakSetting:
+    """One CPU peak for all the runs compared, timed once (longer than SpeedMonitor's
+    default) in the runs' matmul dtype, so that their MFU share a denominator; on CUDA
+    the device's table ("auto")."""
+    if runs_on_cuda(accelerator):
+        return "auto"
+    dtype = torch.bfloat16 if precision.startswith("bf16") else torch.float32
+    return measure_matmul_peak("cpu", dtype, seconds=1.0)
+
+
 def fit_and_measure(
     config: DemoConfig,
     run: str,
@@ -504,12 +514,7 @@ def run_demo(config: DemoConfig) -> list[DemoResult] | None:
 
     Writes ``demo.json`` (every run's figures) to ``config.output_dir``.
     """
-    on_cpu = config.accelerator == "cpu" or (
-        config.accelerator == "auto" and not torch.cuda.is_available()
-    )
-    # One CPU peak for both runs, timed once and longer than SpeedMonitor's default, so
-    # that the runs' MFU share a denominator.
-    peak: PeakSetting = measure_matmul_peak("cpu", torch.float32, seconds=1.0) if on_cpu else "auto"
+    peak = shared_peak(config.accelerator, config.precision)
     with _quiet_third_party():
         results = [_train(config, run, peak) for run in config.runs]
     if any(r is None for r in results):

@@ -334,9 +334,9 @@ def _add_demo(subparsers: argparse._SubParsersAction[_ArgumentParser]) -> None:
 def _demo(args: argparse.Namespace) -> int:
     import torch
 
-    on_cuda = args.accelerator in ("gpu", "cuda") or (
-        args.accelerator == "auto" and torch.cuda.is_available()
-    )
+    from lightning_speedkit._demo import runs_on_cuda
+
+    on_cuda = runs_on_cuda(args.accelerator)
     if on_cuda and not torch.cuda.is_available():
         raise CommandLineError(
             f"argument --accelerator: {args.accelerator} needs a CUDA device and torch sees "

@@ -239,7 +239,6 @@ class ProfilerSchedule(L.Callback):
         # Steps the open window has recorded (not warmed up): a window that training ends
         # before its first recorded step is dropped, not written empty.
         self._window_recorded = 0
-        self._discard = False
         # torch.compile: a window waits until the model has stopped compiling (see _schedule).
         self._compiles = CompileWatch()
         self._compiled_before_step = 0
@@ -291,7 +290,7 @@ class ProfilerSchedule(L.Callback):
         self.report, self.report_files = None, []
         self._batch_end = self._batch_start = None
         self._failure, self._disabled, self._written = None, False, 0
-        self._window_recorded, self._discard = 0, False
+        self._window_recorded = 0
         self._warned.clear()  # a new fit says its own troubles
         for timings in self._unprofiled:
             timings.clear()
@@ -601,11 +600,9 @@ class ProfilerSchedule(L.Callback):
     def _end_window(self) -> None:
         """Training ends (or fails) with a window open: write it as it stands, unless it
         recorded no step (training ended in its warm-up); a resumed run takes it whole."""
-        self._discard = self._profiler is not None and not self._window_recorded
-        try:
-            self._stop_quietly()
-        finally:
-            self._discard = False
+        if self._profiler is not None and not self._window_recorded:
+            self._disabled = True  # _write_trace, called by stop(), writes nothing
+        self._stop_quietly()
 
     # -- checkpoints -----------------------------------------------------------------------------
 
@@ -665,7 +662,7 @@ class ProfilerSchedule(L.Callback):
     def _write_trace(self, profiler: Any) -> None:
         # Runs inside torch's profiler.step() or stop(): a failure is recorded for the hook
         # that called them (see _give_up), never acted on here.
-        if self._disabled or self._failure is not None or self._discard:
+        if self._disabled or self._failure is not None:
             return
         self._windows += 1
         try:

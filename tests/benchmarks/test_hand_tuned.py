@@ -81,6 +81,18 @@ def test_the_compiled_hand_tuned_model_keeps_the_tasks_checkpoint_keys() -> None
     assert list(task.state_dict()) == list(VLMTask(cfg).state_dict())
     task.configure_model()  # Lightning may call it again: compiled once
     assert task._forward._orig_mod is task.model
+    # The task's forward goes through the compiled model (spied on, run eagerly here).
+    calls = []
+
+    def spy(images: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        calls.append(ids.shape)
+        return task.model(images, ids)  # type: ignore[no-any-return]
+
+    object.__setattr__(task, "_forward", spy)
+    images = torch.randn(2, 3, cfg.image_size, cfg.image_size)
+    logits = task(images, torch.randint(0, 64, (2, 5)))
+    assert calls == [torch.Size([2, 5])]
+    assert logits.shape[-1] == 64
 
 
 @pytest.mark.slow
@@ -129,7 +141,7 @@ def test_each_run_reaches_the_file_as_it_ends(
                                  None, None, 1.0, 0.5, 0.5, 0.5, 10.0 * len(finished))  # fmt: skip
 
     monkeypatch.setattr(module, "_train", train)
-    monkeypatch.setattr(module, "measure_matmul_peak", lambda *a, **k: 1e9)
+    monkeypatch.setattr(module, "shared_peak", lambda *a, **k: 1e9)
     out = tmp_path / "hand.json"
     argv = ["--runs", "plain,kit", "--rounds", "2", "--steps", "6", "--warmup-steps", "2",
             "--output-dir", str(tmp_path / "runs"), "--out", str(out)]  # fmt: skip
