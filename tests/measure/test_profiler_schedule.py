@@ -693,3 +693,77 @@ def test_frame_names_that_are_not_utf8_keep_the_compiled_models_report(
     assert callback.report.steps == 2
     assert sorted(p.name for p in tmp_path.glob("speedkit_report*")) == REPORT
     assert not [w for w in recwarn if "ProfilerSchedule" in str(w.message)]
+
+
+# ------------------------------------------------------------------ un-profiled timings
+
+
+class VirtualClock:
+    """Time that passes only when the test's model, dataset or hooks "sleep"."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@pytest.fixture
+def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> VirtualClock:
+    """ProfilerSchedule's clock reads the virtual one; the models and datasets sleep on it."""
+    from types import SimpleNamespace
+
+    import lightning_speedkit.measure.profiler_schedule as module
+    from tests.helpers import models
+
+    clock = VirtualClock()
+    monkeypatch.setattr(module, "time", SimpleNamespace(perf_counter=clock))
+    monkeypatch.setattr(models, "_sleep", clock.sleep)
+    return clock
+
+
+class PausingMLP(MLP):
+    """A 0.25 s step; a validation batch takes 4 s, a checkpoint save 2 s."""
+
+    def __init__(self) -> None:
+        super().__init__(step_delay=0.25)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        from tests.helpers import models
+
+        models._sleep(4.0)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        from tests.helpers import models
+
+        models._sleep(2.0)
+
+
+@pytest.mark.parametrize("pause", ["checkpoint"])
+@pytest.mark.filterwarnings("ignore:ProfilerSchedule recorded nothing")
+def test_unprofiled_steps_count_no_pause_as_data_wait(
+    pause: str, virtual_clock: VirtualClock, tmp_path: Path
+) -> None:
+    """Steps of 0.25 s, each fetch of 8 items 0.125 s; after every second step, a pause.
+    The gaps with a pause leave the un-profiled timings the report compares with (the
+    fetch that follows one is not typical either); the others are exact."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = ProfilerSchedule(skip_first=100, dirpath=tmp_path / "traces")  # no window
+    pauses: dict[str, Any] = {
+        "checkpoint": dict(callbacks=[callback, ModelCheckpoint(
+            dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)]),
+        "validation": dict(callbacks=[callback], enable_checkpointing=False,
+                           val_check_interval=2, limit_val_batches=1),
+    }  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, num_sanity_val_steps=0,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        **pauses[pause])  # fmt: skip
+    trainer.fit(PausingMLP(), loader(n=256, delay=1 / 64), loader(n=8))
+    assert virtual_clock.now > 6 * 0.375 + 2 * 2.0  # the pauses ran
+    fetches, steps = callback._unprofiled
+    assert list(fetches) == [0.125] * 3  # the gaps after steps 0, 2 and 4
+    assert list(steps) == [0.375] * 3
