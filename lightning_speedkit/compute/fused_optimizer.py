@@ -23,19 +23,25 @@ elements where they were), is reported and left alone, not discovered in trainin
 Optimizers holding parameters that get sparse gradients (an ``nn.Embedding`` or
 ``nn.EmbeddingBag`` with ``sparse=True``, found in the model when one is given) are
 left alone too: the fused kernels refuse sparse gradients.
+
+A parameter group added after the switch (``add_param_group``, as Lightning's
+``BackboneFinetuning`` does when it unfreezes the backbone) is given the same flag before
+the next ``step()``, after the same probe of its own devices and dtypes; one that fails it
+stays as it was added, with a warning that names it.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 
 from lightning_speedkit import _compat, _validation
@@ -45,7 +51,7 @@ __all__ = ["FusedOptimizer", "OptimizerSwitch", "fuse_optimizers"]
 log = logging.getLogger(__name__)
 
 Implementation = Literal["fused", "foreach"]
-_MARK = "_speedkit_fused"  # attribute on a switched optimizer: its groups' original flags
+_MARK = "_speedkit_fused"  # attribute on a switched optimizer: its _Switch record
 # The probe: big enough that every element-wise kernel runs its vectorised loop (CPU
 # vectors hold 8 to 64 elements) and a scalar tail (the size is prime), a few steps so
 # that state created at the first step (momentum buffers) is read and updated after.
@@ -70,6 +76,24 @@ class OptimizerSwitch:
     @property
     def switched(self) -> bool:
         return self.implementation is not None
+
+
+@dataclass
+class _Switch:
+    """What the switch did to one optimizer, kept on it (as ``_MARK``) for its hooks."""
+
+    implementation: Implementation
+    original: list[dict[str, Any]]
+    """Each group seen, in order: its fused/foreach flags before the switch."""
+    switched_at_start: int
+    """How many groups the first switch found (the rest were added later)."""
+    left: dict[int, str] = field(default_factory=dict)
+    """Groups seen but left as they were (added later): index -> why."""
+    model: weakref.ReferenceType[nn.Module] | None = None
+    """The model the optimizer trains, where given: names parameters, finds sparse ones."""
+
+    def switched(self) -> list[int]:
+        return [i for i in range(len(self.original)) if i not in self.left]
 
 
 def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
@@ -225,16 +249,6 @@ def _choose(
             f"step may not read the fused/foreach flags"
         )
     groups = optimizer.param_groups
-    if hasattr(optimizer, _MARK):  # a later fit() handing back the same optimizer
-        switched_groups = len(getattr(optimizer, _MARK))
-        before: Implementation = "fused" if groups[0].get("fused") else "foreach"
-        added = len(groups) - switched_groups
-        if added > 0:
-            return before, (
-                f"switched to {before} before; the {added} group(s) added since "
-                f"(add_param_group) run as they were added, unswitched"
-            )
-        return before, f"switched to {before} before"
     if all(group.get("fused") for group in groups):
         return None, "already fused (as constructed)"
     for flag in ("fused", "foreach"):
@@ -278,10 +292,11 @@ def _choose(
 
 
 def _apply(
-    optimizer: torch.optim.Optimizer, implementation: Implementation, groups: int | None = None
+    optimizer: torch.optim.Optimizer, implementation: Implementation, groups: Sequence[int]
 ) -> None:
-    """Set the flags on the first ``groups`` groups (default all), step counts where read."""
-    for group in optimizer.param_groups[:groups]:
+    """Set the flags on the groups at these indices, and step counts where they are read."""
+    for index in groups:
+        group = optimizer.param_groups[index]
         group["fused"] = implementation == "fused"
         if "foreach" in optimizer.defaults:
             group["foreach"] = implementation == "foreach"
@@ -295,9 +310,87 @@ def _apply(
                 state["step"] = step.to(device=param.device, dtype=torch.float32)
 
 
+def _flags(group: Mapping[str, Any]) -> dict[str, Any]:
+    return {key: group.get(key) for key in ("fused", "foreach") if key in group}
+
+
+def _added_group_refusal(
+    optimizer: torch.optim.Optimizer, group: dict[str, Any], record: _Switch
+) -> tuple[str, bool] | None:
+    """Why a group added after the switch cannot take the switch's flag, and whether that
+    deserves a warning (not where the group's own flags chose); None where it can."""
+    flag = record.implementation
+    name = type(optimizer).__name__
+    if group.get(flag) is True:
+        return f"`{flag}=True` already, as added", False
+    for key in ("fused", "foreach"):
+        if group.get(key) is False:
+            return f"`{key}=False` was set explicitly: left as chosen", False
+    if group.get("foreach") is True:
+        return "`foreach=True` was set explicitly: left as chosen", False
+    if not group["params"]:
+        return "it holds no parameters", False
+    if group.get("differentiable"):
+        return "differentiable=True: torch has no fused or foreach kernel for that", True
+    model = record.model() if record.model is not None else None
+    sparse = _sparse_gradient_parameters(model)
+    makers = [sparse[id(p)] for p in group["params"] if id(p) in sparse]
+    if makers or any(p.grad is not None and p.grad.is_sparse for p in group["params"]):
+        maker = f" from {makers[0]}" if makers else ""
+        return f"its parameters get sparse gradients{maker}, which the kernel refuses", True
+    places = _devices_and_dtypes(group)
+    if flag == "foreach":
+        foreach_devices = _compat.foreach_kernel_devices()
+        if not all(device.type in foreach_devices for device, _ in places):
+            return f"the foreach kernels run on {', '.join(foreach_devices)} only", True
+    why = _probe(type(optimizer), group, flag)  # SYNC: once per added group, not per step
+    return None if why is None else (f"torch's {flag} {name} {why}", True)
+
+
+def _describe(index: int, group: dict[str, Any], record: _Switch) -> str:
+    """``group 1 (4 parameters: backbone.0.weight, ...)``, naming them where the model is known."""
+    params = group["params"]
+    model = record.model() if record.model is not None else None
+    names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
+    shown = [names[id(p)] for p in params[:3] if id(p) in names]
+    listed = f": {', '.join(shown)}{', ...' if len(params) > len(shown) else ''}" if shown else ""
+    return f"group {index} ({len(params)} parameter{'s' if len(params) != 1 else ''}{listed})"
+
+
+def _adopt_added_groups(optimizer: torch.optim.Optimizer, record: _Switch) -> None:
+    """Give the groups added since the switch (``add_param_group``) the switch's flag.
+
+    Each is checked as the first switch checked its groups (the same probe, on its own
+    devices and dtypes). One that cannot take it stays as it was added, with a warning
+    that names it, unless its own flags chose so; either way it is seen once.
+    """
+    groups = optimizer.param_groups
+    for index in range(len(record.original), len(groups)):
+        group = groups[index]
+        record.original.append(_flags(group))
+        refusal = _added_group_refusal(optimizer, group, record)
+        if refusal is None:
+            _apply(optimizer, record.implementation, [index])
+            log.debug("%s: added %s switched to %s", type(optimizer).__name__,
+                      _describe(index, group, record), record.implementation)  # fmt: skip
+            continue
+        why, warn = refusal
+        record.left[index] = why
+        if warn:
+            rank_zero_warn(
+                f"FusedOptimizer: parameter {_describe(index, group, record)} of "
+                f"{type(optimizer).__name__}, added after the switch to {record.implementation}, "
+                f"runs as it was added, unswitched: {why}. Its updates are correct, only "
+                f"not on the {record.implementation} kernel."
+            )
+        else:
+            log.debug("%s: added %s left as it was: %s", type(optimizer).__name__,
+                      _describe(index, group, record), why)  # fmt: skip
+
+
 def _saved_as_unswitched(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:
     """Make a state_dict what the optimizer would save had it never been switched."""
-    original: list[dict[str, Any]] = getattr(optimizer, _MARK)
+    original = getattr(optimizer, _MARK).original
     groups = state_dict.get("param_groups", [])
     for saved, flags in zip(groups, original, strict=False):
         saved.update(flags)
@@ -311,21 +404,41 @@ def _saved_as_unswitched(optimizer: torch.optim.Optimizer, state_dict: dict[str,
             param_state["step"] = step.cpu()  # a copy: the live state keeps its own
 
 
-def _install_hooks(optimizer: torch.optim.Optimizer, implementation: Implementation) -> None:
-    setattr(optimizer, _MARK, [{key: group.get(key) for key in ("fused", "foreach") if key in group}
-                               for group in optimizer.param_groups])  # fmt: skip
+def _install_hooks(optimizer: torch.optim.Optimizer, record: _Switch) -> None:
+    setattr(optimizer, _MARK, record)
 
     def on_save(opt: torch.optim.Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
         _saved_as_unswitched(opt, state_dict)
         return state_dict
 
     def on_load(opt: torch.optim.Optimizer) -> None:
-        # The loaded groups carry the original flags. Only the groups that were probed are
-        # switched again: one added later (add_param_group) stays as it was added.
-        _apply(opt, implementation, len(getattr(opt, _MARK)))
+        # The loaded groups carry the original flags: switch the switched groups again,
+        # and check any group added since.
+        _apply(opt, record.implementation, record.switched())
+        _adopt_added_groups(opt, record)
+
+    def before_step(opt: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if len(opt.param_groups) > len(record.original):  # add_param_group since: a len()
+            _adopt_added_groups(opt, record)
 
     optimizer.register_state_dict_post_hook(on_save)
     optimizer.register_load_state_dict_post_hook(on_load)
+    optimizer.register_step_pre_hook(before_step)
+
+
+def _again(optimizer: torch.optim.Optimizer, record: _Switch) -> str:
+    """The reason reported by a later call on an optimizer switched before."""
+    reason = f"switched to {record.implementation} before"
+    added = range(record.switched_at_start, len(record.original))
+    switched = [i for i in added if i not in record.left]
+    if switched:
+        reason += f"; group(s) {', '.join(map(str, switched))} added since switched too"
+    for index in added:
+        if index in record.left:
+            group = optimizer.param_groups[index]
+            reason += f"; {_describe(index, group, record)}, added since, left as it was: " \
+                      f"{record.left[index]}"  # fmt: skip
+    return reason
 
 
 def fuse_optimizers(
@@ -341,7 +454,10 @@ def fuse_optimizers(
     fused/foreach flag was set explicitly (``fused=False``, ``foreach=False`` or
     ``foreach=True``), whose kernel fails or disagrees with the plain step on a probe of
     their parameters' devices and dtypes, or that hold parameters getting sparse
-    gradients, are left alone.
+    gradients, are left alone. A group added to a switched optimizer later
+    (``add_param_group``, e.g. by ``BackboneFinetuning``) is given the same flag before
+    the next ``step()``, after the same probe; one that fails it stays as it was added,
+    with a warning that names it.
 
     Fused kernels compute the same update in another order: expect differences at
     the level of float rounding (about 1e-7 relative in float32), not more.
@@ -387,11 +503,24 @@ def fuse_optimizers(
             results.append(OptimizerSwitch(index, type(wrapped).__name__, None,
                                            "not a torch.optim.Optimizer"))  # fmt: skip
             continue
-        implementation, reason = _choose(optimizer, sparse)
-        if implementation is not None:
-            if not hasattr(optimizer, _MARK):
-                _install_hooks(optimizer, implementation)
-            _apply(optimizer, implementation, len(getattr(optimizer, _MARK)))  # probed groups
+        implementation: Implementation | None
+        record: _Switch | None = getattr(optimizer, _MARK, None)
+        if record is not None:  # a later fit() handing back the same optimizer
+            if model is not None:
+                record.model = weakref.ref(model)
+            _apply(optimizer, record.implementation, record.switched())
+            _adopt_added_groups(optimizer, record)
+            implementation, reason = record.implementation, _again(optimizer, record)
+        else:
+            implementation, reason = _choose(optimizer, sparse)
+            if implementation is not None:
+                groups = optimizer.param_groups
+                owner = weakref.ref(model) if model is not None else None
+                record = _Switch(
+                    implementation, [_flags(g) for g in groups], len(groups), model=owner
+                )
+                _install_hooks(optimizer, record)
+                _apply(optimizer, implementation, record.switched())
         log.debug("%s: %s (%s)", type(optimizer).__name__, implementation, reason)
         results.append(OptimizerSwitch(index, type(optimizer).__name__, implementation, reason))
     return results
@@ -403,7 +532,9 @@ class FusedOptimizer(L.Callback):
     After the strategy has built them (``configure_optimizers``, DDP, the ZeRO-2
     presets, DeepSpeed's wrapper) and before a resumed run loads their state, which
     keeps the switch. ``switched`` lists an :class:`OptimizerSwitch` per optimizer:
-    which kernel it runs, or why it was left as it was. Nothing is done per step.
+    which kernel it runs, or why it was left as it was. Per step, a step pre-hook only
+    compares the number of parameter groups with the number switched, to switch a group
+    added since (``BackboneFinetuning`` unfreezing the backbone) before its first step.
 
     Args:
         verbose: print what was switched (rank 0).
