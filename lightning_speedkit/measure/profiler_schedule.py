@@ -136,7 +136,8 @@ class ProfilerSchedule(L.Callback):
     windows nothing is marked and no torch profiler exists (it is made as a window's
     first step begins and dropped once its trace is written): a step costs the hooks a
     counter compare, a check per marked module, and a clock read (the un-profiled step
-    time the report compares with).
+    time and data wait the report compares with; a step followed by validation or a
+    checkpoint save is left out of them, as validation is left out of a window's report).
 
     Profiling never stops training: a directory that cannot be written or that
     disappears, a full disk (partial files are removed), a trace over ``max_trace_mb``
@@ -531,7 +532,10 @@ class ProfilerSchedule(L.Callback):
         return compiled
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._regions.exit("data_fetch")  # validation is not data wait
+        # Validation is not data wait, in a window nor in the un-profiled timings: the gap it
+        # runs in is not timed (nor is the fetch after it, which had validation's time to load).
+        self._batch_end = None
+        self._regions.exit("data_fetch")
         if self._recording():  # inside a window: not a training step's time (the report)
             self._regions.enter("validation")
 

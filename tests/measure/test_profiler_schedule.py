@@ -742,7 +742,7 @@ class PausingMLP(MLP):
         models._sleep(2.0)
 
 
-@pytest.mark.parametrize("pause", ["checkpoint"])
+@pytest.mark.parametrize("pause", ["validation", "checkpoint"])
 @pytest.mark.filterwarnings("ignore:ProfilerSchedule recorded nothing")
 def test_unprofiled_steps_count_no_pause_as_data_wait(
     pause: str, virtual_clock: VirtualClock, tmp_path: Path
