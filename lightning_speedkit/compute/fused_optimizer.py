@@ -527,12 +527,14 @@ def fuse_optimizers(
 
 
 class FusedOptimizer(L.Callback):
-    """Runs :func:`fuse_optimizers` on the Trainer's optimizers when fit starts.
+    """Runs :func:`fuse_optimizers` on the Trainer's optimizers when training starts.
 
     After the strategy has built them (``configure_optimizers``, DDP, the ZeRO-2
-    presets, DeepSpeed's wrapper) and before a resumed run loads their state, which
-    keeps the switch. ``switched`` lists an :class:`OptimizerSwitch` per optimizer:
-    which kernel it runs, or why it was left as it was. Per step, a step pre-hook only
+    presets, DeepSpeed's wrapper), and after a resumed run has loaded their state: not
+    at fit start, where ``BackboneFinetuning`` puts back the parameter groups it saved in
+    its own state, with the flags a switch wrote, which would read as chosen by hand.
+    ``switched`` lists an :class:`OptimizerSwitch` per optimizer: which kernel it runs,
+    or why it was left as it was. Per step, a step pre-hook only
     compares the number of parameter groups with the number switched, to switch a group
     added since (``BackboneFinetuning`` unfreezing the backbone) before its first step.
 
@@ -550,7 +552,7 @@ class FusedOptimizer(L.Callback):
         self.verbose = verbose
         self.switched: list[OptimizerSwitch] = []
 
-    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.switched = fuse_optimizers(trainer.optimizers, model=pl_module)
         if self.verbose and self.switched:
             lines = [

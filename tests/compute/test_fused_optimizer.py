@@ -531,9 +531,10 @@ def _finetune(callbacks: list[L.Callback], **kwargs: Any) -> tuple[nn.Module, L.
                                                                             generator=g)),
                       batch_size=8)  # fmt: skip
     model = _Finetuned()
-    run = trainer(-1, [BackboneFinetuning(unfreeze_backbone_at_epoch=1), *callbacks],
-                  max_epochs=3, **kwargs)  # fmt: skip
-    run.fit(model, data)
+    ckpt_path = kwargs.pop("ckpt_path", None)
+    options = {"max_epochs": 3, **kwargs}
+    run = trainer(-1, [BackboneFinetuning(unfreeze_backbone_at_epoch=1), *callbacks], **options)
+    run.fit(model, data, ckpt_path=ckpt_path)
     return model, run
 
 
@@ -548,3 +549,30 @@ def test_a_group_added_by_backbone_finetuning_is_switched_too() -> None:
     assert all(group["fused"] is None for group in optimizer.state_dict()["param_groups"])
     assert not torch.equal(model.backbone[0].weight, _Finetuned().backbone[0].weight)  # trained
     _close(model, plain_model)
+
+
+def test_a_backbone_finetuning_checkpoint_is_the_plain_runs_and_resumes_switched(
+    tmp_path: Any,
+) -> None:
+    """BackboneFinetuning saves the live parameter groups in its own callback state, with
+    the flags the switch wrote (``fused=True, foreach=False``), and puts them back when fit
+    starts. Listed before FusedOptimizer, it made the resumed run's groups look chosen by
+    hand (``foreach=False``): the run resumed unswitched."""
+    _, first = _finetune([FusedOptimizer(verbose=False)], max_epochs=2)
+    path = tmp_path / "epoch1.ckpt"
+    first.save_checkpoint(path)
+    saved = torch.load(path, weights_only=False)
+    # the optimizer's state is the plain run's: both groups, the added one included
+    flags = [(g["fused"], g["foreach"]) for g in saved["optimizer_states"][0]["param_groups"]]
+    assert flags == [(None, None), (None, None)]
+
+    # into a run without the callback: it stays plain
+    plain_model, plain = _finetune([], max_epochs=3, ckpt_path=path)
+    assert [g["fused"] for g in plain.optimizers[0].param_groups] == [None, None]
+    # with it, after BackboneFinetuning (which puts its groups back first): switched, and
+    # training goes on as the plain run resumed from it does
+    callback = FusedOptimizer(verbose=False)
+    resumed_model, resumed = _finetune([callback], max_epochs=3, ckpt_path=path)
+    assert [s.implementation for s in callback.switched] == ["fused"]
+    assert [g["fused"] for g in resumed.optimizers[0].param_groups] == [True, True]
+    _close(resumed_model, plain_model)
