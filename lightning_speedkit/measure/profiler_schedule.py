@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import gzip
 import math
 import re
@@ -11,6 +12,7 @@ import shutil
 import statistics
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,10 +46,13 @@ class _Region:
         region.__enter__()
         self._open[name] = region
 
-    def exit(self, name: str) -> None:
+    def exit(self, name: str) -> bool:
+        """Close the region if it is open; whether it was."""
         region = self._open.pop(name, None)
-        if region is not None:
-            region.__exit__(None, None, None)
+        if region is None:
+            return False
+        region.__exit__(None, None, None)
+        return True
 
     def exit_all(self) -> None:
         if self._open:
@@ -246,6 +251,8 @@ class ProfilerSchedule(L.Callback):
         self._held = False
         self._delay = self._start_delay = 0
         self._base_schedule: Any = None
+        # Puts the Trainer's own save_checkpoint back (see _time_saves).
+        self._untime_saves: Callable[[], None] | None = None
 
     # -- failure handling: say it once, go on -------------------------------------------------
 
@@ -337,6 +344,7 @@ class ProfilerSchedule(L.Callback):
             self._hooks.append(child.register_forward_pre_hook(self._module_enter(name)))
             self._hooks.append(child.register_forward_hook(self._module_exit(name)))
         rank_zero_info(f"ProfilerSchedule: traces go to {directory}")
+        self._time_saves(trainer)
         self._next_window = self._window_after(self._steps)
         self._step_is_next()
 
@@ -440,7 +448,6 @@ class ProfilerSchedule(L.Callback):
             self._batch_start = now
             return
         self._regions.exit("data_fetch")
-        self._regions.exit("checkpoint")
         if self._recording():
             self._regions.enter("forward")
             self._batch_end = None  # a profiled step: its timings are the profiler's
@@ -542,15 +549,58 @@ class ProfilerSchedule(L.Callback):
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._regions.exit("validation")
 
-    def on_save_checkpoint(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
-    ) -> None:
-        # ModelCheckpoint saves after this callback's batch end has opened the next fetch:
-        # writing the file is not data wait, in a window nor in the un-profiled timings.
+    # -- checkpoint saves ------------------------------------------------------------------------
+
+    def _time_saves(self, trainer: L.Trainer) -> None:
+        """Mark every checkpoint save of this fit, from its start to its end.
+
+        Lightning has a hook where a save begins (``on_save_checkpoint``, partway through
+        collecting the state) and none where it ends, so for the fit the Trainer's
+        ``save_checkpoint``, which checkpoint callbacks call, is wrapped; ``on_train_end``
+        and ``on_exception`` put it back.
+        """
+        self._restore_saves()
+        save = trainer.save_checkpoint
+        previous = vars(trainer).get("save_checkpoint")  # an override of the user's, if any
+
+        @functools.wraps(save)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            fetching = self._save_begins()
+            try:
+                return save(*args, **kwargs)
+            finally:
+                self._save_ends(fetching)
+
+        def untime() -> None:
+            if vars(trainer).get("save_checkpoint") is timed:  # not wrapped again since
+                if previous is None:
+                    del vars(trainer)["save_checkpoint"]
+                else:
+                    vars(trainer)["save_checkpoint"] = previous
+
+        vars(trainer)["save_checkpoint"] = timed
+        self._untime_saves = untime
+
+    def _restore_saves(self) -> None:
+        untime, self._untime_saves = self._untime_saves, None
+        if untime is not None:
+            untime()
+
+    def _save_begins(self) -> bool:
+        """A save is not data wait, in a window nor in the un-profiled timings. Whether it
+        interrupted a marked fetch: ModelCheckpoint saves after this callback's batch end
+        has opened the next one."""
         self._batch_end = None  # this gap is not timed
-        if self._recording():
-            self._regions.exit("data_fetch")
-            self._regions.enter("checkpoint")
+        if not self._recording():
+            return False
+        fetching = self._regions.exit("data_fetch")
+        self._regions.enter("checkpoint")
+        return fetching
+
+    def _save_ends(self, fetching: bool) -> None:
+        self._regions.exit("checkpoint")
+        if fetching and self._recording():
+            self._regions.enter("data_fetch")  # the next batch is still to come
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         # A checkpoint loaded by validate() or test() is not a run to resume: only fit's
@@ -558,6 +608,7 @@ class ProfilerSchedule(L.Callback):
         self._resumed = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._restore_saves()
         running = not self._disabled
         self._end_window()
         if self._failure is not None:
@@ -595,6 +646,7 @@ class ProfilerSchedule(L.Callback):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
+        self._restore_saves()
         if self._recording():  # the step the exception ended is no step: say so in the trace
             self._regions.exit_all()
             self._regions.enter("aborted")

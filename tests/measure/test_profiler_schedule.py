@@ -231,6 +231,39 @@ def test_validation_and_checkpoints_inside_a_window_are_marked_apart(tmp_path: P
         assert not any(s < end and start < e for s, e in spans["speedkit/data_fetch"])
 
 
+def test_a_checkpoint_range_is_the_save_and_the_fetch_after_it_is_data(tmp_path: Path) -> None:
+    """A save after every step of the window that records steps 4 to 6: each
+    ``speedkit/checkpoint`` range holds one whole ``Trainer.save_checkpoint`` and ends with
+    it; the fetch of the next batch, after the save, is inside ``speedkit/data_fetch``."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    callback = ProfilerSchedule(skip_first=3, wait=0, warmup=1, active=3, repeat=1,
+                                dirpath=tmp_path / "traces")  # fmt: skip
+    saves = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=1, save_top_k=-1)
+    trainer = L.Trainer(accelerator="cpu", max_steps=8, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback, saves])  # fmt: skip
+    trainer.fit(MLP(), loader(n=256))
+    assert "save_checkpoint" not in vars(trainer)  # the Trainer's own method again
+
+    def spans(match: Any) -> list[tuple[float, float]]:
+        return sorted((e["ts"], e["ts"] + e["dur"]) for e in events(callback.traces[0])
+                      if match(e.get("name", "")) and e.get("ph") == "X")  # fmt: skip
+
+    ranges = spans(lambda name: name == "speedkit/checkpoint")
+    # with_stack: the Python frame of each call of Trainer.save_checkpoint
+    calls = spans(lambda name: name.startswith("lightning/pytorch/trainer/trainer.py(")
+                  and name.endswith("): save_checkpoint"))  # fmt: skip
+    fetches = spans(lambda name: name.startswith("enumerate(DataLoader)"))
+    marked = spans(lambda name: name == "speedkit/data_fetch")
+    assert len(ranges) == len(calls) == 3  # after steps 3 to 5 (step 6's ends the window)
+    for (start, end), (call_start, call_end) in zip(ranges, calls, strict=True):
+        assert start <= call_start <= call_end <= end
+    assert len(fetches) == 3  # of steps 4 to 6
+    for start, end in fetches:
+        assert not any(s < end and start < e for s, e in ranges)
+        assert any(s <= start and end <= e for s, e in marked)
+
+
 def test_a_checkpoint_loaded_by_validate_is_not_resumed_by_the_next_fit(tmp_path: Path) -> None:
     """validate(ckpt_path=...) loads the callback's state; a fresh fit after it is no
     resumed run and takes its window."""
