@@ -213,16 +213,20 @@ def checkpoint_blocks(
     _surgery.refuse_wrapped(model, "checkpoint_blocks")
     fraction = _check_fraction(fraction)
     instances = block_instances(model, _resolve(model, _check_blocks(blocks)))
-    instances = [(name, m) for name, m in instances if not _is_checkpointed(m)]
-    if not instances:
-        return []
-    count = max(1, math.floor(fraction * len(instances) + 0.5))
-    chosen = [instances[math.floor(i * len(instances) / count)] for i in range(count)]
+    chosen = _spread([(name, m) for name, m in instances if not _is_checkpointed(m)], fraction)
     for _, module in chosen:
         forward = partial(_checkpointed, module, _surgery.original_forward(module))
         forward._speedkit = True  # type: ignore[attr-defined]
         _surgery.replace_forward(module, forward)
     return [name for name, _ in chosen]
+
+
+def _spread(instances: list[tuple[str, nn.Module]], fraction: float) -> list[tuple[str, nn.Module]]:
+    """``fraction`` of ``instances`` (at least one), spread evenly over them."""
+    if not instances:
+        return []
+    count = max(1, math.floor(fraction * len(instances) + 0.5))
+    return [instances[math.floor(i * len(instances) / count)] for i in range(count)]
 
 
 def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int:
@@ -274,8 +278,14 @@ class ActivationCheckpointing(L.Callback):
 
     Before the strategy wraps the model, so it works the same under DDP, the ZeRO-2
     presets and DeepSpeed: each wrapped unit sees a block whose forward recomputes in
-    backward. The blocks checkpointed are printed (rank 0). A later ``fit`` of the same
-    module keeps them; a ``fit`` of another module checkpoints that one's blocks.
+    backward. The blocks checkpointed are printed (rank 0). Each ``fit`` checkpoints what
+    its callback's ``blocks`` and ``fraction`` choose: a later ``fit`` of the same module
+    with the same choice keeps its blocks as they are (wrapped once); one whose choice
+    differs (another callback, or another Trainer, with other settings) first restores
+    the blocks checkpointed before, by an earlier fit or by :func:`checkpoint_blocks`,
+    and says so. A ``fit`` of another module checkpoints that one's blocks. After the
+    fit the blocks stay checkpointed (which changes nothing in eval or under
+    ``no_grad``); :func:`uncheckpoint_blocks` restores them.
 
     A Hugging Face model's ``config.use_cache`` (True by default: a KV cache built at
     every call, in training too) is turned off around the checkpointed blocks for the
@@ -312,16 +322,28 @@ class ActivationCheckpointing(L.Callback):
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
+        # What these settings choose in this module, whatever is checkpointed now.
+        instances = block_instances(pl_module, _resolve(pl_module, self._blocks))
+        wanted = [name for name, _ in _spread(instances, self.fraction)]
         already = checkpointed_blocks(pl_module)
-        if already:  # a later fit() of the same module: its blocks stay as they are
+        kept = already == wanted  # a later fit() with the same choice: left as they are
+        undone: list[str] = []
+        if kept:
             self.checkpointed = already
         else:
+            undone = uncheckpoint_blocks(pl_module)  # an earlier fit's (other) choice
             blocks = "auto" if self._blocks is None else self._blocks
             self.checkpointed = checkpoint_blocks(pl_module, blocks, self.fraction)
         holders = self._cache_off.turn_off(pl_module, self.checkpointed)
         if not self.verbose:
             return
-        if self.checkpointed and not already:
+        if undone:
+            rank_zero_info(
+                f"ActivationCheckpointing: restored {len(undone)} block(s) checkpointed "
+                f"before with another choice (an earlier fit's or `checkpoint_blocks`'); this "
+                f"fit checkpoints what its `blocks` and `fraction` choose"
+            )
+        if self.checkpointed and not kept:
             kinds = sorted({type(pl_module.get_submodule(n)).__name__ for n in self.checkpointed})
             rank_zero_info(
                 f"ActivationCheckpointing: {len(self.checkpointed)} blocks "

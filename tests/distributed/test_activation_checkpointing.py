@@ -189,6 +189,68 @@ def test_one_callback_serves_two_fits_of_two_models() -> None:
     assert checkpointed_blocks(tasks[1]) == []
 
 
+def _fit(task: L.LightningModule, callback: ActivationCheckpointing) -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, callbacks=[callback],
+    )  # fmt: skip
+    trainer.fit(task, DataLoader(TensorDataset(torch.randn(4, 3, 64)), batch_size=2))
+
+
+class _Deep(_Task):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = Net(depth=4)
+
+
+def test_a_later_fit_with_other_settings_checkpoints_its_own_choice() -> None:
+    """A second fit of the same module (another Trainer and callback) with other
+    ``blocks`` or ``fraction`` kept the first fit's blocks, silently."""
+    from lightning_speedkit import _surgery
+
+    task = _Deep()
+    _fit(task, ActivationCheckpointing(verbose=False))
+    every = [f"net.blocks.{i}" for i in range(4)]
+    assert checkpointed_blocks(task) == every  # the fit's teardown leaves them checkpointed
+
+    callback = ActivationCheckpointing(fraction=0.5, verbose=False)
+    _fit(task, callback)
+    assert callback.checkpointed == checkpointed_blocks(task) == ["net.blocks.0", "net.blocks.2"]
+    callback = ActivationCheckpointing(blocks=["Block"], fraction=0.25, verbose=False)
+    _fit(task, callback)
+    assert callback.checkpointed == checkpointed_blocks(task) == ["net.blocks.0"]
+
+    # the same choice again (a new callback with the same settings): left as it is
+    forward = _surgery.replaced_forward(task.net.blocks[0])
+    again = ActivationCheckpointing(blocks=["Block"], fraction=0.25, verbose=False)
+    _fit(task, again)
+    assert again.checkpointed == ["net.blocks.0"]
+    assert _surgery.replaced_forward(task.net.blocks[0]) is forward
+
+    # the blocks re-wrapped compute what the unwrapped model does, and each is wrapped once
+    plain = Net(depth=4)
+    plain.load_state_dict(task.net.state_dict())
+    x = torch.randn(2, 3, 64)
+    (loss, grads), (plain_loss, plain_grads) = loss_and_grads(task.net, x), loss_and_grads(plain, x)
+    torch.testing.assert_close(loss, plain_loss, rtol=0, atol=0)
+    for got, want in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert uncheckpoint_blocks(task) == ["net.blocks.0"]
+    assert checkpointed_blocks(task) == []
+
+
+def test_a_later_fit_says_what_it_restored(caplog: pytest.LogCaptureFixture) -> None:
+    task = _Deep()
+    checkpoint_blocks(task, fraction=0.25)  # by hand, before the fit: another choice
+    with caplog.at_level("INFO"):
+        _fit(task, ActivationCheckpointing())
+    assert "restored 1 block(s) checkpointed before with another choice" in caplog.text
+    assert "4 blocks (Block) recompute their activations in backward" in caplog.text
+    assert checkpointed_blocks(task) == [f"net.blocks.{i}" for i in range(4)]
+
+
 def test_callback_trains_the_example_vlm_like_the_plain_run(demo_corpus: Any) -> None:
     from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VLMTask
 
