@@ -463,3 +463,42 @@ def test_batch_norm_statistics_are_updated_once_per_step() -> None:
     model.eval()
     x = torch.randn(2, 3, 8, 8, generator=generator)
     assert torch.equal(plain(x), model(x))
+
+
+class _MaskedBlock(nn.Module):
+    """A conv block with batch norm and a large constant buffer, as a decoder's causal mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(4, 4, 3, padding=1)
+        self.bn = nn.BatchNorm2d(4)
+        self.register_buffer("mask", torch.tril(torch.ones(64, 64)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.bn(self.conv(x)) * self.mask[: x.shape[-2], : x.shape[-1]]
+
+
+def test_only_running_statistics_are_copied_around_the_recomputation() -> None:
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Copies(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.sizes: list[int] = []
+
+        def __torch_dispatch__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            if func is torch.ops.aten.clone.default:
+                self.sizes.append(args[0].numel())
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_MaskedBlock(), _MaskedBlock())
+    assert checkpoint_blocks(model) == ["0", "1"]
+    loss = model(torch.randn(2, 4, 8, 8)).square().mean()
+    with Copies() as copies:
+        loss.backward()  # the recomputation
+    # per block: running_mean and running_var (4 channels) and num_batches_tracked; not the mask
+    assert sorted(copies.sizes) == [1, 1, 4, 4, 4, 4]
+    assert int(model[0].bn.num_batches_tracked) == 1
