@@ -296,8 +296,11 @@ def _apply(
 ) -> None:
     """Set the flags on the groups at these indices, and step counts where they are read."""
     for index in groups:
+        if index >= len(optimizer.param_groups):  # param_groups replaced by a shorter list
+            continue
         group = optimizer.param_groups[index]
-        group["fused"] = implementation == "fused"
+        if "fused" in optimizer.defaults:  # (a fused=False key would be saved in checkpoints)
+            group["fused"] = implementation == "fused"
         if "foreach" in optimizer.defaults:
             group["foreach"] = implementation == "foreach"
         if implementation != "fused":
@@ -434,7 +437,7 @@ def _again(optimizer: torch.optim.Optimizer, record: _Switch) -> str:
     if switched:
         reason += f"; group(s) {', '.join(map(str, switched))} added since switched too"
     for index in added:
-        if index in record.left:
+        if index in record.left and index < len(optimizer.param_groups):
             group = optimizer.param_groups[index]
             reason += f"; {_describe(index, group, record)}, added since, left as it was: " \
                       f"{record.left[index]}"  # fmt: skip

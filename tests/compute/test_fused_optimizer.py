@@ -538,6 +538,25 @@ def _finetune(callbacks: list[L.Callback], **kwargs: Any) -> tuple[nn.Module, L.
     return model, run
 
 
+def test_an_added_group_gets_foreach_where_the_switch_chose_foreach(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # RMSprop has no fused kernel: on an accelerator the switch chooses foreach. torch's
+    # foreach ops also run on the CPU (one loop per tensor), standing in for one here.
+    monkeypatch.setattr(fused_optimizer._compat, "foreach_kernel_devices", lambda: ["cpu"])
+    model, twin = _model(), _model()
+    optimizer = torch.optim.RMSprop(model[0].parameters(), lr=1e-2)
+    plain = torch.optim.RMSprop(twin[0].parameters(), lr=1e-2)
+    assert fuse_optimizers([optimizer])[0].implementation == "foreach"
+    optimizer.add_param_group({"params": model[2].parameters()})
+    plain.add_param_group({"params": twin[2].parameters()})
+    _train(model, optimizer, 3)
+    _train(twin, plain, 3)
+    assert [g["foreach"] for g in optimizer.param_groups] == [True, True]
+    assert optimizer.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
+    _close(model, twin)
+
+
 def test_a_group_added_by_backbone_finetuning_is_switched_too() -> None:
     plain_model, plain_run = _finetune([])
     model, run = _finetune([FusedOptimizer(verbose=False)])
