@@ -42,8 +42,68 @@ def train_loader_source(trainer: L.Trainer) -> Any:
     return trainer.fit_loop._data_source
 
 
-def replace_train_loader(trainer: L.Trainer, loader: Any, *, before_loop: bool = False) -> None:
-    """Make the fit loop use ``loader`` as if it had been passed to ``fit``.
+class _ChangedTrainSource:
+    """The fit loop's train-loader source with a callback's change to every loader it gives.
+
+    Stands in for Lightning's ``_DataLoaderSource`` (``dataloader()``, ``is_defined()``,
+    ``is_module()``, ``instance``, ``name``) in front of the one it replaced (``inner``),
+    so a loader the loop requests later (``reload_dataloaders_every_n_epochs``, or a
+    callback's own reload) still comes from the user's hook, and is changed as the
+    first was. One loader per epoch: requests in the epoch that served it get it again,
+    so the hook runs no more often than Lightning alone would call it. ``instance`` is
+    the inner source's, and setting it (Lightning does, when ``fit`` attaches its data)
+    sets the inner one's.
+    """
+
+    def __init__(
+        self, inner: Any, owner: str, change: Callable[[Any], Any], trainer: L.Trainer
+    ) -> None:
+        self.inner, self.owner, self.change, self._trainer = inner, owner, change, trainer
+        self._next: Any = None  # served at the next request, whatever the epoch
+        self._served: tuple[int, Any] | None = None
+
+    @property
+    def instance(self) -> Any:
+        return self.inner.instance
+
+    @instance.setter
+    def instance(self, value: Any) -> None:
+        self.inner.instance = value
+
+    @property
+    def name(self) -> str:
+        return str(self.inner.name)
+
+    def is_defined(self) -> bool:
+        return bool(self.inner.is_defined())
+
+    def is_module(self) -> bool:
+        return bool(self.inner.is_module())
+
+    def dataloader(self) -> Any:
+        epoch = self._trainer.current_epoch
+        if self._next is not None:
+            self._served, self._next = (epoch, self._next), None
+        elif self._served is None or self._served[0] != epoch:
+            self._served = (epoch, self.change(self.inner.dataloader()))
+        return self._served[1]
+
+
+def change_train_loader(
+    trainer: L.Trainer,
+    owner: str,
+    change: Callable[[Any], Any],
+    loader: Any = None,
+    *,
+    before_loop: bool = False,
+) -> None:
+    """Make the fit loop train on ``loader``, and on ``change(new)`` for every loader it
+    requests later.
+
+    ``owner`` (a callback's name) names the change: a second call by the same owner
+    replaces its change rather than adding one, and :func:`drop_train_loader_change`
+    takes it out. Changes by different owners compose, the later applied last.
+    ``loader`` None: the next request already goes through ``change``.
 
     ``before_loop`` (a callback's ``on_fit_start``, before the fit loop runs): a loader
     the loop has already built is dropped, with its fetcher, so that it builds
@@ -54,13 +114,37 @@ def replace_train_loader(trainer: L.Trainer, loader: Any, *, before_loop: bool =
     """
     loop = trainer.fit_loop
     source = loop._data_source
-    source.instance = loader
-    source.name = "train_dataloader"
+    mine: Any = source
+    while isinstance(mine, _ChangedTrainSource) and mine.owner != owner:
+        mine = mine.inner
+    if not isinstance(mine, _ChangedTrainSource):
+        mine = _ChangedTrainSource(source, owner, change, trainer)
+        loop._data_source = mine  # a stand-in for Lightning's
+    mine.change, mine._served, mine._next = change, None, loader
     if before_loop and loop._combined_loader is not None:
         if loop._data_fetcher is not None:
             loop._data_fetcher.teardown()  # its iterator may hold worker processes
             loop._data_fetcher = None
         loop._combined_loader = None
+
+
+def drop_train_loader_change(trainer: L.Trainer, owner: str) -> None:
+    """Take ``owner``'s change (:func:`change_train_loader`) out of the fit loop's source.
+
+    Call it when the fit ends, and before a new fit sets its own: the loaders Lightning
+    requests then are the user's again.
+    """
+    loop = trainer.fit_loop
+    above: Any = None
+    source = loop._data_source
+    while isinstance(source, _ChangedTrainSource):
+        if source.owner == owner:
+            if above is None:
+                loop._data_source = source.inner
+            else:
+                above.inner = source.inner
+            return
+        above, source = source, source.inner
 
 
 def metric_state(metric: Any) -> dict[str, Any]:

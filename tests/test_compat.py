@@ -325,11 +325,11 @@ def _attribute(owner: Callable[[], Any], name: str) -> Callable[[], Any]:
 # (what reads it, the private name as torch or Lightning spells it, how to reach it)
 PRIVATE_NAMES: list[tuple[str, str, Callable[[], Any]]] = [
     # Lightning
-    ("train_loader_source, replace_train_loader", "_data_source",
+    ("train_loader_source, change_train_loader, drop_train_loader_change", "_data_source",
      _attribute(lambda: _trainer().fit_loop, "_data_source")),
-    ("replace_train_loader", "_combined_loader",
+    ("change_train_loader", "_combined_loader",
      lambda: "_combined_loader" in vars(_trainer().fit_loop) or None),
-    ("replace_train_loader", "_data_fetcher",
+    ("change_train_loader", "_data_fetcher",
      lambda: "_data_fetcher" in vars(_trainer().fit_loop) or None),
     # torchmetrics (Lightning's)
     ("metric_state", "_defaults", _attribute(lambda: torchmetrics.SumMetric(), "_defaults")),

@@ -41,6 +41,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -714,6 +715,7 @@ class MicroBatchTuner(L.Callback):
         self._chosen: int | None = None
         self._loaded: dict[str, Any] = {}
         self._pending: tuple[L.Trainer, DataLoader[Any]] | None = None
+        self._counts: dict[str, Any] | None = None  # the Trainer's, before the new micro-batch
 
     # -- checks before anything runs ----------------------------------------------------------
 
@@ -721,6 +723,8 @@ class MicroBatchTuner(L.Callback):
         if stage != "fit":
             return
         self._scheduler, self._chosen, self._pending = None, None, None
+        self._restore_counts(trainer)  # a fit that raised
+        _compat.drop_train_loader_change(trainer, "MicroBatchTuner")  # a fit that raised
         if isinstance(trainer.strategy, DeepSpeedStrategy):
             raise SpeedkitConfigError(
                 "MicroBatchTuner cannot change the micro-batch under DeepSpeed: its engine is "
@@ -849,10 +853,13 @@ class MicroBatchTuner(L.Callback):
     def _apply(self, trainer: L.Trainer, loader: DataLoader[Any], best: int, how: str) -> None:
         assert self._scheduler is not None  # set in setup
         self._chosen = best
-        if best != loader.batch_size:
-            _compat.replace_train_loader(
-                trainer, rebuild_dataloader(loader, batch_size=best), before_loop=True
-            )
+        self._count_in_new_batches(trainer, int(loader.batch_size or best), best)
+        first = loader if best == loader.batch_size else rebuild_dataloader(loader, batch_size=best)
+        # Loaders the fit loop requests later (`reload_dataloaders_every_n_epochs`) come
+        # from the user's hook at its own batch size: each is resized too.
+        _compat.change_train_loader(
+            trainer, "MicroBatchTuner", partial(_resized, best=best), first, before_loop=True
+        )
         self._scheduler.set_micro_batch_size(best)
         if not self.verbose:
             return
@@ -873,6 +880,35 @@ class MicroBatchTuner(L.Callback):
             f"{self.result.seconds:.1f} s):\n{_table(self.result)}"
         )
 
+    def _count_in_new_batches(self, trainer: L.Trainer, given: int, best: int) -> None:
+        """Keep what the Trainer's batch counts mean in samples: ``limit_train_batches=16``
+        of micro-batches of 4 become 8 of 8 (the same 64 samples, the same optimizer
+        steps), and so does an integer ``val_check_interval``. Fractions are kept."""
+        if self._counts is None:
+            self._counts = {name: getattr(trainer, name) for name in _BATCH_COUNTS}
+        for name, value in self._counts.items():
+            setattr(trainer, name, value)
+            if not isinstance(value, int) or isinstance(value, bool) or best == given:
+                continue
+            if name == "limit_train_batches" and getattr(trainer, "overfit_batches", None):
+                continue  # the batches to overfit: the user's count, as given
+            scaled = max(1, -(-value * given // best))  # rounded up: never none
+            setattr(trainer, name, scaled)
+            exact = (
+                ""
+                if scaled * best == value * given
+                else f" (rounded up from {value * given / best:g})"
+            )
+            rank_zero_info(
+                f"MicroBatchTuner: `{name}={value}` counted batches of {given}; it is {scaled} "
+                f"micro-batches of {best} now{exact}, the same samples."
+            )
+
+    def _restore_counts(self, trainer: L.Trainer) -> None:
+        for name, value in (self._counts or {}).items():
+            setattr(trainer, name, value)
+        self._counts = None
+
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._pending = None
         if self._chosen is None or self._scheduler is None:
@@ -886,6 +922,16 @@ class MicroBatchTuner(L.Callback):
             metrics["micro_batch/samples_per_sec"] = self.result.best_samples_per_sec
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=trainer.global_step)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit":  # the next fit requests the user's loaders and counts as they are
+            _compat.drop_train_loader_change(trainer, "MicroBatchTuner")
+            self._restore_counts(trainer)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self.teardown(trainer, pl_module, "fit")  # Lightning calls no teardown after a raise
 
     # -- checkpoints ------------------------------------------------------------------------------
 
@@ -918,6 +964,22 @@ class MicroBatchTuner(L.Callback):
             accumulation=global_batch // (saved * trainer.world_size),
         )  # fmt: skip
         self._apply(trainer, loader, saved, f"kept from the checkpoint ({saved})")
+
+
+#: Trainer settings counted in train loader batches (integers; fractions are shares).
+_BATCH_COUNTS = ("limit_train_batches", "val_check_interval")
+
+
+def _resized(loader: Any, best: int) -> Any:
+    """A train loader the fit loop requested again (a reload), at the tuned micro-batch."""
+    if not isinstance(loader, DataLoader):
+        raise SpeedkitConfigError(
+            f"MicroBatchTuner trains at micro-batch {best}, and the train loader reloaded for "
+            f"this epoch is a {type(loader).__name__}, not a torch DataLoader, so its batch size "
+            f"cannot be set and the global batch would change. Return a DataLoader from "
+            f"`train_dataloader()`, or remove MicroBatchTuner."
+        )
+    return loader if loader.batch_size == best else rebuild_dataloader(loader, batch_size=best)
 
 
 def _table(result: MicroBatchResult) -> str:

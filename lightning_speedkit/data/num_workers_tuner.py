@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import lightning as L
@@ -124,6 +125,7 @@ class NumWorkersTuner(L.Callback):
             return
         self._step_times, self._batches, self.bottleneck = [], 0, None
         self._loader, self._reload = None, False
+        _compat.drop_train_loader_change(trainer, "NumWorkersTuner")  # a fit that raised
         source = _compat.train_loader_source(trainer)
         loader = source.dataloader()
         if not isinstance(loader, DataLoader):
@@ -150,13 +152,20 @@ class NumWorkersTuner(L.Callback):
             f"{gain} ({how})."
         )
 
-    def _use(self, trainer: L.Trainer, loader: DataLoader[Any], best: dict[str, Any]) -> None:
-        """Make ``best`` the settings the fit loop's next train loader is built with."""
+    def _use(
+        self, trainer: L.Trainer, loader: DataLoader[Any] | None, best: dict[str, Any]
+    ) -> None:
+        """Make ``best`` the settings the fit loop's next train loader is built with:
+        ``loader`` rebuilt, or (None) the next loader the user's hook or ``fit`` gives."""
         datamodule = _compat.datamodule(trainer)
         if isinstance(datamodule, SpeedDataModuleMixin):
             datamodule.speed_loader_kwargs = dict(best)
         else:
-            _compat.replace_train_loader(trainer, rebuild_dataloader(loader, **best))
+            # Loaders the fit loop requests later (`reload_dataloaders_every_n_epochs`, or
+            # the switch after the verdict) come from the user's hook: they get it too.
+            change = partial(_with_settings, settings=dict(best))
+            first = None if loader is None else change(loader)
+            _compat.change_train_loader(trainer, "NumWorkersTuner", change, first)
         self._best = dict(best)
 
     def _worker_budget(self, trainer: L.Trainer) -> int:
@@ -189,9 +198,16 @@ class NumWorkersTuner(L.Callback):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._restore_reload_setting()
+        if stage == "fit":  # the next fit requests the user's loaders as they are
+            _compat.drop_train_loader_change(trainer, "NumWorkersTuner")
         if self._threads_before is not None:
             torch.set_num_threads(self._threads_before)
             self._threads_before = None
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self.teardown(trainer, pl_module, "fit")  # Lightning calls no teardown after a raise
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if not self._best:
@@ -239,7 +255,7 @@ class NumWorkersTuner(L.Callback):
                 # choice (or None) for all, as at setup.
                 best = trainer.strategy.broadcast(best, src=0)
             if best is not None and self._loader is not None:
-                self._use(trainer, self._loader, best)
+                self._use(trainer, None, best)
                 self._reload = True
                 for logger in trainer.loggers:
                     logger.log_metrics(
@@ -301,6 +317,13 @@ class NumWorkersTuner(L.Callback):
         if self._restore is not None:
             self._restore()
             self._restore = None
+
+
+def _with_settings(loader: Any, settings: dict[str, Any]) -> Any:
+    """A train loader the fit loop requested again (a reload), with the tuned settings."""
+    if not isinstance(loader, DataLoader):
+        return loader  # as at setup: only a single torch DataLoader is tuned
+    return rebuild_dataloader(loader, **settings)
 
 
 #: The clock the verdict times training steps with (a test can set its own).

@@ -6,6 +6,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
@@ -485,6 +486,109 @@ def test_with_num_workers_tuner_the_workers_and_the_size_both_stay(tmp_path: Any
         assert workers.result is not None
         assert run.train_dataloader.batch_size == 8
         assert run.train_dataloader.num_workers == workers.result.best["num_workers"]
+
+
+class Curriculum(Seen):
+    """A ``train_dataloader()`` hook that gives other data each epoch (inputs shifted by
+    100 x the epoch), reloaded every epoch by ``reload_dataloaders_every_n_epochs=1``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.hook_epochs: list[int] = []
+        self.shifts: list[int] = []
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        epoch = self.trainer.current_epoch
+        self.hook_epochs.append(epoch)
+        x, y = dataset(32).tensors
+        return DataLoader(TensorDataset(x + 100 * epoch, y), batch_size=4)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.shifts.append(round(float(batch[0].mean()) / 100))
+        return super().training_step(batch, batch_idx)
+
+
+class EpochLoaders(L.Callback):
+    """The batch size and workers of the loader each epoch trains from."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[int, int]] = []
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        loader = trainer.train_dataloader
+        self.seen.append((loader.batch_size, loader.num_workers))
+
+
+def test_reloaded_loaders_come_from_the_hook_at_the_tuned_size() -> None:
+    measure, _ = fake_measure({4: 0.04, 8: 0.02, 16: 0.08})  # 8 is the fastest
+    tuner = MicroBatchTuner([4, 8, 16], measure=measure, verbose=False)
+    scheduler = AccumulationScheduler(target_global_batch=16, verbose=False)
+    epochs, model = EpochLoaders(), Curriculum()
+    run = trainer(-1, [scheduler, tuner, epochs], max_epochs=3,
+                  reload_dataloaders_every_n_epochs=1)  # fmt: skip
+    run.fit(model)
+    assert model.hook_epochs == [0, 1, 2]  # once per epoch, as without the tuner
+    assert epochs.seen == [(8, 0)] * 3
+    trained = model.shifts[3:]  # after the three trial steps
+    assert trained == [0] * 4 + [1] * 4 + [2] * 4  # each epoch its own data, in 4 x 8
+    assert model.sizes[3:] == [8] * 12
+    assert run.global_step == 6  # 2 steps of 16 samples an epoch
+
+
+def test_with_num_workers_tuner_reloaded_loaders_keep_both() -> None:
+    tuner = MicroBatchTuner([4, 8, 16], measure=fake_measure(SECONDS)[0], verbose=False)
+    workers = NumWorkersTuner(max_workers=1, batches=2, warmup_batches=1, progress=False,
+                              cache=False, verdict_steps=0)  # fmt: skip
+    for order in ([tuner, workers], [workers, tuner]):
+        epochs, model = EpochLoaders(), Curriculum()
+        scheduler = AccumulationScheduler(target_global_batch=16, verbose=False)
+        run = trainer(-1, [*order, scheduler, epochs], max_epochs=2,
+                      reload_dataloaders_every_n_epochs=1)  # fmt: skip
+        run.fit(model)
+        assert workers.result is not None
+        best = workers.result.best["num_workers"]
+        assert epochs.seen == [(8, best)] * 2
+        assert model.shifts[-8:] == [0] * 4 + [1] * 4
+
+
+class FailsInEpoch1(Seen):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.trainer.current_epoch == 1:
+            raise RuntimeError("stopped")
+        return super().training_step(batch, batch_idx)
+
+
+def test_after_a_fit_that_raised_the_next_fit_trains_on_its_own_loader() -> None:
+    tuner = MicroBatchTuner([4, 8], measure=fake_measure(SECONDS)[0], verbose=False)
+    scheduler = AccumulationScheduler(target_global_batch=16, verbose=False)
+    run = trainer(-1, [scheduler, tuner], max_epochs=2)
+    with pytest.raises(RuntimeError, match="stopped"):
+        run.fit(FailsInEpoch1(), DataLoader(dataset(32), batch_size=4))
+    run.callbacks.remove(tuner)  # type: ignore[attr-defined]
+    run.callbacks.remove(scheduler)  # type: ignore[attr-defined]
+    model = Seen()
+    run.fit(model, DataLoader(dataset(32), batch_size=4))
+    assert model.sizes == [4] * 8  # the loader given (the epoch left), not the tuned size
+
+
+class Counts(L.Callback):
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self.limit, self.val_every = trainer.limit_train_batches, trainer.val_check_batch
+
+
+def test_trainer_counts_of_batches_keep_their_samples() -> None:
+    measure, _ = fake_measure({4: 0.04, 8: 0.02, 16: 0.08})  # 8 is the fastest
+    tuner = MicroBatchTuner([4, 8, 16], measure=measure, verbose=False)
+    scheduler = AccumulationScheduler(target_global_batch=16, verbose=False)
+    counts, model = Counts(), Seen()
+    run = trainer(-1, [scheduler, tuner, counts], max_epochs=2, limit_train_batches=8,
+                  val_check_interval=6)  # fmt: skip
+    run.fit(model, DataLoader(dataset(64), batch_size=4))
+    # 8 batches of 4 an epoch (2 optimizer steps of 16): 4 micro-batches of 8, still 2 steps
+    assert (counts.limit, counts.val_every) == (4, 3)  # 6 x 4 samples = 3 x 8
+    assert model.sizes[3:] == [8] * 8
+    assert run.global_step == 4
+    assert (run.limit_train_batches, run.val_check_interval) == (8, 6)  # the user's, after
 
 
 @pytest.mark.gpu

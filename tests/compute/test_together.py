@@ -105,7 +105,8 @@ def fit(corpus: Path, tmp_path: Path, steps: int, order: int, ckpt: Path | None 
                              progress=False)  # fmt: skip
     timing = Timing()
     trainer = L.Trainer(
-        accelerator="cpu", max_steps=steps, limit_train_batches=EPOCH_BATCHES,
+        accelerator="cpu", max_steps=steps,
+        limit_train_batches=EPOCH_BATCHES * MICRO // GIVEN,  # in batches of GIVEN: 32 samples
         limit_val_batches=0, logger=False, callbacks=callbacks(tmp_path, timing, order),
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip

@@ -245,6 +245,32 @@ def test_compute_threads_share_the_cores_and_are_restored(
         NumWorkersTuner(compute_threads=0)
 
 
+def test_compute_threads_are_restored_after_a_fit_that_raised(
+    tmp_path: Path, figures: Callable[..., Figures]
+) -> None:
+    figures(lambda trial: 10.0 * (1 + trial.num_workers))
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+
+    class Fails(L.Callback):
+        def on_train_start(self, *args: Any) -> None:
+            assert torch.get_num_threads() == 1
+            raise RuntimeError("stopped")
+
+    tuner = NumWorkersTuner(
+        compute_threads=1, batches=4, cache=False, progress=False, verdict_steps=0
+    )
+    trainer = L.Trainer(accelerator="cpu", max_steps=3, logger=False, callbacks=[tuner, Fails()],
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    try:
+        with pytest.raises(RuntimeError, match="stopped"):
+            trainer.fit(MLP(), loader(n=64))
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "argument"), [({"batches": 0}, "batches"), ({"timeout": 0}, "timeout")]
 )
