@@ -9,7 +9,7 @@ from __future__ import annotations
 import bisect
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -29,6 +29,8 @@ CATEGORIES = (
     "overhead",
 )
 BINS_PER_STEP = 20_000  #: timeline resolution
+
+_T = TypeVar("_T")
 
 _DATA_REGIONS = ("speedkit/data_fetch", "train_dataloader_next", "enumerate(DataLoader)")
 
@@ -75,11 +77,11 @@ def _steps(events: list[_Event]) -> tuple[list[_Event], Any]:
     # that an exception ended (ProfilerSchedule marks both).
     forwards = sorted(e.start for e in host if _is_forward(e.name))
     if forwards:
-        ran = [s for s in steps if _inside_starts(forwards, s.start, s.end)]
+        ran = [s for s in steps if _inside(forwards, forwards, s.start, s.end)]
         steps = ran or steps
     other = sorted(e.start for e in host if e.name in _NOT_A_STEP)
     if other:
-        steps = [s for s in steps if not _inside_starts(other, s.start, s.end)] or steps
+        steps = [s for s in steps if not _inside(other, other, s.start, s.end)] or steps
     if steps:
         return steps, steps[0].tid
     ops = [e for e in events if e.cat == "cpu_op"]
@@ -100,13 +102,9 @@ def _is_forward(name: str) -> bool:
     return name == "speedkit/forward" or ("[Strategy]" in name and name.endswith(".training_step"))
 
 
-def _inside_starts(starts: list[float], start: float, end: float) -> bool:
-    """Whether any of ``starts`` (sorted) lies within [start, end)."""
-    return bisect.bisect_left(starts, start) < bisect.bisect_left(starts, end)
-
-
-def _inside(items: list[_Event], starts: list[float], start: float, end: float) -> list[_Event]:
-    """Events of ``items`` (sorted by start) that start within [start, end)."""
+def _inside(items: list[_T], starts: list[float], start: float, end: float) -> list[_T]:
+    """The items that start within [start, end): ``items`` sorted by start, ``starts``
+    their starts. Given a sorted list of starts as both, the starts within (empty: none)."""
     lo, hi = bisect.bisect_left(starts, start), bisect.bisect_left(starts, end)
     return items[lo:hi]
 
