@@ -15,6 +15,8 @@ from speedkit_examples.vlm.task import VLMTask
 from speedkit_examples.vlm.tokenizer import CaptionTokenizer
 from tests.helpers.modules import load_module
 
+from ..conftest import SMALL_CORPUS
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "hand_tuned.py"
 
 
@@ -93,6 +95,30 @@ def test_the_compiled_hand_tuned_model_keeps_the_tasks_checkpoint_keys() -> None
     logits = task(images, torch.randint(0, 64, (2, 5)))
     assert calls == [torch.Size([2, 5])]
     assert logits.shape[-1] == 64
+
+
+def test_the_hand_tuned_loader_serves_the_preloaded_samples(
+    small_corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    module = load_module(SCRIPT)
+    config = VLMConfig.preset("tiny", CaptionTokenizer().vocab_size)
+    data = module.HandTunedData.for_model(
+        config, str(small_corpus), batch_size=8, corpus=SMALL_CORPUS, progress=False,
+        micro_batch=4, preload=True, pin_memory=False,
+    )  # fmt: skip
+    data.setup("fit")
+    train = data.datasets["train"]
+    loader = data.train_dataloader()
+    assert loader.dataset is data.preloaded
+    assert len(data.preloaded) == len(train)
+
+    def decoded(*args: Any) -> Any:
+        raise AssertionError("the training split was decoded again")
+
+    monkeypatch.setattr(type(train), "__getitem__", decoded)
+    batch = next(iter(loader))  # from memory only
+    first = [data.preloaded[i] for i in list(loader.sampler)[:4]]
+    assert torch.equal(batch["images"], torch.stack([s["images"] for s in first]))
 
 
 @pytest.mark.slow
