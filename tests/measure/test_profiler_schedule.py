@@ -177,6 +177,7 @@ def fit_until_raised(tmp_path: Path, step: int) -> ProfilerSchedule:
                         enable_model_summary=False, callbacks=[callback, raiser])  # fmt: skip
     with pytest.raises(RuntimeError, match="stopped by the test"):
         trainer.fit(MLP(), loader(n=256))
+    assert "save_checkpoint" not in vars(trainer)  # the Trainer's own method again
     return callback
 
 
