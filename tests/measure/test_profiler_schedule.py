@@ -17,6 +17,7 @@ from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_speedkit import ProfilerSchedule, SpeedkitConfigError
 from lightning_speedkit.measure.profiler_schedule import _first_profiled, _top_level
+from tests.helpers.clock import VirtualClock
 from tests.helpers.models import MLP, loader
 
 
@@ -730,19 +731,6 @@ def test_frame_names_that_are_not_utf8_keep_the_compiled_models_report(
 
 
 # ------------------------------------------------------------------ un-profiled timings
-
-
-class VirtualClock:
-    """Time that passes only when the test's model, dataset or hooks "sleep"."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture

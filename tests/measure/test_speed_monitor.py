@@ -17,6 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning_speedkit import SpeedkitConfigError, SpeedMonitor
 from lightning_speedkit.measure import speed_monitor as sm
 from lightning_speedkit.measure.speed_monitor import SUMMARY_KEYS, _BatchInfo, _Counted, _FlopBook
+from tests.helpers.clock import VirtualClock
 
 from ..helpers import models
 from ..helpers.models import MLP, SlowDataset, loader
@@ -77,19 +78,6 @@ def test_step_time_and_throughput_are_measured() -> None:
     assert s["mfu"] is None
     assert s["hfu"] is None
     assert set(s) == set(SUMMARY_KEYS)
-
-
-class VirtualClock:
-    """Time that passes only when the test's model or dataset "sleeps"."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-
-    def __call__(self) -> float:
-        return self.now
-
-    def sleep(self, seconds: float) -> None:
-        self.now += seconds
 
 
 @pytest.fixture
