@@ -13,8 +13,9 @@ several machines) carries a mark on the line right before its fence, with the re
 
     <!-- fragment: needs your own LightningModule and datamodule -->
 
-mkdocs renders nothing of the comment. A block without the mark must run; a mark
-without a reason, or one not followed by a ```python fence, fails.
+mkdocs renders nothing of the comment. A block without the mark must run, and name
+nothing it does not define (ruff's F821, which also looks inside functions the example
+never calls); a mark without a reason, or one not followed by a ```python fence, fails.
 
 Why the examples are forked from one interpreter rather than each started anew: they
 nearly all begin with ``import lightning``, about 6 s of CPU on a busy 2-core machine,
@@ -28,6 +29,7 @@ forgets ``import lightning_speedkit`` before naming one of its strategies, still
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
 import re
 import signal
@@ -260,6 +262,28 @@ def test_fragment_marks_give_a_reason_and_sit_on_a_python_block() -> None:
             assert following == "```python", f"{where}: no ```python fence on the next line"
 
 
+@pytest.mark.skipif(importlib.util.find_spec("ruff") is None, reason="needs ruff (the test extra)")
+def test_examples_name_nothing_undefined(tmp_path: Path) -> None:
+    """A name used only in a function the example never calls would pass the run below."""
+    files = {f"{block.id.replace('.md:', '_')}.py": block for block in RUNNABLE}
+    for name, block in files.items():
+        (tmp_path / name).write_text(block.code, encoding="utf-8")
+    check = [sys.executable, "-m", "ruff", "check", "--isolated", "--select", "F821"]
+    proc = subprocess.run(
+        [*check, "--output-format", "concise", "."],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    found = re.findall(r"^(\S+?\.py):(\d+):\d+: F821 (.*)$", proc.stdout, flags=re.MULTILINE)
+    assert proc.returncode == 0 or found, proc.stdout + proc.stderr
+    where = [
+        f"{files[name].page} line {files[name].line + int(n) - 1}: {msg}" for name, n, msg in found
+    ]
+    assert not where, "define these, or mark the block a fragment:\n" + "\n".join(where)
+
+
 @pytest.mark.parametrize("block", RUNNABLE, ids=[block.id for block in RUNNABLE])
 def test_example_runs(block: Block, runs: dict[str, Future[_Run]]) -> None:
     result = runs[block.id].result()
@@ -268,7 +292,8 @@ def test_example_runs(block: Block, runs: dict[str, Future[_Run]]) -> None:
     pytest.fail(
         f"{block.page} line {block.line}: the example {result.status} after"
         f" {result.seconds:.0f} s. Fix it, or mark it `<!-- fragment: why -->` if it cannot"
-        f" run as written.\n--- stdout (tail) ---\n{result.stdout[-2000:]}"
+        f" run as written. Line N of example.py is line {block.line} + N - 1 of the page."
+        f"\n--- stdout (tail) ---\n{result.stdout[-2000:]}"
         f"\n--- stderr (tail) ---\n{result.stderr[-4000:]}",
         pytrace=False,
     )
