@@ -56,6 +56,7 @@ over the run so far).
 from __future__ import annotations
 
 import logging
+import zlib
 from collections import defaultdict
 from collections.abc import Callable
 from typing import Any, Literal
@@ -130,11 +131,27 @@ def half_precision_hook(
 
 
 class _ParameterBook:
-    """PowerSGD's per-bucket state, viewed and stored per parameter."""
+    """PowerSGD's per-bucket state, viewed and stored per parameter.
 
-    def __init__(self, state: PowerSGDState, names: dict[int, str]) -> None:
+    It also draws the random initial factors, per parameter (:meth:`draw_if_due`), where
+    torch's hook would draw them per bucket: torch seeds each bucket's draws in turn,
+    so a matrix's factors depend on where DDP's buckets put it, and DDP lays buckets
+    out in registration order for a process's first iteration and in gradient-ready
+    order after it. A run resumed at its first compressed iteration (a checkpoint at
+    ``start_iter``), or any resume without warm start, then drew other factors than
+    the run it continues. ``warm_start`` is the strategy's: torch's state is told to
+    warm-start always, and without warm start the factors are drawn afresh here at
+    every compressed iteration.
+    """
+
+    def __init__(
+        self, state: PowerSGDState, names: dict[int, str], seed: int = 0, warm_start: bool = True
+    ) -> None:
         self.state = state
         self.names = names  # id(parameter) -> name
+        self.seed = seed
+        self.warm_start = warm_start
+        state.warm_start = True  # the hook reuses what _draw put in its memory
         self.layouts: dict[int, _Layout] = {}  # bucket index -> its parameters now
         self._ids: dict[int, tuple[int, ...]] = {}  # the same, as ids: the per-step check
         self.pending: dict[str, dict[str, Tensor]] = {}  # name -> {"error", "p", "q"}
@@ -230,6 +247,26 @@ class _ParameterBook:
         if self.pending:
             self._assemble(index, layout, bucket.buffer())
 
+    def draw_if_due(self, bucket: GradBucket) -> None:
+        """Random factors for the bucket when the hook is about to compress it without any."""
+        index, state = bucket.index(), self.state
+        if state.iter < state.start_powerSGD_iter:
+            return
+        if self.warm_start and index in state.p_memory_dict:
+            return
+        ps: list[Tensor] = [torch.zeros(0)]
+        qs: list[Tensor] = [torch.zeros(0)]
+        for name, n, m, r in self._compressed(self.layouts[index]):
+            # The same on every rank, whatever the bucket; the hook orthogonalizes Q.
+            step = 0 if self.warm_start else int(state.iter)
+            key = (self.seed << 32 | zlib.crc32(name.encode())) ^ (step * 0x9E3779B97F4A7C15)
+            generator = torch.Generator().manual_seed(key % 2**63)
+            qs.append(torch.randn(m * r, generator=generator))
+            ps.append(torch.zeros(n * r))
+        like = bucket.buffer()
+        state.p_memory_dict[index] = torch.cat(ps).to(like)
+        state.q_memory_dict[index] = torch.cat(qs).to(like)
+
     def export(self) -> dict[str, Any]:
         """Every parameter's state, on CPU, in types ``torch.load(weights_only=True)`` accepts."""
         params: dict[str, dict[str, Tensor]] = {
@@ -296,6 +333,7 @@ class _HookState:
 @_comm_hook
 def _speedkit_powersgd_hook(state: _HookState, bucket: GradBucket) -> torch.futures.Future[Tensor]:
     state.book.on_bucket(bucket)
+    state.book.draw_if_due(bucket)
     future = powerSGD_hook(state.powersgd, bucket)
     if not state.serialize:
         return future
@@ -704,7 +742,7 @@ class DDPPowerSGDStrategy(_KitDDPStrategy):
             random_seed=self.seed,
         )
         names = {id(p): name for name, p in model.module.named_parameters()}
-        self._book = _ParameterBook(state, names)
+        self._book = _ParameterBook(state, names, self.seed, self.warm_start)
         if self._restored is not None:
             self._book.restore(self._restored)
             self._restored = None

@@ -128,6 +128,7 @@ def main() -> None:
     parser.add_argument("--measure-memory", action="store_true")
     parser.add_argument("--save-every", type=int, default=0, help="checkpoint every N steps")
     parser.add_argument("--resume", type=Path, default=None)
+    parser.add_argument("--warm-start", type=int, choices=(0, 1), default=1)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
@@ -144,7 +145,8 @@ def main() -> None:
         # records do not see it (one rank in ten then counted it for the whole run).
         ddp["init_sync"] = False
     if args.strategy == "ddp_powersgd":
-        strategy = DDPPowerSGDStrategy(rank=args.rank, start_iter=args.start_iter, **ddp)
+        strategy = DDPPowerSGDStrategy(rank=args.rank, start_iter=args.start_iter,
+                                       warm_start=bool(args.warm_start), **ddp)  # fmt: skip
     elif args.strategy in ("ddp_fp16_compress", "ddp_bf16_compress"):
         strategy = DDPHalfPrecisionStrategy(args.strategy[4:8], **ddp)
     elif args.strategy == "ddp_view":
