@@ -320,9 +320,11 @@ class NumWorkersTuner(L.Callback):
 
 
 def _with_settings(loader: Any, settings: dict[str, Any]) -> Any:
-    """A train loader the fit loop requested again (a reload), with the tuned settings."""
+    """A train loader with the tuned settings: rebuilt, unless it has them already."""
     if not isinstance(loader, DataLoader):
         return loader  # as at setup: only a single torch DataLoader is tuned
+    if all(getattr(loader, key) == value for key, value in settings.items()):
+        return loader  # its own settings: kept as it is (a stateful subclass stays one)
     return rebuild_dataloader(loader, **settings)
 
 

@@ -245,6 +245,32 @@ def test_compute_threads_share_the_cores_and_are_restored(
         NumWorkersTuner(compute_threads=0)
 
 
+class Stateful(DataLoader):  # type: ignore[type-arg]
+    """A loader of the kind Lightning resumes mid-epoch (it has a state_dict)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_a_choice_of_the_loaders_own_settings_keeps_the_loader(
+    figures: Callable[..., Figures],
+) -> None:
+    figures(lambda trial: 10.0 / (1 + trial.num_workers))  # no worker is the fastest
+    given = Stateful(loader(n=64).dataset, batch_size=8)
+    tuner = NumWorkersTuner(max_workers=1, batches=4, cache=False, progress=False,
+                            verdict_steps=0)  # fmt: skip
+    trainer = L.Trainer(accelerator="cpu", max_steps=2, logger=False, callbacks=[tuner],
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(MLP(), given)
+    assert tuner.result is not None
+    assert tuner.result.best["num_workers"] == 0
+    assert type(trainer.train_dataloader) is Stateful  # not rebuilt as a plain DataLoader
+
+
 def test_compute_threads_are_restored_after_a_fit_that_raised(
     tmp_path: Path, figures: Callable[..., Figures]
 ) -> None:
