@@ -214,11 +214,20 @@ def rebuild_dataloader(
     if type(loader) is not DataLoader:
         # A subclass's constructor may take other arguments, or these with other meanings:
         # what it adds cannot be rebuilt with confidence, so say what is lost.
+        name = type(loader).__name__
+        resumable = callable(getattr(loader, "state_dict", None))
         rank_zero_warn(
-            f"The train loader, a {type(loader).__name__}, is rebuilt as a torch DataLoader "
-            f"with the same dataset, sampler, collate_fn and settings; what "
-            f"{type(loader).__name__} adds to DataLoader is not kept. Build a plain DataLoader "
-            f"to keep nothing back, or remove the tuner."
+            f"The train loader, a {name}, is rebuilt as a torch DataLoader with the same "
+            f"dataset, sampler, collate_fn and settings; what {name} adds to DataLoader is not "
+            f"kept"
+            + (
+                ", its `state_dict` included: a run resumed from a mid-epoch checkpoint "
+                "starts the epoch's order again (samples seen twice, others not at all). "
+                "Checkpoint at epoch ends, or give the loader the tuned settings yourself"
+                if resumable
+                else ". Build a plain DataLoader to keep nothing back, or remove the tuner"
+            )
+            + "."
         )
     return DataLoader(**kwargs)
 

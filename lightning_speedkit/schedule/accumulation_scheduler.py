@@ -351,6 +351,13 @@ class AccumulationScheduler(L.Callback):
             self._engine = trainer.strategy.deepspeed_engine
         if self._micro is None:
             self._micro = _loader_batch_size(trainer.train_dataloader)
+        elif self._engine is None:
+            # A micro-batch set since setup (MicroBatchTuner's): Lightning reads the factor
+            # before the first window sets it, to tell whether a resumed epoch stopped
+            # mid-window (and to warn that a plain loader cannot resume mid-epoch).
+            trainer.accumulate_grad_batches = accumulation_for(
+                self._first_global_batch(self._micro), self._micro, trainer.world_size
+            )
         if self.lr_scaling is not None:
             self._hook_optimizers(trainer)
         self._clock = _Clock(trainer.strategy.root_device)

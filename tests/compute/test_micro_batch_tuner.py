@@ -488,6 +488,40 @@ def test_with_num_workers_tuner_the_workers_and_the_size_both_stay(tmp_path: Any
         assert run.train_dataloader.num_workers == workers.result.best["num_workers"]
 
 
+class Stateful(DataLoader):  # type: ignore[type-arg]
+    """A loader Lightning resumes mid-epoch (it has a state_dict)."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        pass
+
+
+def test_a_stateful_loader_rebuilt_says_a_mid_epoch_resume_is_lost() -> None:
+    model, given, step = _setup()
+    stateful = Stateful(given.dataset, batch_size=4)
+    with pytest.warns(UserWarning, match="its `state_dict` included: a run resumed from a mid"):
+        tune_micro_batch(model, stateful, step, candidates=[4, 8],
+                         measure=fake_measure({4: 0.04, 8: 0.02})[0])  # fmt: skip
+
+
+class Factor(L.Callback):
+    def on_train_start(self, trainer: L.Trainer, pl_module: Any) -> None:
+        self.accumulation = trainer.accumulate_grad_batches
+
+
+def test_the_trainers_factor_is_the_new_micro_batches_when_training_starts() -> None:
+    """Lightning reads it at a resume, before the first window, to tell a mid-window stop."""
+    measure, _ = fake_measure({4: 0.04, 8: 0.02, 16: 0.08})  # 8 is the fastest
+    tuner = MicroBatchTuner([4, 8, 16], measure=measure, verbose=False)
+    scheduler = AccumulationScheduler(target_global_batch=16, verbose=False)
+    factor = Factor()
+    run = trainer(2, [scheduler, tuner, factor])
+    run.fit(Seen(), DataLoader(dataset(64), batch_size=4))
+    assert factor.accumulation == 2  # 2 of 8, not the 4 of 4 that setup counted
+
+
 class Curriculum(Seen):
     """A ``train_dataloader()`` hook that gives other data each epoch (inputs shifted by
     100 x the epoch), reloaded every epoch by ``reload_dataloaders_every_n_epochs=1``."""
