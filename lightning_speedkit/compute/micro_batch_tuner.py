@@ -853,8 +853,12 @@ class MicroBatchTuner(L.Callback):
     def _apply(self, trainer: L.Trainer, loader: DataLoader[Any], best: int, how: str) -> None:
         assert self._scheduler is not None  # set in setup
         self._chosen = best
-        self._count_in_new_batches(trainer, int(loader.batch_size or best), best)
         first = loader if best == loader.batch_size else rebuild_dataloader(loader, batch_size=best)
+        try:
+            batches: int | None = len(first)
+        except TypeError:  # an IterableDataset without a length
+            batches = None
+        self._count_in_new_batches(trainer, int(loader.batch_size or best), best, batches)
         # Loaders the fit loop requests later (`reload_dataloaders_every_n_epochs`) come
         # from the user's hook at its own batch size: each is resized too.
         _compat.change_train_loader(
@@ -880,12 +884,17 @@ class MicroBatchTuner(L.Callback):
             f"{self.result.seconds:.1f} s):\n{_table(self.result)}"
         )
 
-    def _count_in_new_batches(self, trainer: L.Trainer, given: int, best: int) -> None:
+    def _count_in_new_batches(
+        self, trainer: L.Trainer, given: int, best: int, batches: int | None
+    ) -> None:
         """Keep what the Trainer's batch counts mean in samples: ``limit_train_batches=16``
-        of micro-batches of 4 become 8 of 8 (the same 64 samples, the same optimizer
-        steps), and so does an integer ``val_check_interval``. Fractions are kept."""
+        of micro-batches of 4 become 8 of 8 (the same 64 samples and, where the sizes
+        divide, the same optimizer steps), and so does an integer ``val_check_interval``,
+        at most the new epoch's ``batches`` (an interval of a whole epoch whose last
+        batch was short stays one epoch). Fractions are kept."""
         if self._counts is None:
             self._counts = {name: getattr(trainer, name) for name in _BATCH_COUNTS}
+        epoch = batches
         for name, value in self._counts.items():
             setattr(trainer, name, value)
             if not isinstance(value, int) or isinstance(value, bool) or best == given:
@@ -893,12 +902,18 @@ class MicroBatchTuner(L.Callback):
             if name == "limit_train_batches" and getattr(trainer, "overfit_batches", None):
                 continue  # the batches to overfit: the user's count, as given
             scaled = max(1, -(-value * given // best))  # rounded up: never none
+            if name == "val_check_interval" and epoch is not None:
+                scaled = min(scaled, epoch)
+            if name == "limit_train_batches" and epoch is not None:
+                epoch = min(epoch, scaled)
             setattr(trainer, name, scaled)
             exact = (
                 ""
                 if scaled * best == value * given
-                else f" (rounded up from {value * given / best:g})"
+                else f" (not {value * given / best:g}: the batches do not divide evenly)"
             )
+            if not self.verbose:
+                continue
             rank_zero_info(
                 f"MicroBatchTuner: `{name}={value}` counted batches of {given}; it is {scaled} "
                 f"micro-batches of {best} now{exact}, the same samples."

@@ -488,6 +488,19 @@ def test_with_num_workers_tuner_the_workers_and_the_size_both_stay(tmp_path: Any
         assert run.train_dataloader.num_workers == workers.result.best["num_workers"]
 
 
+def test_a_validation_interval_of_a_whole_epoch_stays_one_epoch() -> None:
+    """36 samples in 5 batches of 8 (the last short), validated every 5: at micro-batches
+    of 4 that is 10, one more than the epoch's 9 batches, which Lightning refuses."""
+    measure, _ = fake_measure({4: 0.01, 8: 0.04})  # 4 is the fastest
+    tuner = MicroBatchTuner([4, 8], measure=measure, verbose=False)
+    scheduler = AccumulationScheduler(target_global_batch=8, verbose=False)
+    counts = Counts()
+    run = trainer(-1, [scheduler, tuner, counts], max_epochs=1, val_check_interval=5,
+                  limit_val_batches=1)  # fmt: skip
+    run.fit(Seen(), DataLoader(dataset(36), batch_size=8), DataLoader(dataset(8), batch_size=4))
+    assert counts.val_every == 9
+
+
 class Stateful(DataLoader):  # type: ignore[type-arg]
     """A loader Lightning resumes mid-epoch (it has a state_dict)."""
 
