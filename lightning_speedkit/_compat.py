@@ -49,18 +49,15 @@ class _ChangedTrainSource:
     ``is_module()``, ``instance``, ``name``) in front of the one it replaced (``inner``),
     so a loader the loop requests later (``reload_dataloaders_every_n_epochs``, or a
     callback's own reload) still comes from the user's hook, and is changed as the
-    first was. One loader per epoch: requests in the epoch that served it get it again,
-    so the hook runs no more often than Lightning alone would call it. ``instance`` is
-    the inner source's, and setting it (Lightning does, when ``fit`` attaches its data)
-    sets the inner one's.
+    first was. The loader the tuner built is served at the first request; each later
+    request calls the inner source, as Lightning's own would. ``instance`` is the inner
+    source's, and setting it (Lightning does, when ``fit`` attaches its data) sets the
+    inner one's.
     """
 
-    def __init__(
-        self, inner: Any, owner: str, change: Callable[[Any], Any], trainer: L.Trainer
-    ) -> None:
-        self.inner, self.owner, self.change, self._trainer = inner, owner, change, trainer
-        self._next: Any = None  # served at the next request, whatever the epoch
-        self._served: tuple[int, Any] | None = None
+    def __init__(self, inner: Any, owner: str, change: Callable[[Any], Any]) -> None:
+        self.inner, self.owner, self.change = inner, owner, change
+        self._next: Any = None  # served at the next request
 
     @property
     def instance(self) -> Any:
@@ -81,12 +78,10 @@ class _ChangedTrainSource:
         return bool(self.inner.is_module())
 
     def dataloader(self) -> Any:
-        epoch = self._trainer.current_epoch
         if self._next is not None:
-            self._served, self._next = (epoch, self._next), None
-        elif self._served is None or self._served[0] != epoch:
-            self._served = (epoch, self.change(self.inner.dataloader()))
-        return self._served[1]
+            loader, self._next = self._next, None
+            return loader
+        return self.change(self.inner.dataloader())
 
 
 def change_train_loader(
@@ -118,9 +113,9 @@ def change_train_loader(
     while isinstance(mine, _ChangedTrainSource) and mine.owner != owner:
         mine = mine.inner
     if not isinstance(mine, _ChangedTrainSource):
-        mine = _ChangedTrainSource(source, owner, change, trainer)
+        mine = _ChangedTrainSource(source, owner, change)
         loop._data_source = mine  # a stand-in for Lightning's
-    mine.change, mine._served, mine._next = change, None, loader
+    mine.change, mine._next = change, loader
     if before_loop and loop._combined_loader is not None:
         if loop._data_fetcher is not None:
             loop._data_fetcher.teardown()  # its iterator may hold worker processes
