@@ -254,18 +254,18 @@ class _ParameterBook:
             return
         if self.warm_start and index in state.p_memory_dict:
             return
-        ps: list[Tensor] = [torch.zeros(0)]
-        qs: list[Tensor] = [torch.zeros(0)]
+        like = bucket.buffer()  # drawn on its device: no copy from the host, each step
+        ps: list[Tensor] = [torch.zeros(0, device=like.device)]
+        qs: list[Tensor] = [torch.zeros(0, device=like.device)]
         for name, n, m, r in self._compressed(self.layouts[index]):
             # The same on every rank, whatever the bucket; the hook orthogonalizes Q.
             step = 0 if self.warm_start else int(state.iter)
             key = (self.seed << 32 | zlib.crc32(name.encode())) ^ (step * 0x9E3779B97F4A7C15)
-            generator = torch.Generator().manual_seed(key % 2**63)
-            qs.append(torch.randn(m * r, generator=generator))
-            ps.append(torch.zeros(n * r))
-        like = bucket.buffer()
-        state.p_memory_dict[index] = torch.cat(ps).to(like)
-        state.q_memory_dict[index] = torch.cat(qs).to(like)
+            generator = torch.Generator(device=like.device).manual_seed(key % 2**63)
+            qs.append(torch.randn(m * r, generator=generator, device=like.device))
+            ps.append(torch.zeros(n * r, device=like.device))
+        state.p_memory_dict[index] = torch.cat(ps).to(like.dtype)
+        state.q_memory_dict[index] = torch.cat(qs).to(like.dtype)
 
     def export(self) -> dict[str, Any]:
         """Every parameter's state, on CPU, in types ``torch.load(weights_only=True)`` accepts."""
