@@ -268,6 +268,7 @@ class AccumulationScheduler(L.Callback):
 
     def _reset_fit_state(self) -> None:
         self._micro: int | None = self.micro_batch_size
+        self._micro_changed = False  # by set_micro_batch_size, since setup
         self._world = 1
         self._accumulation = 0  # 0: no window yet this fit
         self._count = 0  # micro-batches in the open window, this batch included
@@ -344,6 +345,7 @@ class AccumulationScheduler(L.Callback):
         from the global batch. It holds until the next ``fit``.
         """
         self._micro = _positive_int(micro_batch_size, "micro_batch_size")
+        self._micro_changed = True
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._world = trainer.world_size
@@ -351,7 +353,7 @@ class AccumulationScheduler(L.Callback):
             self._engine = trainer.strategy.deepspeed_engine
         if self._micro is None:
             self._micro = _loader_batch_size(trainer.train_dataloader)
-        elif self._engine is None:
+        elif self._micro_changed and self._engine is None:
             # A micro-batch set since setup (MicroBatchTuner's): Lightning reads the factor
             # before the first window sets it, to tell whether a resumed epoch stopped
             # mid-window (and to warn that a plain loader cannot resume mid-epoch).
