@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader, Dataset
 from tqdm.auto import tqdm
 
 from lightning_speedkit import _compat, _validation
+from lightning_speedkit.data._fork import garbage_kept_from_children
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["SampleCache", "sample_nbytes"]
@@ -150,7 +151,10 @@ class SampleCache(Dataset[Any]):
         Workers send each chunk of ``chunk_size`` samples pickled, so the samples kept
         are ordinary tensors of this process (not shared-memory segments, one file
         descriptor each). ``worker_init_fn`` finds the dataset's own attributes on
-        ``get_worker_info().dataset``, as in a loader over the cache.
+        ``get_worker_info().dataset``, as in a loader over the cache. Forked workers
+        start with this process's objects frozen (``gc.freeze``), so they never finalize
+        its uncollected garbage: a gloo process group left in a cycle hangs a worker that
+        does.
 
         Args:
             num_workers: processes that read samples (no more than there are chunks);
@@ -202,7 +206,8 @@ class SampleCache(Dataset[Any]):
                     multiprocessing_context=multiprocessing_context,
                     generator=torch.Generator(),  # its base seed, not one from the global state
                 )  # fmt: skip
-                workers_iterator = iter(loader)
+                with garbage_kept_from_children():  # the workers start here
+                    workers_iterator = iter(loader)
                 chunks = map(pickle.loads, workers_iterator)
             for chunk in chunks:
                 bar.update(len(chunk))

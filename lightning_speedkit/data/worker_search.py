@@ -55,6 +55,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
 from lightning_speedkit import _compat, _validation
+from lightning_speedkit.data._fork import garbage_kept_from_children
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["TuneResult", "cpu_budget", "rebuild_dataloader", "spare_cores", "tune_num_workers"]
@@ -282,7 +283,8 @@ def _measure(
         # worker's queue locked when the loader was freed.)
         loader = rebuild_dataloader(loader, timeout=timeout)
     with _main_process_deadline(timeout + max_seconds + warmup * timeout):
-        iterator = iter(loader)
+        with garbage_kept_from_children():  # the workers start here
+            iterator = iter(loader)
         finished = False
         try:
             for _ in range(warmup):

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
+import os
 import pickle
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from lightning_speedkit.errors import SpeedkitConfigError
 from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VLMTask
 
 from ..conftest import SMALL_CORPUS
+from ..helpers.garbage import Collecting, uncollected_garbage
 
 
 class Counting(Dataset[dict[str, torch.Tensor]]):
@@ -97,11 +100,7 @@ def _set_offset(worker_id: int) -> None:
 def test_warm_reads_every_sample_in_worker_processes() -> None:
     data = Counting(n=50)
     cached = SampleCache(data)
-    # Spawned: in the full suite, the first forked warm workers of a test process hung
-    # (alive, never answering) after the files before it; alone, or after those files in
-    # one process, fork passes. The other warm tests below fork.
-    assert cached.warm(num_workers=2, chunk_size=8, progress=False,
-                       multiprocessing_context="spawn") == 50  # fmt: skip
+    assert cached.warm(num_workers=2, chunk_size=8, progress=False) == 50
     assert data.reads == 0  # read in the workers, not here
     assert (cached.warmed, cached.misses, cached.nbytes) == (50, 0, 50 * 72)
     for i in range(50):
@@ -342,3 +341,25 @@ def test_training_on_cached_samples_follows_the_same_trajectory(small_corpus: Pa
     (cache,) = data.__dict__["_speed_sample_caches"].values()
     assert (cache.warmed, cache.misses) == (SMALL_CORPUS.train_samples, 0)
     assert cache.hits == 2 * SMALL_CORPUS.train_samples
+
+
+def test_warm_workers_never_finalize_this_processs_garbage(tmp_path: Path) -> None:
+    """A gloo process group left in a cycle hung a forked worker that collected it."""
+    log = tmp_path / "finalized_in"
+    with uncollected_garbage(log):
+        cached = SampleCache(Collecting())
+        assert cached.warm(num_workers=2, chunk_size=5, progress=False) == 10
+        assert not log.exists()  # neither worker finalized it
+    gc.collect()
+    assert log.read_text().split() == [str(os.getpid())]  # this process did, once
+    assert gc.get_freeze_count() == 0  # every object back with this process's collector
+
+
+def test_warm_leaves_a_programs_own_frozen_objects_frozen() -> None:
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert SampleCache(Counting()).warm(num_workers=1, progress=False) == 10
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()

@@ -3,6 +3,7 @@ rebuilt loader, failures, the cache; one test on the wall clock."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import time
@@ -19,6 +20,7 @@ from lightning_speedkit import SpeedkitConfigError, tune_num_workers
 from lightning_speedkit.data import worker_search
 from lightning_speedkit.data.worker_search import rebuild_dataloader, spare_cores
 
+from ..helpers.garbage import Collecting, uncollected_garbage
 from ..helpers.models import SlowDataset, loader
 from .conftest import Figures, Rates, StepClock
 
@@ -433,3 +435,14 @@ def test_a_clean_measurement_shuts_its_workers_down_in_order(
                               max_seconds=30, timeout=10)  # fmt: skip
     assert rate > 0
     assert terminated == []
+
+
+def test_measured_workers_never_finalize_this_processs_garbage(tmp_path: Path) -> None:
+    """As for SampleCache.warm: a worker that collects a gloo process group hangs."""
+    log = tmp_path / "finalized_in"
+    with uncollected_garbage(log):
+        measured = DataLoader(Collecting(n=8), batch_size=2, num_workers=1)
+        assert worker_search._measure(measured, warmup=0, batches=3, max_seconds=60, timeout=60) > 0
+        assert not log.exists()
+    gc.collect()
+    assert log.read_text().split() == [str(os.getpid())]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -147,6 +148,9 @@ def one_rank() -> Any:
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+    # The test's FSDP model held the group in reference cycles: finalize it here, where its
+    # threads are, not in a loader worker forked later that collects it and hangs.
+    gc.collect()
 
 
 @pytest.mark.usefixtures("one_rank")
