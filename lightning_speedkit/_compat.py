@@ -8,6 +8,7 @@ an installed version raises an error that says which, and which feature needs it
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -140,6 +141,38 @@ def drop_train_loader_change(trainer: L.Trainer, owner: str) -> None:
                 above.inner = source.inner
             return
         above, source = source, source.inner
+
+
+def dataloader_built_again(loader: Any, changes: dict[str, Any]) -> Any | None:
+    """``loader``'s own class constructed again from its own arguments, but ``changes``.
+
+    Lightning records the arguments a DataLoader, subclass or not, was constructed with
+    when it comes from a ``*_dataloader`` hook (and otherwise reads them back from the
+    loader's attributes): that is how it builds a user's subclass again around a
+    distributed sampler. The sampler object is kept, so is the batch sampler's class.
+    None when the arguments cannot be recovered, or the class takes no argument for one
+    of ``changes``: the caller then builds a torch DataLoader.
+    """
+    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
+    from lightning.fabric.utilities.exceptions import MisconfigurationException
+    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+
+    try:
+        args, kwargs = _get_dataloader_init_args_and_kwargs(loader, loader.sampler)
+    except (MisconfigurationException, TypeError, ValueError):
+        return None
+    names = tuple(getattr(loader, "__pl_saved_arg_names", ()))
+    if len(args) != len(names):  # positional arguments that cannot be named
+        return None
+    kwargs = {**dict(zip(names, args, strict=True)), **kwargs}
+    parameters = inspect.signature(type(loader).__init__).parameters
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
+    if not takes_any and not set(changes) <= set(parameters):
+        return None
+    try:
+        return _reinstantiate_wrapped_cls(loader, **{**kwargs, **changes})
+    except (MisconfigurationException, TypeError, ValueError):
+        return None
 
 
 def metric_state(metric: Any) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit.data.worker_search import _generators, rebuild_dataloader
@@ -425,7 +425,7 @@ def tune_micro_batch(
             fix = "choose a global batch each rank can take an equal share of"
             _validation.fail("global_batch", global_batch,
                              f"is not a multiple of the {world_size} ranks", fix)  # fmt: skip
-    if dataloader.batch_size is None or type(dataloader.batch_sampler) is not BatchSampler:
+    if dataloader.batch_size is None:  # a batch sampler of the user's, or no batching
         batcher = type(dataloader.batch_sampler).__name__ if dataloader.batch_sampler else None
         _validation.fail("dataloader", dataloader,
                          f"must batch by `batch_size` (this one batches with "
@@ -782,7 +782,7 @@ class MicroBatchTuner(L.Callback):
                 f"{type(loader).__name__}, so its batch size is left as it is."
             )
             return
-        if loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler:
+        if loader.batch_size is None:  # with a size, the loader made its batch sampler
             raise SpeedkitConfigError(
                 f"MicroBatchTuner sets the train loader's `batch_size`, and this loader batches "
                 f"with {type(loader.batch_sampler).__name__}, whose own size decides. Remove "

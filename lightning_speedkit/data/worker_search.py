@@ -47,11 +47,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
 from lightning_speedkit import _compat, _validation
@@ -169,15 +169,21 @@ def rebuild_dataloader(
     ``timeout`` (seconds a worker may take per batch) is the loader's unless given.
     ``batch_size``, when given, replaces the loader's; a loader batched by a custom
     batch sampler, or not batched by the loader at all, cannot take one.
+
+    A DataLoader subclass (torchdata's ``StatefulDataLoader``, a user's) is built again
+    as its own class from the arguments it was made with, as Lightning builds it around
+    a distributed sampler, so what it adds (a ``state_dict`` for mid-epoch resume) is
+    kept. When those cannot be recovered it is rebuilt as a torch DataLoader, with a
+    warning that says what is lost.
     """
     unknown = set(settings) - set(TUNED_KEYS)
     if unknown:
         raise SpeedkitConfigError(
             f"Cannot rebuild a DataLoader with {sorted(unknown)}; only {TUNED_KEYS}."
         )
-    if batch_size is not None and (
-        loader.batch_size is None or type(loader.batch_sampler) is not BatchSampler
-    ):
+    # A batch size of its own means the loader made its batch sampler (torch's, or its
+    # subclass's own class, as torchdata's StatefulDataLoader does) from it.
+    if batch_size is not None and loader.batch_size is None:
         batcher = type(loader.batch_sampler).__name__ if loader.batch_sampler else "the dataset"
         raise SpeedkitConfigError(
             f"`batch_size` cannot be changed to {batch_size} on this DataLoader: its batches "
@@ -199,7 +205,7 @@ def rebuild_dataloader(
         kwargs.update(batch_size=size, drop_last=loader.drop_last)
     elif loader.batch_size is None and loader.batch_sampler is None:
         kwargs.update(batch_size=None, sampler=loader.sampler)  # automatic batching off
-    elif type(loader.batch_sampler) is BatchSampler:
+    elif loader.batch_size is not None:
         # Spelled out rather than passed as a batch_sampler, so that Lightning, which reads
         # batch_size and sampler back to inject a DistributedSampler, sees them.
         kwargs.update(sampler=loader.sampler, batch_size=size, drop_last=loader.drop_last)
@@ -213,20 +219,41 @@ def rebuild_dataloader(
     if kwargs["pin_memory"] and not torch.cuda.is_available():
         kwargs["pin_memory"] = False
     if type(loader) is not DataLoader:
-        # A subclass's constructor may take other arguments, or these with other meanings:
-        # what it adds cannot be rebuilt with confidence, so say what is lost.
+        # A subclass (torchdata's StatefulDataLoader, a user's) is built again from its
+        # own arguments, as Lightning builds it around a distributed sampler: what it adds
+        # (a state_dict for mid-epoch resume) is kept.
+        changes = {key: kwargs[key] for key in (*TUNED_KEYS, "timeout", "multiprocessing_context")
+                   if kwargs[key] != getattr(loader, key)}  # fmt: skip
+        if not isinstance(loader.dataset, IterableDataset):  # the same sampler object
+            batching: dict[str, Any] = {"batch_sampler": None, "drop_last": False}
+            if loader.batch_size is not None:  # its own batch sampler, made at `size`
+                batching.update(batch_size=size, drop_last=loader.drop_last)
+            elif loader.batch_sampler is not None:  # the user's batch sampler object
+                batching.update(batch_sampler=loader.batch_sampler, batch_size=1)
+            else:  # automatic batching off
+                batching.update(batch_size=None)
+            sampler = None if batching["batch_sampler"] is not None else loader.sampler
+            changes.update(batching, sampler=sampler, shuffle=False)
+        elif size != loader.batch_size:
+            changes["batch_size"] = size
+        again = _compat.dataloader_built_again(loader, changes)
+        if again is not None:
+            return cast("DataLoader[Any]", again)
+        # Its arguments cannot be recovered, or it takes other ones: say what is lost.
         name = type(loader).__name__
         resumable = callable(getattr(loader, "state_dict", None))
         rank_zero_warn(
-            f"The train loader, a {name}, is rebuilt as a torch DataLoader with the same "
-            f"dataset, sampler, collate_fn and settings; what {name} adds to DataLoader is not "
-            f"kept"
+            f"The train loader, a {name}, cannot be built again from its own arguments (found "
+            f"when it is made in a `*_dataloader` hook, else read from its attributes), so it "
+            f"is rebuilt as a torch DataLoader with the same dataset, sampler, collate_fn and "
+            f"settings; what {name} adds to DataLoader is not kept"
             + (
                 ", its `state_dict` included: a run resumed from a mid-epoch checkpoint "
                 "starts the epoch's order again (samples seen twice, others not at all). "
-                "Checkpoint at epoch ends, or give the loader the tuned settings yourself"
+                "Make it in the hook, checkpoint at epoch ends, or give the loader the tuned "
+                "settings yourself"
                 if resumable
-                else ". Build a plain DataLoader to keep nothing back, or remove the tuner"
+                else ". Make it in the hook, build a plain DataLoader, or remove the tuner"
             )
             + "."
         )

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
@@ -429,16 +431,27 @@ def test_a_fast_dev_run_is_not_tuned() -> None:
 
 
 class Loader(DataLoader):  # type: ignore[type-arg]
-    """A DataLoader subclass: what it adds cannot be rebuilt with confidence."""
+    """A DataLoader subclass, built again as itself at the new size."""
 
 
-def test_a_dataloader_subclass_rebuilt_says_what_is_lost() -> None:
+class Scaled(DataLoader):  # type: ignore[type-arg]
+    """A subclass with an argument it keeps nowhere: it cannot be built again."""
+
+    def __init__(self, dataset: Any, scale: float, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+
+
+def test_a_dataloader_subclass_keeps_its_class_or_says_what_is_lost() -> None:
     model, given, step = _setup()
-    subclassed = Loader(given.dataset, batch_size=4)
-    with pytest.warns(UserWarning, match="a Loader, is rebuilt as a torch DataLoader"):
-        result = tune_micro_batch(model, subclassed, step, candidates=[4, 8],
-                                  measure=fake_measure(SECONDS)[0])  # fmt: skip
+    result = tune_micro_batch(model, Loader(given.dataset, batch_size=4), step,
+                              candidates=[4, 8], measure=fake_measure(SECONDS)[0])  # fmt: skip
+    assert type(result.dataloader) is Loader
+    assert result.dataloader.batch_size == 8
+    with pytest.warns(UserWarning, match="a Scaled, cannot be built again from its own"):
+        result = tune_micro_batch(model, Scaled(given.dataset, 2.0, batch_size=4), step,
+                                  candidates=[4, 8], measure=fake_measure(SECONDS)[0])  # fmt: skip
     assert type(result.dataloader) is DataLoader
+    assert result.dataloader.batch_size == 8
 
 
 def test_nothing_the_tuner_did_shows_in_training() -> None:
@@ -501,8 +514,8 @@ def test_a_validation_interval_of_a_whole_epoch_stays_one_epoch() -> None:
     assert counts.val_every == 9
 
 
-class Stateful(DataLoader):  # type: ignore[type-arg]
-    """A loader Lightning resumes mid-epoch (it has a state_dict)."""
+class Stateful(Scaled):
+    """A loader Lightning resumes mid-epoch (it has a state_dict), not built again."""
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -513,7 +526,7 @@ class Stateful(DataLoader):  # type: ignore[type-arg]
 
 def test_a_stateful_loader_rebuilt_says_a_mid_epoch_resume_is_lost() -> None:
     model, given, step = _setup()
-    stateful = Stateful(given.dataset, batch_size=4)
+    stateful = Stateful(given.dataset, 2.0, batch_size=4)
     with pytest.warns(UserWarning, match="its `state_dict` included: a run resumed from a mid"):
         tune_micro_batch(model, stateful, step, candidates=[4, 8],
                          measure=fake_measure({4: 0.04, 8: 0.02})[0])  # fmt: skip
@@ -652,3 +665,40 @@ def test_memory_limit_on_cuda_is_within_the_device() -> None:
     peaks = [row["peak_bytes"] for row in result.table]
     assert all(p is not None for p in peaks)
     assert peaks == sorted(peaks)
+
+
+class StatefulData(Net):
+    """Net whose train loader is torchdata's StatefulDataLoader, made in the hook."""
+
+    def train_dataloader(self) -> Any:
+        from torchdata.stateful_dataloader import StatefulDataLoader
+
+        return StatefulDataLoader(dataset(64), batch_size=4, shuffle=True,
+                                  generator=torch.Generator().manual_seed(2))  # fmt: skip
+
+
+def test_a_stateful_dataloader_at_the_new_size_resumes_mid_epoch_exactly(tmp_path: Path) -> None:
+    """Kept a StatefulDataLoader, the tuned loader's state goes into the checkpoint."""
+    pytest.importorskip("torchdata.stateful_dataloader", reason="needs torchdata (test extra)")
+
+    def fit(steps: int, ckpt: Path | None = None, every: int | None = None) -> Losses:
+        seen = Losses()
+        tuner = MicroBatchTuner([4, 8], measure=fake_measure({4: 0.04, 8: 0.02})[0],
+                                verbose=False)  # fmt: skip
+        scheduler = AccumulationScheduler(target_global_batch=16, verbose=False)
+        saving = [ModelCheckpoint(tmp_path, every_n_train_steps=every, save_top_k=-1)]
+        run = trainer(steps, [scheduler, tuner, seen, *(saving if every else [])],
+                      enable_checkpointing=every is not None)  # fmt: skip
+        run.fit(StatefulData(), ckpt_path=ckpt)
+        assert type(run.train_dataloader).__name__ == "StatefulDataLoader"
+        assert run.train_dataloader.batch_size == 8  # type: ignore[union-attr]
+        return seen
+
+    whole = fit(8)  # two epochs of 4 steps of 2 micro-batches of 8
+    fit(6, every=6)  # stops, and saves, halfway through the second epoch
+    resumed = fit(8, ckpt=tmp_path / "epoch=1-step=6.ckpt")
+    assert len(whole.batches) == 16
+    assert len(resumed.batches) == 4  # the epoch's last 2 steps, not the whole epoch again
+    for got, expected in zip(resumed.batches, whole.batches[12:], strict=True):
+        assert torch.equal(got[0], expected[0])
+    assert resumed.losses == whole.losses[12:]

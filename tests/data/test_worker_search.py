@@ -446,3 +446,58 @@ def test_measured_workers_never_finalize_this_processs_garbage(tmp_path: Path) -
         assert not log.exists()
     gc.collect()
     assert log.read_text().split() == [str(os.getpid())]
+
+
+def _stateful(**settings: Any) -> Any:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    settings = {"batch_size": 4, **settings}
+    return StatefulDataLoader(SlowDataset(n=40), shuffle=True, snapshot_every_n_steps=1,
+                              generator=torch.Generator().manual_seed(3), **settings)  # fmt: skip
+
+
+def test_a_stateful_dataloader_is_built_again_as_itself_and_resumes_mid_epoch() -> None:
+    """torchdata's StatefulDataLoader keeps its class, arguments and sampler, so a run
+    resumed from a mid-epoch state_dict goes on where it stopped, at the new settings."""
+    pytest.importorskip("torchdata.stateful_dataloader", reason="needs torchdata (test extra)")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    # The epoch the user's own loader gives at the tuned settings (a StatefulDataLoader
+    # draws from its generator differently with workers than without).
+    expected = torch.cat(list(_stateful(num_workers=1, batch_size=8)))
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*rebuilt as a torch DataLoader")
+        rebuilt = rebuild_dataloader(_stateful(), num_workers=1, batch_size=8)
+    assert type(rebuilt) is StatefulDataLoader
+    assert (rebuilt.batch_size, rebuilt.num_workers, rebuilt.snapshot_every_n_steps) == (8, 1, 1)
+    iterator = iter(rebuilt)
+    first = [next(iterator), next(iterator)]
+    state = rebuilt.state_dict()
+    again = rebuild_dataloader(_stateful(), num_workers=1, batch_size=8)
+    again.load_state_dict(state)
+    rest = list(again)  # the epoch's remaining batches, from the state
+    assert [len(b) for b in first + rest] == [8] * 5
+    assert torch.equal(torch.cat(first + rest), expected)
+
+
+class _NeedsAnArgument(DataLoader):  # type: ignore[type-arg]
+    """A subclass with an argument of its own that it keeps nowhere: not recoverable."""
+
+    def __init__(self, dataset: Any, scale: float, **kwargs: Any) -> None:
+        super().__init__(dataset, **kwargs)
+
+
+class _Plain(DataLoader):  # type: ignore[type-arg]
+    pass
+
+
+def test_a_subclass_is_kept_unless_its_arguments_cannot_be_recovered() -> None:
+    dataset = SlowDataset(n=40)
+    kept = rebuild_dataloader(_Plain(dataset, batch_size=4), num_workers=1, batch_size=5)
+    assert type(kept) is _Plain
+    assert (kept.batch_size, kept.num_workers) == (5, 1)
+    assert torch.equal(torch.cat(list(kept)), dataset.data)
+    with pytest.warns(UserWarning, match="a _NeedsAnArgument, cannot be built again from its"):
+        plain = rebuild_dataloader(_NeedsAnArgument(dataset, 2.0, batch_size=4), num_workers=0)
+    assert type(plain) is DataLoader
+    assert torch.equal(torch.cat(list(plain)), dataset.data)
