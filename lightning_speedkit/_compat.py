@@ -146,33 +146,59 @@ def drop_train_loader_change(trainer: L.Trainer, owner: str) -> None:
 def dataloader_built_again(loader: Any, changes: dict[str, Any]) -> Any | None:
     """``loader``'s own class constructed again from its own arguments, but ``changes``.
 
-    Lightning records the arguments a DataLoader, subclass or not, was constructed with
-    when it comes from a ``*_dataloader`` hook (and otherwise reads them back from the
-    loader's attributes): that is how it builds a user's subclass again around a
-    distributed sampler. The sampler object is kept, so is the batch sampler's class.
-    None when the arguments cannot be recovered, or the class takes no argument for one
-    of ``changes``: the caller then builds a torch DataLoader.
-    """
-    from lightning.fabric.utilities.data import _reinstantiate_wrapped_cls
-    from lightning.fabric.utilities.exceptions import MisconfigurationException
-    from lightning.pytorch.utilities.data import _get_dataloader_init_args_and_kwargs
+    The arguments are those Lightning records for a loader made in a ``*_dataloader``
+    hook (``__pl_saved_args``); for a loader made elsewhere, the attributes named as
+    the constructor's parameters, and only when every parameter the class adds to
+    DataLoader's is kept under its own name. The new loader is made the way a hook's
+    is, so that Lightning can build it again around a ``DistributedSampler`` too.
 
-    try:
-        args, kwargs = _get_dataloader_init_args_and_kwargs(loader, loader.sampler)
-    except (MisconfigurationException, TypeError, ValueError):
-        return None
-    names = tuple(getattr(loader, "__pl_saved_arg_names", ()))
-    if len(args) != len(names):  # positional arguments that cannot be named
-        return None
-    kwargs = {**dict(zip(names, args, strict=True)), **kwargs}
-    parameters = inspect.signature(type(loader).__init__).parameters
+    None when the arguments cannot be recovered, the class refuses them, or the loader
+    it makes does not have exactly ``changes`` (a subclass that transforms an argument,
+    ``batch_size * 2``): the caller then builds a torch DataLoader.
+    """
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+    from torch.utils.data import BatchSampler, DataLoader
+
+    cls = type(loader)
+    parameters = inspect.signature(cls.__init__).parameters
+    named = {n: p for n, p in list(parameters.items())[1:]
+             if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}  # fmt: skip
     takes_any = any(p.kind is p.VAR_KEYWORD for p in parameters.values())
-    if not takes_any and not set(changes) <= set(parameters):
+    if hasattr(loader, "__pl_saved_args"):
+        args = tuple(getattr(loader, "__pl_saved_args"))
+        names = tuple(getattr(loader, "__pl_saved_arg_names"))
+        if len(args) != len(names):  # positional arguments that cannot be named
+            return None
+        kwargs = {**dict(zip(names, args, strict=True)), **getattr(loader, "__pl_saved_kwargs")}
+    else:
+        own = set(named) - set(inspect.signature(DataLoader.__init__).parameters)
+        kept = vars(loader)
+        if not own <= set(kept):  # an argument of the subclass's that it keeps nowhere
+            return None
+        readable = {"multiprocessing_context": loader.multiprocessing_context, **kept}
+        kwargs = {n: readable[n] for n in named if n in readable}
+    kwargs.update(changes)
+    if not takes_any and not set(kwargs) <= set(named):
+        return None
+    if any(p.default is p.empty and n not in kwargs for n, p in named.items()):
         return None
     try:
-        return _reinstantiate_wrapped_cls(loader, **{**kwargs, **changes})
-    except (MisconfigurationException, TypeError, ValueError):
+        with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+            again = cls(**kwargs)
+    except (TypeError, ValueError):
         return None
+    placeholders = {"batch_size", "drop_last"} if changes.get("batch_sampler") else set()
+    for key, value in changes.items():
+        if key == "shuffle" or key in placeholders or (value is None and key in _MADE_WHEN_NONE):
+            continue  # the sampler tells `shuffle`, the batch sampler the batch size; defaults
+        made = getattr(again, key, None)
+        if made is not value and made != value:
+            return None
+    return again
+
+
+#: DataLoader arguments that, given as None, the loader fills in itself.
+_MADE_WHEN_NONE = frozenset({"sampler", "batch_sampler", "prefetch_factor"})
 
 
 def metric_state(metric: Any) -> dict[str, Any]:

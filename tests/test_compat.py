@@ -322,14 +322,18 @@ def _attribute(owner: Callable[[], Any], name: str) -> Callable[[], Any]:
     return lambda: getattr(owner(), name)
 
 
-def _saved_arg_names() -> Any:
+def _saved(name: str) -> Callable[[], Any]:
     """What Lightning records of a loader made in a ``*_dataloader`` hook."""
-    from lightning.fabric.utilities.data import _replace_dunder_methods
-    from torch.utils.data import DataLoader
 
-    with _replace_dunder_methods(DataLoader, "dataset"):
-        made = DataLoader(list(range(4)), 2)
-    return getattr(made, "__pl_saved_arg_names", None)
+    def reach() -> Any:
+        from lightning.fabric.utilities.data import _replace_dunder_methods
+        from torch.utils.data import DataLoader
+
+        with _replace_dunder_methods(DataLoader, "dataset"):
+            made = DataLoader(list(range(4)), 2)
+        return getattr(made, name, None)
+
+    return reach
 
 
 # (what reads it, the private name as torch or Lightning spells it, how to reach it)
@@ -341,11 +345,11 @@ PRIVATE_NAMES: list[tuple[str, str, Callable[[], Any]]] = [
      lambda: "_combined_loader" in vars(_trainer().fit_loop) or None),
     ("change_train_loader", "_data_fetcher",
      lambda: "_data_fetcher" in vars(_trainer().fit_loop) or None),
-    ("dataloader_built_again", "_get_dataloader_init_args_and_kwargs",
-     _module_attribute("lightning.pytorch.utilities.data", "_get_dataloader_init_args_and_kwargs")),
-    ("dataloader_built_again", "_reinstantiate_wrapped_cls",
-     _module_attribute("lightning.fabric.utilities.data", "_reinstantiate_wrapped_cls")),
-    ("dataloader_built_again", "__pl_saved_arg_names", _saved_arg_names),
+    ("dataloader_built_again", "_replace_dunder_methods",
+     _module_attribute("lightning.fabric.utilities.data", "_replace_dunder_methods")),
+    ("dataloader_built_again", "__pl_saved_args", _saved("__pl_saved_args")),
+    ("dataloader_built_again", "__pl_saved_kwargs", _saved("__pl_saved_kwargs")),
+    ("dataloader_built_again", "__pl_saved_arg_names", _saved("__pl_saved_arg_names")),
     # torchmetrics (Lightning's)
     ("metric_state", "_defaults", _attribute(lambda: torchmetrics.SumMetric(), "_defaults")),
     ("take_over_accumulation", "_accumulated_batches_reached",

@@ -18,10 +18,12 @@ def garbage_kept_from_children() -> Iterator[None]:
     threads that only the parent has, and the worker hangs before its first batch.
     ``gc.freeze`` moves every object to where no collection looks, for the moment of the
     fork; ``gc.unfreeze`` gives them back to this process's collector after, which
-    finalizes them here as it would have. A program that freezes objects itself is left
-    to it.
+    finalizes them here as it would have. A program that freezes objects itself (as
+    Python's documentation suggests before forking) keeps its frozen set: the garbage is
+    then collected here, before the fork, instead.
     """
     if gc.get_freeze_count():
+        gc.collect()
         yield
         return
     gc.freeze()

@@ -355,11 +355,16 @@ def test_warm_workers_never_finalize_this_processs_garbage(tmp_path: Path) -> No
     assert gc.get_freeze_count() == 0  # every object back with this process's collector
 
 
-def test_warm_leaves_a_programs_own_frozen_objects_frozen() -> None:
+def test_warm_leaves_a_programs_own_frozen_objects_frozen(tmp_path: Path) -> None:
+    """It collects the garbage here, before the fork, instead."""
+    log = tmp_path / "finalized_in"
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
-        assert SampleCache(Counting()).warm(num_workers=1, progress=False) == 10
+        with uncollected_garbage(log):
+            cached = SampleCache(Collecting())
+            assert cached.warm(num_workers=1, progress=False) == 10
         assert gc.get_freeze_count() == frozen
+        assert log.read_text().split() == [str(os.getpid())]  # finalized here, not in a worker
     finally:
         gc.unfreeze()

@@ -501,3 +501,62 @@ def test_a_subclass_is_kept_unless_its_arguments_cannot_be_recovered() -> None:
         plain = rebuild_dataloader(_NeedsAnArgument(dataset, 2.0, batch_size=4), num_workers=0)
     assert type(plain) is DataLoader
     assert torch.equal(torch.cat(list(plain)), dataset.data)
+
+
+class _Doubling(DataLoader):  # type: ignore[type-arg]
+    """Transforms an argument: built again, it would not be the loader asked for."""
+
+    def __init__(self, dataset: Any, batch_size: int = 1, **kwargs: Any) -> None:
+        super().__init__(dataset, batch_size=batch_size * 2, **kwargs)
+
+
+def test_a_subclass_that_transforms_an_argument_gets_exactly_the_tuned_settings() -> None:
+    dataset = SlowDataset(n=40)
+    with pytest.warns(UserWarning, match="a _Doubling, cannot be built again"):
+        rebuilt = rebuild_dataloader(_Doubling(dataset, batch_size=2), num_workers=0, batch_size=8)
+    assert rebuilt.batch_size == 8
+
+
+def test_a_subclass_from_a_hook_is_made_again_as_the_hook_made_it() -> None:
+    """Lightning can then build it again around its DistributedSampler, as under DDP."""
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+    from lightning.pytorch.utilities.data import _update_dataloader
+    from torch.utils.data import BatchSampler
+
+    dataset = SlowDataset(n=40)
+    with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+        made = _NeedsAnArgument(dataset, 2.0, batch_size=4)  # as in a *_dataloader hook
+    rebuilt = rebuild_dataloader(made, num_workers=1, batch_size=5)
+    assert type(rebuilt) is _NeedsAnArgument
+    ranks = DistributedSampler(dataset, num_replicas=2, rank=1, shuffle=False)
+    ranked = _update_dataloader(rebuilt, ranks)
+    assert type(ranked) is _NeedsAnArgument
+    assert (ranked.batch_size, ranked.num_workers) == (5, 1)
+    assert torch.equal(torch.cat(list(ranked)), dataset.data[1::2])
+
+
+class _Pairs:
+    """A batch sampler of the user's that is not a torch BatchSampler."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self) -> Any:
+        return iter([[i, i + 1] for i in range(0, self.n, 2)])
+
+    def __len__(self) -> int:
+        return self.n // 2
+
+
+def test_a_stateful_dataloader_over_a_users_batch_sampler_is_kept() -> None:
+    pytest.importorskip("torchdata.stateful_dataloader", reason="needs torchdata (test extra)")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    dataset, pairs = SlowDataset(n=40), _Pairs(40)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*rebuilt as a torch DataLoader")
+        rebuilt = rebuild_dataloader(StatefulDataLoader(dataset, batch_sampler=pairs),
+                                     num_workers=1)  # fmt: skip
+    assert type(rebuilt) is StatefulDataLoader
+    assert rebuilt.batch_sampler is pairs
+    assert torch.equal(torch.cat(list(rebuilt)), dataset.data)
