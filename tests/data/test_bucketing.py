@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import random
+from typing import Any
 
 import pytest
 import torch
@@ -101,3 +102,30 @@ def test_bad_arguments_are_refused(kwargs: dict[str, int], argument: str) -> Non
     args = {"batch_size": 4, **kwargs}
     with pytest.raises(SpeedkitConfigError, match=f"`{argument}`"):
         LengthBucketBatchSampler(list(range(20)), **args)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_in_a_stateful_dataloader_a_mid_epoch_resume_serves_the_rest_of_the_epoch(
+    rank: int,
+) -> None:
+    """Its batches depend only on the seed and the epoch: torchdata moves it past those
+    already served, so the resumed epoch is exactly what the interrupted run had left."""
+    pytest.importorskip("torchdata.stateful_dataloader", reason="needs torchdata (test extra)")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    lengths = torch.randint(1, 50, (64,), generator=torch.Generator().manual_seed(0))
+
+    def loader() -> Any:
+        batches = LengthBucketBatchSampler(lengths, batch_size=4, num_replicas=2, rank=rank,
+                                           shuffle=True, seed=5)  # fmt: skip
+        batches.set_epoch(3)  # as Lightning does at the resumed epoch
+        return StatefulDataLoader(range(64), batch_sampler=batches)
+
+    epoch = [batch.tolist() for batch in loader()]
+    interrupted = loader()
+    served = iter(interrupted)
+    first = [next(served).tolist() for _ in range(3)]
+    resumed = loader()
+    resumed.load_state_dict(interrupted.state_dict())
+    assert first + [batch.tolist() for batch in resumed] == epoch
+    assert len(epoch) == 8
