@@ -201,16 +201,7 @@ def rebuild_dataloader(
         **_settings(loader),
         **settings,
     }
-    if isinstance(loader.dataset, IterableDataset):
-        kwargs.update(batch_size=size, drop_last=loader.drop_last)
-    elif loader.batch_size is None and loader.batch_sampler is None:
-        kwargs.update(batch_size=None, sampler=loader.sampler)  # automatic batching off
-    elif loader.batch_size is not None:
-        # Spelled out rather than passed as a batch_sampler, so that Lightning, which reads
-        # batch_size and sampler back to inject a DistributedSampler, sees them.
-        kwargs.update(sampler=loader.sampler, batch_size=size, drop_last=loader.drop_last)
-    else:
-        kwargs["batch_sampler"] = loader.batch_sampler
+    kwargs.update(_batching(loader, size))
     if _TAKES_IN_ORDER:
         kwargs["in_order"] = getattr(loader, "in_order", True)
     if kwargs["num_workers"] == 0:  # options DataLoader refuses without workers
@@ -224,18 +215,7 @@ def rebuild_dataloader(
         # (a state_dict for mid-epoch resume) is kept.
         changes = {key: kwargs[key] for key in (*TUNED_KEYS, "timeout", "multiprocessing_context")
                    if kwargs[key] != getattr(loader, key)}  # fmt: skip
-        if not isinstance(loader.dataset, IterableDataset):  # the same sampler object
-            batching: dict[str, Any] = {"batch_sampler": None, "drop_last": False}
-            if loader.batch_size is not None:  # its own batch sampler, made at `size`
-                batching.update(batch_size=size, drop_last=loader.drop_last)
-            elif loader.batch_sampler is not None:  # the user's batch sampler object
-                batching.update(batch_sampler=loader.batch_sampler, batch_size=1)
-            else:  # automatic batching off
-                batching.update(batch_size=None)
-            sampler = None if batching["batch_sampler"] is not None else loader.sampler
-            changes.update(batching, sampler=sampler, shuffle=False)
-        elif size != loader.batch_size:
-            changes["batch_size"] = size
+        changes.update(_batching(loader, size))
         again = _compat.dataloader_built_again(loader, changes)
         if again is not None:
             return cast("DataLoader[Any]", again)
@@ -261,6 +241,22 @@ def rebuild_dataloader(
 
 
 _TAKES_IN_ORDER = "in_order" in inspect.signature(DataLoader).parameters  # torch >= 2.6
+
+
+def _batching(loader: DataLoader[Any], size: int | None) -> dict[str, Any]:
+    """The arguments that batch as ``loader`` does, at ``size``: the same sampler or
+    batch sampler object, every one spelled out (a subclass's own defaults may differ)."""
+    if isinstance(loader.dataset, IterableDataset):
+        return {"batch_size": size, "drop_last": loader.drop_last}
+    batching: dict[str, Any] = {"sampler": loader.sampler, "batch_sampler": None, "shuffle": False,
+                "batch_size": None, "drop_last": False}  # fmt: skip
+    if loader.batch_size is not None:
+        # Spelled out rather than passed as a batch_sampler, so that Lightning, which reads
+        # batch_size and sampler back to inject a DistributedSampler, sees them.
+        batching.update(batch_size=size, drop_last=loader.drop_last)
+    elif loader.batch_sampler is not None:  # the user's batch sampler object
+        batching.update(sampler=None, batch_sampler=loader.batch_sampler, batch_size=1)
+    return batching  # else automatic batching off
 
 
 # --- measuring one candidate -------------------------------------------------------------
