@@ -13,6 +13,25 @@ from lightning_speedkit.errors import SpeedkitConfigError
 __all__ = ["LengthBucketBatchSampler"]
 
 
+class _EpochHolder(Sampler[int]):
+    """Where a :class:`LengthBucketBatchSampler` keeps its epoch when it has no
+    ``DistributedSampler``: it sits at ``batch_sampler.sampler``, where Lightning calls
+    ``set_epoch``. Iterating it gives the indices in order; nothing draws from it."""
+
+    def __init__(self, num_samples: int) -> None:
+        self.num_samples = num_samples
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.num_samples))
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
 class LengthBucketBatchSampler(BatchSampler):
     """Batches of samples of similar length, so that padding to the longest wastes little.
 
@@ -40,7 +59,15 @@ class LengthBucketBatchSampler(BatchSampler):
             batch contents less random. 50 is a good start.
         sampler: set by Lightning when it injects a ``DistributedSampler`` (it does so
             for batch samplers built inside ``train_dataloader()``); only its
-            ``num_replicas`` and ``rank`` are used, the order stays ours.
+            ``num_replicas``, ``rank`` and ``epoch`` are used, the order stays ours.
+            Any other sampler is ignored.
+
+    The epoch lives on ``self.sampler``, not on the batch sampler: Lightning calls
+    ``set_epoch`` on ``loader.sampler`` and ``loader.batch_sampler.sampler`` at each
+    epoch, never on the batch sampler itself. So ``self.sampler`` is the injected
+    ``DistributedSampler`` under DDP (Lightning sets its epoch on every rank), and
+    otherwise a small epoch holder of ours that Lightning finds there. ``set_epoch``
+    on the batch sampler sets that same epoch, so calling it by hand works too.
 
     Example::
 
@@ -85,8 +112,11 @@ class LengthBucketBatchSampler(BatchSampler):
                 f"{len(lengths)} samples cannot give each of {num_replicas} ranks a batch; "
                 f"use fewer ranks or more data."
             )
-        # BatchSampler's __init__ wants a sampler to draw from; this class orders by itself.
-        self.sampler = sampler  # type: ignore[assignment]
+        # BatchSampler's __init__ wants a sampler to draw from; this class orders by itself
+        # and keeps only its epoch there (see the class docstring).
+        self.sampler: DistributedSampler[int] | _EpochHolder = (
+            sampler if isinstance(sampler, DistributedSampler) else _EpochHolder(len(lengths))
+        )
         self.lengths = torch.as_tensor(lengths, dtype=torch.long)
         self.batch_size = batch_size
         self.num_replicas = num_replicas
@@ -95,12 +125,21 @@ class LengthBucketBatchSampler(BatchSampler):
         self.seed = seed
         self.drop_last = drop_last
         self.pool_batches = pool_batches
-        self.epoch = 0
         self._built: tuple[int, list[list[int]]] | None = None  # (epoch, its batches)
 
+    @property
+    def epoch(self) -> int:
+        """The epoch the batches are built for: ``self.sampler``'s, which Lightning sets."""
+        return self.sampler.epoch
+
+    @epoch.setter
+    def epoch(self, epoch: int) -> None:
+        self.set_epoch(epoch)
+
     def set_epoch(self, epoch: int) -> None:
-        """Lightning calls this at each epoch; the batches change with it."""
-        self.epoch = epoch
+        """Build the batches of ``epoch``. Lightning sets the epoch through ``self.sampler``
+        (it never calls this); call it by hand where nothing else does."""
+        self.sampler.set_epoch(epoch)
 
     def _all_batches(self) -> list[list[int]]:
         """This epoch's batches, built once (Lightning asks for the length several times)."""
@@ -112,6 +151,14 @@ class LengthBucketBatchSampler(BatchSampler):
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         n = len(self.lengths)
         order = torch.randperm(n, generator=generator) if self.shuffle else torch.arange(n)
+        if self.drop_last:
+            # Drop before sorting, from the end of the shuffled order: which samples go
+            # changes with the epoch and does not depend on their length (sorted pools'
+            # tails, dropped after sorting, would be the longest samples every epoch).
+            # What is left fills whole batches, as many on every rank.
+            kept = n // self.batch_size // self.num_replicas * self.num_replicas
+            order = order[: kept * self.batch_size]
+            n = len(order)
         pool = self.batch_size * self.pool_batches
         batches: list[list[int]] = []
         for start in range(0, n, pool):
@@ -122,10 +169,7 @@ class LengthBucketBatchSampler(BatchSampler):
                 chunk[i : i + self.batch_size].tolist()
                 for i in range(0, len(chunk), self.batch_size)
             )
-        if self.drop_last:
-            batches = [b for b in batches if len(b) == self.batch_size]
-            batches = batches[: len(batches) - len(batches) % self.num_replicas]
-        else:
+        if not self.drop_last:
             while len(batches) % self.num_replicas:
                 largest = max(range(len(batches)), key=lambda i: len(batches[i]))
                 if len(batches[largest]) < 2:

@@ -129,3 +129,96 @@ def test_in_a_stateful_dataloader_a_mid_epoch_resume_serves_the_rest_of_the_epoc
     resumed.load_state_dict(interrupted.state_dict())
     assert first + [batch.tolist() for batch in resumed] == epoch
     assert len(epoch) == 8
+
+
+def _fit_and_record_batches(epochs: int) -> dict[int, list[list[int]]]:
+    """Fit a tiny model for ``epochs`` epochs on a bucketed loader and record its batches."""
+    import lightning as L
+    from torch.utils.data import DataLoader
+
+    class Recorder(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = torch.nn.Linear(1, 1)
+            self.seen: dict[int, list[list[int]]] = {}
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            self.seen.setdefault(self.current_epoch, []).append(batch.tolist())
+            return self.layer(batch.float().unsqueeze(1)).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.0)
+
+    lengths = [i % 7 + 1 for i in range(40)]
+    batches = LengthBucketBatchSampler(lengths, batch_size=4, shuffle=True, seed=0)
+    model = Recorder()
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_epochs=epochs, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)  # fmt: skip
+    trainer.fit(model, DataLoader(range(40), batch_sampler=batches))
+    return model.seen
+
+
+def test_under_a_trainer_every_epoch_gets_new_batches() -> None:
+    """Lightning sets the epoch on ``batch_sampler.sampler``, never on the batch sampler."""
+    seen = _fit_and_record_batches(epochs=3)
+    assert sorted(seen) == [0, 1, 2]
+    assert seen[0] != seen[1]
+    assert seen[1] != seen[2]
+    assert seen[0] != seen[2]
+    for epoch, batches in seen.items():  # each epoch still every sample once, as set_epoch gives
+        expected = LengthBucketBatchSampler([i % 7 + 1 for i in range(40)], 4, seed=0)
+        expected.set_epoch(epoch)
+        assert batches == list(expected)
+
+
+def test_with_the_distributed_sampler_lightning_injects_every_epoch_gets_new_batches() -> None:
+    """Under DDP Lightning rebuilds the batch sampler around a ``DistributedSampler`` and
+    sets that sampler's epoch on every rank (what ``Trainer(strategy="ddp")`` does, in
+    process: the same Lightning functions, without spawning ranks)."""
+    from lightning.fabric.utilities.data import _replace_dunder_methods, _set_sampler_epoch
+    from lightning.pytorch.utilities.data import _update_dataloader
+    from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
+
+    lengths = [random.Random(0).randint(1, 60) for _ in range(101)]
+    with _replace_dunder_methods(BatchSampler):  # as Lightning builds train_dataloader()
+        loader = DataLoader(range(101), batch_sampler=LengthBucketBatchSampler(lengths, 8))
+    injected = [
+        DistributedSampler(range(101), num_replicas=2, rank=r, shuffle=False) for r in (0, 1)
+    ]
+    ranks = [_update_dataloader(loader, sampler) for sampler in injected]
+    per_epoch = []
+    for epoch in range(3):
+        for rank_loader in ranks:
+            _set_sampler_epoch(rank_loader, epoch)  # what the fit loop does at each epoch
+        per_rank = [[b.tolist() for b in rank_loader] for rank_loader in ranks]
+        assert len(per_rank[0]) == len(per_rank[1])
+        flat = [i for rank in per_rank for b in rank for i in b]
+        assert sorted(flat) == list(range(101))  # disjoint across ranks, every sample once
+        per_epoch.append(per_rank)
+    assert per_epoch[0] != per_epoch[1] != per_epoch[2] != per_epoch[0]
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_drop_last_drops_random_samples_not_the_longest(replicas: int) -> None:
+    """Like a shuffled DataLoader's drop_last: the dropped remainder changes with the epoch
+    and does not favour long samples (sorted pools' tails are the longest)."""
+    lengths = list(range(1, 31))  # sample i has length i + 1
+    dropped_lengths: list[int] = []
+    dropped_sets = set()
+    for epoch in range(40):
+        kept: list[int] = []
+        for s in [LengthBucketBatchSampler(lengths, 4, num_replicas=replicas, rank=r,
+                                           drop_last=True) for r in range(replicas)]:  # fmt: skip
+            s.set_epoch(epoch)
+            rank_batches = list(s)
+            assert all(len(b) == 4 for b in rank_batches)
+            kept.extend(i for b in rank_batches for i in b)
+        assert len(kept) == len(set(kept)) == 30 // (4 * replicas) * 4 * replicas
+        dropped = set(range(30)) - set(kept)
+        dropped_sets.add(frozenset(dropped))
+        dropped_lengths.extend(lengths[i] for i in dropped)
+    assert len(dropped_sets) > 20
+    # A fair draw drops lengths averaging 15.5; always the longest would average 28 or more.
+    assert 11 < sum(dropped_lengths) / len(dropped_lengths) < 20
+    assert min(dropped_lengths) <= 3
