@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import math
+import operator
 import pickle
+import sys
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 from tqdm.auto import tqdm
 
 from lightning_speedkit import _compat, _validation
@@ -20,7 +24,9 @@ __all__ = ["SampleCache", "sample_nbytes"]
 
 
 def sample_nbytes(sample: Any) -> int:
-    """Bytes of the tensors (and numpy arrays, bytes) in a sample, nested containers included."""
+    """Bytes a sample holds: its tensors', numpy arrays' and images' data, and each other
+    object's own size (``sys.getsizeof``: a token id, a string), through nested lists,
+    tuples, dicts and dataclasses (counted by what they hold)."""
     if isinstance(sample, torch.Tensor):
         return sample.element_size() * sample.nelement()
     if isinstance(sample, (bytes, bytearray)):
@@ -28,11 +34,20 @@ def sample_nbytes(sample: Any) -> int:
     nbytes = getattr(sample, "nbytes", None)  # numpy arrays
     if isinstance(nbytes, int):
         return nbytes
+    if isinstance(sample, Image.Image):  # torchvision-style datasets' samples
+        return sample.width * sample.height * _PIXEL_BYTES.get(sample.mode, 4)
     if isinstance(sample, Mapping):
         return sum(sample_nbytes(v) for v in sample.values())
     if isinstance(sample, Sequence) and not isinstance(sample, str):
         return sum(sample_nbytes(v) for v in sample)
-    return 0
+    if dataclasses.is_dataclass(sample) and not isinstance(sample, type):
+        return sum(sample_nbytes(getattr(sample, f.name)) for f in dataclasses.fields(sample))
+    return sys.getsizeof(sample)
+
+
+#: Bytes per pixel Pillow keeps for an image mode: one for one-byte modes, two for 16-bit
+#: ones, and four for the rest (RGB and the other multi-band modes are stored four wide).
+_PIXEL_BYTES = {"1": 1, "L": 1, "P": 1, "I;16": 2, "I;16L": 2, "I;16B": 2, "I;16N": 2}
 
 
 class SampleCache(Dataset[Any]):
@@ -55,15 +70,17 @@ class SampleCache(Dataset[Any]):
       workers is skipped, they start empty), so memory is up to one cache per worker
       and each warms up separately. It pays most where the loader runs in-process,
       or with few persistent workers.
-    - ``max_bytes`` bounds the tensor bytes held per process; samples beyond it are
-      read from the dataset each time. ``None``: no bound.
+    - ``max_bytes`` bounds the bytes held per process (:func:`sample_nbytes`: tensors,
+      arrays and images by their data, other objects by their size, a list of token
+      ids included); samples beyond it are read from the dataset each time.
+      ``None``: no bound.
     - In-process, the first epoch still decodes one sample after another between
       steps. :meth:`warm` reads the samples ahead of training in parallel worker
       processes instead, so that every epoch runs at the cache's speed.
 
     Args:
         dataset: a map-style dataset (``__getitem__`` and ``__len__``).
-        max_bytes: most bytes of sample tensors to keep per process, or None.
+        max_bytes: most bytes of samples to keep per process, or None.
 
     Example::
 
@@ -82,7 +99,11 @@ class SampleCache(Dataset[Any]):
     """
 
     def __init__(self, dataset: Dataset[Any], max_bytes: int | None = None) -> None:
-        if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        if (
+            isinstance(dataset, IterableDataset)
+            or not hasattr(dataset, "__len__")
+            or not hasattr(dataset, "__getitem__")
+        ):
             raise SpeedkitConfigError(
                 f"SampleCache needs a map-style dataset (__getitem__ and __len__); got a "
                 f"{type(dataset).__name__}. Iterable datasets have no index to cache by."
@@ -107,16 +128,18 @@ class SampleCache(Dataset[Any]):
         return len(self.dataset)
 
     def __getitem__(self, index: int) -> Any:
+        key = _key(index)
         try:
-            sample = self._samples[index]
-        except KeyError:
+            sample = self._samples[key]
+        except (KeyError, TypeError):  # not kept yet; an index that is no key (a list)
             pass
         else:
             self.hits += 1
             return sample
         self.misses += 1
         sample = self.dataset[index]
-        self._keep(index, sample)
+        if _hashable(key):
+            self._keep(key, sample)
         return sample
 
     def _keep(self, index: int, sample: Any) -> bool:
@@ -251,6 +274,33 @@ class SampleCache(Dataset[Any]):
         return getattr(self.dataset, name)
 
 
+def _key(index: Any) -> Any:
+    """What a sample is kept under: ``3``, ``np.int64(3)`` and ``torch.tensor(3)`` alike.
+
+    Samplers yield indices of all three kinds (``SubsetRandomSampler`` over
+    ``torch.where(mask)[0]``, a permutation tensor as the sampler); a tensor hashes by
+    identity, so kept under itself it would never be found again, and the cache would
+    grow at every read.
+    """
+    if isinstance(index, int):
+        return index
+    try:
+        return operator.index(index)
+    except TypeError:  # not an integer: a key of the dataset's own (a str, a tuple)
+        return index
+
+
+def _hashable(key: Any) -> bool:
+    """Whether ``key`` can be kept under: hashable, and not by identity (a tensor)."""
+    if isinstance(key, torch.Tensor):
+        return False
+    try:
+        hash(key)
+    except TypeError:
+        return False
+    return True
+
+
 class _Indexed(Dataset[tuple[int, Any]]):
     """The dataset's samples at ``indices``, each with its index (for :meth:`SampleCache.warm`)."""
 
@@ -274,23 +324,37 @@ class _Indexed(Dataset[tuple[int, Any]]):
 
 
 class _ByValue(pickle.Pickler):
-    """Pickles CPU tensors as numpy arrays: their bytes in one piece, not a torch.save each."""
+    """Pickles CPU tensors as numpy arrays: their bytes in one piece, not a torch.save each.
+
+    A dtype numpy lacks (bfloat16, the float8s) travels as its raw bytes. torch's own
+    pickling is not used for these either: in torch 2.13 it fails on uint16, uint32,
+    uint64 and the float8s ("UntypedStorage has no attribute dtype"), which a
+    nanoGPT-style dataset of uint16 token ids would hit.
+    """
 
     def reducer_override(self, obj: Any) -> Any:
         if (
-            type(obj) is torch.Tensor
-            and obj.device.type == "cpu"
-            and not obj.requires_grad
-            and obj.layout == torch.strided
-            and obj.dtype in _NUMPY_DTYPES
+            type(obj) is not torch.Tensor
+            or obj.device.type != "cpu"
+            or obj.requires_grad
+            or obj.layout != torch.strided
+            or obj.is_quantized
         ):
+            return NotImplemented
+        if obj.dtype in _NUMPY_DTYPES:
             return torch.from_numpy, (obj.numpy(),)
-        return NotImplemented
+        raw = obj.contiguous().reshape(-1).view(torch.uint8).numpy()
+        return _from_bytes, (raw, obj.dtype, tuple(obj.shape))
+
+
+def _from_bytes(raw: Any, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
+    return torch.from_numpy(raw).view(dtype).reshape(shape)
 
 
 _NUMPY_DTYPES = {
     torch.float64, torch.float32, torch.float16, torch.int64, torch.int32, torch.int16,
-    torch.int8, torch.uint8, torch.bool, torch.complex64, torch.complex128,
+    torch.int8, torch.uint8, torch.uint16, torch.uint32, torch.uint64, torch.bool,
+    torch.complex64, torch.complex128,
 }  # fmt: skip
 
 

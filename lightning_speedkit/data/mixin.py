@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import multiprocessing
+import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -81,7 +83,7 @@ class SpeedDataModuleMixin:
             lengths: per-sample lengths; turns on length bucketing.
             seed: bucketing's base seed (the same on every rank).
             cache: keep samples in memory after their first read: True, or the most
-                bytes of sample tensors per process (see :class:`SampleCache` for
+                bytes of samples per process (see :class:`SampleCache` for
                 what the dataset must promise).
             warm_cache: with ``cache``, read every sample into it now, in one worker
                 process per core this rank may use (the machine's cores shared among
@@ -110,7 +112,10 @@ class SpeedDataModuleMixin:
         tuned = dict(getattr(self, "speed_loader_kwargs", None) or {})
         options = {**kwargs, **tuned}
         if cache is not False:
-            cached = self._sample_cache(dataset, None if cache is True else cache)
+            # The caller (the hook that builds this loader) keeps its latest cache alive.
+            code = sys._getframe(1).f_code
+            site = (code.co_filename, code.co_firstlineno, code.co_name)
+            cached = self._sample_cache(dataset, None if cache is True else cache, site)
             if warm_cache and self._warming_reaches_the_loader(options):
                 cores = cpu_budget(self._local_ranks())
                 cached.warm(
@@ -173,12 +178,42 @@ class SpeedDataModuleMixin:
         trainer = getattr(self, "trainer", None)
         return bool(getattr(trainer, "is_global_zero", True)) if trainer else True
 
-    def _sample_cache(self, dataset: Dataset[Any], max_bytes: int | None) -> SampleCache:
-        """The one cache of ``dataset``, made on first use (so reloaded loaders reuse it)."""
+    def _sample_cache(
+        self, dataset: Dataset[Any], max_bytes: int | None, site: object = None
+    ) -> SampleCache:
+        """The one cache of ``dataset``, made on first use (so reloaded loaders reuse it).
+
+        Each call site (the hook that builds the loader) holds its latest cache, and any
+        loader built over a cache holds that one; nothing else does. So a hook that makes
+        the same dataset's loader again (a reload) finds its cache, and one that makes a
+        new dataset at each reload (a curriculum) lets the last one's cache go with its
+        loader: memory holds one cache per hook, not one per reload.
+        """
         if isinstance(dataset, SampleCache):
             return dataset
-        caches: dict[int, SampleCache] = self.__dict__.setdefault("_speed_sample_caches", {})
-        cached = caches.get(id(dataset))
+        caches: _Caches = self.__dict__.setdefault("_speed_sample_caches", _Caches())
+        cached = caches.by_dataset.get(id(dataset))
         if cached is None or cached.dataset is not dataset or cached.max_bytes != max_bytes:
-            cached = caches[id(dataset)] = SampleCache(dataset, max_bytes=max_bytes)
+            cached = caches.by_dataset[id(dataset)] = SampleCache(dataset, max_bytes=max_bytes)
+        caches.latest[site] = cached
         return cached
+
+
+class _Caches:
+    """A DataModule's sample caches: by dataset (weakly), and the latest per call site.
+
+    A copy sent to another process (``ddp_spawn`` pickles the DataModule) starts empty,
+    as a :class:`SampleCache` sent to a worker does.
+    """
+
+    def __init__(self) -> None:
+        self.by_dataset: weakref.WeakValueDictionary[int, SampleCache] = (
+            weakref.WeakValueDictionary()
+        )
+        self.latest: dict[object, SampleCache] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]

@@ -6,12 +6,16 @@ import gc
 import multiprocessing
 import os
 import pickle
+import sys
+import weakref
 from pathlib import Path
 from typing import Any
 
 import lightning as L
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from torch.utils.data import Dataset, IterableDataset
 
 from lightning_speedkit.data import SampleCache, SpeedDataModuleMixin
@@ -36,7 +40,7 @@ class Counting(Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         self.reads += 1
-        return {"x": torch.full((16,), float(i)), "y": torch.tensor(i)}
+        return {"x": torch.full((16,), float(i)), "y": torch.tensor(int(i))}
 
 
 def _epoch(loader: torch.utils.data.DataLoader[Any]) -> list[torch.Tensor]:
@@ -204,8 +208,14 @@ def test_bad_input_is_refused_clearly() -> None:
         def __iter__(self) -> Any:
             yield 1
 
+    class SizedStream(Stream):  # webdataset-style: a length, and no index to cache by
+        def __len__(self) -> int:
+            return 1
+
     with pytest.raises(SpeedkitConfigError, match="map-style"):
         SampleCache(Stream())
+    with pytest.raises(SpeedkitConfigError, match="map-style"):
+        SampleCache(SizedStream())
     for bad in (-1, 1.5, True):
         with pytest.raises(SpeedkitConfigError, match="max_bytes"):
             SampleCache(Counting(), max_bytes=bad)  # type: ignore[arg-type]
@@ -218,8 +228,71 @@ def test_bad_input_is_refused_clearly() -> None:
 
 
 def test_sample_nbytes_counts_nested_tensors_and_bytes() -> None:
-    sample = {"a": torch.zeros(4, dtype=torch.float16), "b": [torch.zeros(2), b"abc"], "c": "t"}
+    sample = {"a": torch.zeros(4, dtype=torch.float16), "b": [torch.zeros(2), b"abc"]}
     assert sample_nbytes(sample) == 8 + 8 + 3
+
+
+def test_sample_nbytes_counts_what_tokenizers_and_image_datasets_return() -> None:
+    """A tokenizer's lists of ids, a string, a PIL image: none of it is free."""
+    ids = list(range(1000, 1100))
+    assert sample_nbytes({"input_ids": ids}) == sum(sys.getsizeof(i) for i in ids)
+    assert sample_nbytes("caption") == sys.getsizeof("caption")
+    assert sample_nbytes((Image.new("RGB", (32, 16)), 3)) == 32 * 16 * 4 + sys.getsizeof(3)
+    assert sample_nbytes(Image.new("L", (32, 16))) == 32 * 16
+    cached = SampleCache(Tokens(), max_bytes=3 * sample_nbytes(Tokens()[0]))
+    for _ in range(2):
+        for i in range(10):
+            cached[i]
+    assert len(cached._samples) == 3  # the budget binds: before, lists counted 0 bytes
+
+
+class Tokens(Dataset[dict[str, list[int]]]):
+    def __len__(self) -> int:
+        return 10
+
+    def __getitem__(self, i: int) -> dict[str, list[int]]:
+        return {"input_ids": [1000 + i] * 50}
+
+
+@pytest.mark.parametrize(
+    "indices",
+    [
+        torch.randperm(10),  # a permutation tensor as the sampler
+        torch.where(torch.arange(10) % 2 == 0)[0],  # SubsetRandomSampler's usual indices
+        np.arange(10),
+    ],
+    ids=["tensor", "subset", "numpy"],
+)
+def test_indices_of_any_integer_kind_find_their_sample(indices: Any) -> None:
+    """A 0-d tensor hashes by identity: kept under itself, no read would ever hit."""
+    data = Counting()
+    cached = SampleCache(data)
+    loader = torch.utils.data.DataLoader(cached, batch_size=2, sampler=indices)
+    first, second = _epoch(loader), _epoch(loader)
+    assert all(torch.equal(a, b) for a, b in zip(first, second, strict=True))
+    assert data.reads == len(indices)
+    assert (cached.hits, len(cached._samples)) == (len(indices), len(indices))
+    assert sorted(cached._samples) == sorted(int(i) for i in indices)
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.uint32, torch.uint64,
+                                   torch.bfloat16, torch.float8_e4m3fn])  # fmt: skip
+def test_warm_sends_dtypes_that_torchs_own_pickling_fails_on(dtype: torch.dtype) -> None:
+    """nanoGPT-style token ids in uint16: torch 2.13's pickling of them raises."""
+
+    class Ids(Dataset[torch.Tensor]):
+        def __len__(self) -> int:
+            return 8
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            return torch.arange(i, i + 6).to(dtype).reshape(2, 3)
+
+    cached = SampleCache(Ids())
+    assert cached.warm(num_workers=2, chunk_size=4, progress=False) == 8
+    for i in range(8):
+        sample = cached._samples[i]
+        assert (sample.dtype, sample.shape) == (dtype, (2, 3))
+        assert torch.equal(sample.float(), Ids()[i].float())
 
 
 class Data(SpeedDataModuleMixin, L.LightningDataModule):
@@ -245,6 +318,28 @@ def test_the_mixin_keeps_one_cache_across_reloaded_loaders() -> None:
     # shuffled epochs see every sample once each, whatever the order
     firsts = torch.cat(_epoch(dm.train_dataloader()))[:, 0]
     assert sorted(firsts.tolist()) == [float(i) for i in range(10)]
+
+
+class Curriculum(Data):
+    """A new dataset at every reload, as a curriculum makes."""
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader[Any]:
+        self.data = Counting()
+        return super().train_dataloader()
+
+
+def test_the_mixin_lets_a_replaced_datasets_cache_go() -> None:
+    dm = Curriculum(cache=True)
+    loaders = [dm.train_dataloader() for _ in range(3)]
+    caches = [weakref.ref(loader.dataset) for loader in loaders]
+    for loader in loaders:
+        _epoch(loader)
+    del loaders, loader
+    gc.collect()
+    # the hook's latest cache stays for its next reload; the older ones went with their
+    # loaders (before, every reload's cache was kept for the DataModule's life)
+    assert [cache() is not None for cache in caches] == [False, False, True]
+    assert pickle.loads(pickle.dumps(dm)).speed_dataloader(dm.data, batch_size=4, cache=True)
 
 
 def test_the_mixin_warms_the_cache_once_before_the_first_batch() -> None:
@@ -333,12 +428,12 @@ def test_training_on_cached_samples_follows_the_same_trajectory(small_corpus: Pa
     cached, data = _fit(CachedVLMData, small_corpus)
     assert len(plain) == 2 * SMALL_CORPUS.train_samples // 8
     assert cached == plain  # bitwise: the same samples in the same order
-    (cache,) = data.__dict__["_speed_sample_caches"].values()
+    (cache,) = data.__dict__["_speed_sample_caches"].latest.values()
     assert (cache.misses, cache.hits) == (SMALL_CORPUS.train_samples,) * 2
     # decoded ahead in worker processes: every epoch from the cache, the same trajectory
     warmed, data = _fit(WarmedVLMData, small_corpus)
     assert warmed == plain
-    (cache,) = data.__dict__["_speed_sample_caches"].values()
+    (cache,) = data.__dict__["_speed_sample_caches"].latest.values()
     assert (cache.warmed, cache.misses) == (SMALL_CORPUS.train_samples, 0)
     assert cache.hits == 2 * SMALL_CORPUS.train_samples
 
