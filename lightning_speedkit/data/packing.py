@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Mapping, Sequence
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -28,12 +28,26 @@ class PackingCollate:
       FlexAttention's document mask, or :func:`document_mask`);
     - ``max_seqlen``: the longest document, as a Python int.
 
-    Other per-sample tensors (images, labels) are stacked in document order.
+    The sample's other fields are kept, none dropped:
+
+    - per-token fields (``labels``, ``attention_mask``, ``token_type_ids``: 1-D, a
+      tensor or a list, as long as the tokens in every sample) are packed with the
+      tokens, into the same rows and places; their padding is ``pad_values[field]``,
+      by default -100 for ``labels`` (the loss's ignore index in torch and Hugging
+      Face) and 0 for the others;
+    - other tensors (an image, a class label) are stacked in document order, and
+      numbers become a tensor of one per document;
+    - anything else (strings, ids) is a list in document order.
+
+    Hugging Face's causal LMs shift ``labels`` inside the model, so a packed row's
+    loss also asks each document's last token for the next document's first: set
+    that label to -100 in the samples (or the loss) where it matters.
 
     Args:
         max_tokens: tokens per packed row.
         key: the sample field holding the token sequence.
         pad_id: the value padding positions get.
+        pad_values: the padding of per-token fields, by field name.
 
     Example::
 
@@ -45,65 +59,123 @@ class PackingCollate:
         [[1, 2, 3, 4, 5, 0], [6, 7, 8, 9, 0, 0]]
         >>> batch["cu_seqlens"].tolist(), batch["document_ids"][0].tolist()
         ([0, 3, 5, 9], [0, 0, 0, 1, 1, -1])
+
+        A Hugging Face tokenizer's output, with labels, packs field by field:
+
+        >>> batch = PackingCollate(max_tokens=4)([
+        ...     {"input_ids": [1, 2], "attention_mask": [1, 1], "labels": [1, 2]},
+        ...     {"input_ids": [3], "attention_mask": [1], "labels": [3]}])
+        >>> batch["labels"].tolist(), batch["attention_mask"].tolist()
+        ([[1, 2, 3, -100]], [[1, 1, 1, 0]])
     """
 
-    def __init__(self, max_tokens: int, key: str = "input_ids", pad_id: int = 0) -> None:
+    def __init__(
+        self,
+        max_tokens: int,
+        key: str = "input_ids",
+        pad_id: int = 0,
+        pad_values: Mapping[str, int | float] | None = None,
+    ) -> None:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise SpeedkitConfigError(
                 f"`max_tokens` must be a positive integer, got {max_tokens!r}."
             )
+        if pad_values is not None and not isinstance(pad_values, Mapping):
+            raise SpeedkitConfigError(
+                f"`pad_values` must map field names to padding values, e.g. "
+                f"{{'labels': -100}}; got {pad_values!r}."
+            )
         self.max_tokens = max_tokens
         self.key = key
         self.pad_id = pad_id
+        self.pad_values = {"labels": -100, **(pad_values or {})}
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if not samples:
             raise SpeedkitConfigError("PackingCollate got an empty list of samples.")
-        rows: list[list[Tensor]] = [[]]
-        used = 0
+        tokens: list[Tensor] = []
         for sample in samples:
-            if self.key not in sample:
+            if not isinstance(sample, Mapping) or self.key not in sample:
+                found = sorted(sample) if isinstance(sample, Mapping) else type(sample).__name__
                 raise SpeedkitConfigError(
-                    f"PackingCollate(key={self.key!r}) found no {self.key!r} in a sample with keys "
-                    f"{sorted(sample)}; pass the field holding the tokens as `key`."
+                    f"PackingCollate(key={self.key!r}) found no {self.key!r} in a sample "
+                    f"({found}); samples must be dicts, and `key` the field holding the tokens."
                 )
-            seq = torch.as_tensor(sample[self.key])[: self.max_tokens]
-            if used + len(seq) > self.max_tokens:
-                rows.append([])
-                used = 0
-            rows[-1].append(seq)
-            used += len(seq)
-
-        n_rows = len(rows)
-        dtype = torch.as_tensor(samples[0][self.key]).dtype
-        ids = torch.full((n_rows, self.max_tokens), self.pad_id, dtype=dtype)
+            tokens.append(torch.as_tensor(sample[self.key]))
+        # Where each document goes: (row, offset, kept length), greedily in order.
+        places: list[tuple[int, int, int]] = []
+        row, used = 0, 0
+        for seq in tokens:
+            n = min(len(seq), self.max_tokens)
+            if used + n > self.max_tokens:
+                row, used = row + 1, 0
+            places.append((row, used, n))
+            used += n
+        n_rows = row + 1
         positions = torch.zeros((n_rows, self.max_tokens), dtype=torch.long)
         documents = torch.full((n_rows, self.max_tokens), -1, dtype=torch.long)
-        lengths: list[int] = []
-        doc = 0
-        for r, row in enumerate(rows):
-            offset = 0
-            for seq in row:
-                n = len(seq)
-                ids[r, offset : offset + n] = seq
-                positions[r, offset : offset + n] = torch.arange(n)
-                documents[r, offset : offset + n] = doc
-                lengths.append(n)
-                offset += n
-                doc += 1
+        for doc, (r, offset, n) in enumerate(places):
+            positions[r, offset : offset + n] = torch.arange(n)
+            documents[r, offset : offset + n] = doc
+        lengths = [n for _, _, n in places]
         cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
         cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
         batch: dict[str, Any] = {
-            self.key: ids,
+            self.key: self._pack(tokens, places, n_rows, self.pad_id),
             "position_ids": positions,
             "document_ids": documents,
             "cu_seqlens": cu,
             "max_seqlen": max(lengths),
         }
         for field in samples[0]:
-            if field != self.key and isinstance(samples[0][field], Tensor):
-                batch[field] = torch.stack([s[field] for s in samples])
+            if field == self.key or field in batch:
+                continue
+            values = [sample.get(field) for sample in samples]
+            if self._per_token(values, tokens):
+                pad = self.pad_values.get(field, 0)
+                per_doc = [torch.as_tensor(v) for v in values]
+                batch[field] = self._pack(per_doc, places, n_rows, pad)
+            elif all(isinstance(v, Tensor) for v in values):
+                try:
+                    batch[field] = torch.stack(cast("list[Tensor]", values))
+                except RuntimeError as exc:
+                    raise SpeedkitConfigError(
+                        f"PackingCollate cannot stack the samples' {field!r} ({exc}): a field "
+                        f"is packed with the tokens only where it is as long as "
+                        f"{self.key!r} in every sample; pad or drop it before packing."
+                    ) from None
+            elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
+                batch[field] = torch.tensor(values)
+            else:
+                batch[field] = values
         return batch
+
+    def _per_token(self, values: list[Any], tokens: list[Tensor]) -> bool:
+        """Whether a field holds one value per token in every sample (1-D, as long)."""
+        for value, seq in zip(values, tokens, strict=True):
+            if isinstance(value, Tensor):
+                one_per_token = value.ndim == 1 and len(value) == len(seq)
+            else:
+                one_per_token = (
+                    isinstance(value, (list, tuple))
+                    and len(value) == len(seq)
+                    and all(isinstance(v, (int, float)) for v in value)
+                )
+            if not one_per_token:
+                return False
+        return True
+
+    def _pack(
+        self,
+        per_doc: list[Tensor],
+        places: list[tuple[int, int, int]],
+        n_rows: int,
+        pad: int | float,
+    ) -> Tensor:
+        out = torch.full((n_rows, self.max_tokens), pad, dtype=per_doc[0].dtype)
+        for seq, (r, offset, n) in zip(per_doc, places, strict=True):
+            out[r, offset : offset + n] = seq[:n]
+        return out
 
 
 def document_mask(document_ids: Tensor, causal: bool = True) -> Tensor:

@@ -55,3 +55,31 @@ def test_overlong_samples_are_cut_and_bad_input_is_named() -> None:
         PackingCollate(max_tokens=0)
     with pytest.raises(SpeedkitConfigError, match="found no 'tokens'"):
         PackingCollate(max_tokens=4, key="tokens")(_docs([2]))
+
+
+def test_a_tokenizers_fields_are_packed_with_the_tokens_and_nothing_is_dropped() -> None:
+    """Hugging Face causal-LM samples: per-token labels and mask go where their tokens go."""
+    samples = [
+        {"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [5, 6, 7],
+         "label": 1, "source": "a", "image": torch.zeros(2)},
+        {"input_ids": [8, 9], "attention_mask": [1, 1], "labels": [8, 9],
+         "label": 0, "source": "b", "image": torch.ones(2)},
+        {"input_ids": [4, 3, 2, 1], "attention_mask": [1, 1, 1, 0], "labels": [4, 3, 2, -100],
+         "label": 1, "source": "c", "image": torch.ones(2)},
+    ]  # fmt: skip
+    batch = PackingCollate(max_tokens=6, pad_values={"attention_mask": 0})(samples)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0], [4, 3, 2, 1, 0, 0]]
+    assert batch["labels"].tolist() == [[5, 6, 7, 8, 9, -100], [4, 3, 2, -100, -100, -100]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]]
+    assert batch["label"].tolist() == [1, 0, 1]
+    assert batch["source"] == ["a", "b", "c"]
+    assert batch["image"].shape == (3, 2)
+
+
+def test_a_field_that_can_be_neither_packed_nor_stacked_is_named() -> None:
+    samples = [{"input_ids": torch.tensor([1, 2]), "pixels": torch.zeros(3, 2)},
+               {"input_ids": torch.tensor([3]), "pixels": torch.zeros(4, 2)}]  # fmt: skip
+    with pytest.raises(SpeedkitConfigError, match="cannot stack the samples' 'pixels'"):
+        PackingCollate(max_tokens=4)(samples)
+    with pytest.raises(SpeedkitConfigError, match="must be dicts"):
+        PackingCollate(max_tokens=4)([torch.tensor([1, 2])])  # type: ignore[list-item]
