@@ -300,6 +300,12 @@ def _measure(
     evens out a shared machine's hiccups), at most ``max_seconds``, on ``clock``
     (seconds), read once before the first timed batch and once after each.
     """
+    try:
+        per_epoch: int | None = len(loader)
+    except TypeError:  # an iterable dataset without a length
+        per_epoch = None
+    if per_epoch is not None:  # a short epoch: fewer left untimed, at least one timed
+        warmup = min(warmup, max(0, per_epoch - 1))
     if loader.num_workers > 0:
         # Iterate a private copy: with workers, DataLoader raises if one takes longer than
         # `timeout` for a batch. (Iterating the caller's loader itself once left a hung
@@ -310,10 +316,10 @@ def _measure(
             iterator = iter(loader)
         finished = False
         try:
-            for _ in range(warmup):
-                next(iterator)  # includes worker start-up: not timed
-            start = clock()
             seen, elapsed = 0, 0.0
+            for _ in range(warmup):
+                next(iterator, None)  # includes worker start-up: not timed
+            start = clock()
             while True:
                 try:
                     next(iterator)

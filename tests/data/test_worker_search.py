@@ -560,3 +560,15 @@ def test_a_stateful_dataloader_over_a_users_batch_sampler_is_kept() -> None:
     assert type(rebuilt) is StatefulDataLoader
     assert rebuilt.batch_sampler is pairs
     assert torch.equal(torch.cat(list(rebuilt)), dataset.data)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_an_epoch_shorter_than_the_warm_up_is_still_timed(num_workers: int) -> None:
+    """One batch per epoch: warm-up leaves it to be timed, not reported as a failure."""
+    loader = DataLoader(SlowDataset(n=3), batch_size=4, num_workers=num_workers)
+    rate = worker_search._measure(loader, warmup=3, batches=30, max_seconds=30, timeout=30,
+                                  clock=StepClock(0.5))  # fmt: skip
+    assert rate == 1 / 0.5  # the one batch, 0.5 s on the clock
+    result = tune_num_workers(loader, max_workers=1, cache=False, progress=False)
+    assert len(result.table) >= 2
+    assert all(row["skipped"] is None for row in result.table)  # none "ran out of batches"
