@@ -539,6 +539,42 @@ def qualified_op_name(packet: Any) -> str:
         ) from None  # fmt: skip
 
 
+def autograd_running() -> bool:
+    """Whether autograd is running a backward pass in this thread now."""
+    task = _private(
+        torch._C, "_current_graph_task_id", "torch", "torch._C._current_graph_task_id",
+        "count_flops reads to tell backward operators from forward ones",
+    )  # fmt: skip
+    return bool(task() != -1)
+
+
+def current_autograd_node() -> Any:
+    """The autograd node whose backward is running now (None outside backward)."""
+    node = _private(
+        torch._C, "_current_autograd_node", "torch", "torch._C._current_autograd_node",
+        "count_flops reads to credit a backward operator to the module that made its node",
+    )  # fmt: skip
+    return node()
+
+
+def autograd_sequence_nr() -> int:
+    """The sequence number the next autograd node made in this thread will get."""
+    number = _private(
+        torch._C._autograd, "_get_sequence_nr", "torch", "torch._C._autograd._get_sequence_nr",
+        "count_flops reads to tell the nodes a module call made from older ones",
+    )  # fmt: skip
+    return int(number())
+
+
+def node_sequence_nr(node: Any) -> int:
+    """An autograd node's sequence number (the order nodes were made in, per thread)."""
+    number = _private(
+        node, "_sequence_nr", "torch", "torch.autograd.graph.Node._sequence_nr",
+        "count_flops reads to tell the nodes a module call made from older ones",
+    )  # fmt: skip
+    return int(number())
+
+
 # --- attention/ and data/ -----------------------------------------------------------------------
 
 _HOOK_DICTS = (

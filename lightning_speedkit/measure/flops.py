@@ -28,16 +28,18 @@ those gradients: the counter prices what runs, not a formula.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import math
+import weakref
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.nn.modules.module import register_module_forward_hook, register_module_forward_pre_hook
 from torch.utils import flop_counter as _torch_flops
-from torch.utils.module_tracker import ModuleTracker
 
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit._compat import TorchDispatchMode
@@ -272,8 +274,128 @@ def not_counted() -> Iterator[None]:
         _PAUSED -= 1
 
 
+#: Key of an autograd node's ``metadata``: the module paths whose forward created it.
+_OWNER = "lightning_speedkit.owner"
+
+
+def _tensors(value: Any) -> Iterator[Any]:
+    """Tensors in a module's output: through mappings (a ``ModelOutput``), lists, tuples
+    and dataclasses."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for item in value.values():
+            yield from _tensors(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        for each in dataclasses.fields(value):
+            yield from _tensors(getattr(value, each.name, None))
+
+
+def _metadata(node: Any) -> dict[str, Any]:
+    """An autograd node's ``metadata`` dict (a property; torch's stub says a method)."""
+    metadata: dict[str, Any] = node.metadata
+    return metadata
+
+
+class _Owners:
+    """Which module owns each operator: the module whose forward runs it, or, in backward,
+    the module whose forward created the autograd node being run.
+
+    Forward: a stack of the modules being called (global forward hooks), innermost
+    last. Backward: when a module's forward returns, every autograd node its call
+    created and its outputs reach, not yet claimed by a module inside it, is labelled
+    with the stack (the node's ``metadata``); the backward operators of that node go
+    to those modules. One owner per operator, so the modules' FLOPs add up. (torch's
+    ``ModuleTracker`` keeps a set of the modules whose backward has begun and not
+    ended, which during backward holds siblings at once: two branches were both
+    credited with each other's backward.)
+    """
+
+    def __init__(self) -> None:
+        self._stack: list[tuple[str, int]] = []  # (path, sequence number at its call)
+        self._names: weakref.WeakKeyDictionary[torch.nn.Module, str] = weakref.WeakKeyDictionary()
+        self._seen: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+        self._handles: list[Any] = []
+
+    @property
+    def is_bw(self) -> bool:
+        """Whether autograd is running a backward pass now."""
+        return _compat.autograd_running()
+
+    def _node_owner(self) -> tuple[str, ...]:
+        """Owner of the autograd node running now; () outside backward or when unknown."""
+        if not self.is_bw:
+            return ()
+        node = _compat.current_autograd_node()
+        return _metadata(node).get(_OWNER, ()) if node is not None else ()
+
+    def _owner(self) -> tuple[str, ...]:
+        # A forward run inside backward (a checkpoint's recomputation) belongs below the
+        # modules that owned the node being run, whose own calls are over.
+        return (*self._node_owner(), *(path for path, _ in self._stack))
+
+    def paths(self) -> tuple[str, ...]:
+        """The owning module and its callers, outermost first (``Global`` always)."""
+        if self.is_bw and not torch.is_grad_enabled():
+            return ("Global", *self._node_owner())
+        return ("Global", *self._owner())
+
+    def _name(self, module: torch.nn.Module) -> str:
+        # As torch's ModuleTracker names them: the first module seen by its class, and
+        # its descendants by attribute path below it.
+        name = self._names.get(module)
+        if name is None:
+            name = self._names[module] = type(module).__name__
+        if module not in self._seen:
+            self._seen.add(module)
+            for child_name, child in module.named_children():
+                self._names[child] = f"{name}.{child_name}"
+                self._name(child)
+        return name
+
+    def _pre(self, module: torch.nn.Module, args: Any) -> None:
+        self._stack.append((self._name(module), _compat.autograd_sequence_nr()))
+
+    def _post(self, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self._stack:
+            return
+        owner = self._owner()
+        _, start = self._stack.pop()
+        # Nodes this call created have sequence numbers from `start` on (the counter is
+        # per thread, and a forward runs on one); older nodes are the inputs' history.
+        # (`requires_grad` first: reading a tensor's `grad_fn` can make a lazy tensor
+        # subclass, as AttentionSwap's traced placeholders, compute itself.)
+        todo = [
+            t.grad_fn for t in _tensors(output) if isinstance(t, torch.Tensor) and t.requires_grad
+        ]
+        seen: dict[int, Any] = {}  # holds the nodes, so that their ids stay theirs
+        while todo:
+            node = todo.pop()
+            if node is None or id(node) in seen or _compat.node_sequence_nr(node) < start:
+                continue
+            seen[id(node)] = node
+            _metadata(node).setdefault(_OWNER, owner)  # a module inside got there first
+            todo.extend(next_node for next_node, _ in node.next_functions)
+
+    def __enter__(self) -> _Owners:
+        self._handles = [
+            register_module_forward_pre_hook(self._pre),
+            register_module_forward_hook(self._post, always_call=True),
+        ]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._stack.clear()
+
+
 class _Counter(TorchDispatchMode):
-    def __init__(self, tracker: ModuleTracker) -> None:
+    def __init__(self, tracker: _Owners) -> None:
         super().__init__()
         self.tracker = tracker
         self.total = 0
@@ -308,7 +430,7 @@ class _Counter(TorchDispatchMode):
             recomputed = min(flops, int(rescore(*args, **kwargs)))
             self.recomputed += recomputed
             flops -= recomputed
-        for path in self.tracker.parents:
+        for path in self.tracker.paths():
             self.by_path[path] += flops
         return out
 
@@ -366,7 +488,7 @@ def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> FlopCount:
     """
     _validation.function("fn", fn, fix="pass a function that runs the step, e.g. "
                          "`lambda: model(x).sum().backward()`")  # fmt: skip
-    tracker = ModuleTracker()
+    tracker = _Owners()
     counter = _Counter(tracker)
     with tracker, counter:
         fn(*args, **kwargs)

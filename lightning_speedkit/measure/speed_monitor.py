@@ -51,14 +51,13 @@ from typing import Any, Literal
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
-from torch.utils.module_tracker import ModuleTracker
 
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit._imports import NVML_AVAILABLE
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure import peak as _peak
 from lightning_speedkit.measure._host_memory import host_memory_bytes
-from lightning_speedkit.measure.flops import _Counter
+from lightning_speedkit.measure.flops import _Counter, _Owners
 
 __all__ = ["SUMMARY_KEYS", "SpeedMonitor"]
 
@@ -269,17 +268,27 @@ class _FlopBook:
 
 
 class _FlopSession:
-    """A FLOP count spanning two hooks (batch start to batch end)."""
+    """A FLOP count spanning two hooks (batch start to batch end).
+
+    While open it holds a dispatch mode and global module hooks, so every operator in
+    the process goes through Python: :meth:`close` must run whatever the loop does.
+    """
 
     def __init__(self) -> None:
-        self.tracker = ModuleTracker()
+        self.tracker = _Owners()
         self.counter = _Counter(self.tracker)
         self.tracker.__enter__()
-        self.counter.__enter__()
+        try:
+            self.counter.__enter__()
+        except BaseException:
+            self.tracker.__exit__()
+            raise
 
     def close(self) -> tuple[float, float]:
-        self.counter.__exit__(None, None, None)
-        self.tracker.__exit__()
+        try:
+            self.counter.__exit__(None, None, None)
+        finally:
+            self.tracker.__exit__()
         total = float(self.counter.total)
         return total - self.counter.recomputed, total
 
@@ -536,15 +545,29 @@ class SpeedMonitor(L.Callback):
             tokens = max((t.numel() for t in ids), default=None)
         return _BatchInfo(signature, samples, tokens)
 
+    def _drop_session(self) -> None:
+        """Close a FLOP count whose batch never reached ``on_train_batch_end`` (the
+        LightningModule's ``on_train_batch_start`` returned -1, or the loop stopped or
+        failed mid-batch) and forget it: a count cut off is no count of that shape."""
+        session, self._session = self._session, None
+        if session is not None:  # never leave the dispatch mode and module hooks behind
+            session.close()
+
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._drop_session()
         self._clock.gap()
 
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._drop_session()
+
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._drop_session()  # validation is not part of the training step counted
         self._clock.gap()
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
+        self._drop_session()  # the previous batch's, if its end hook never ran
         self._batches += 1
         self._info = info = self._describe(batch)
         key = info.key
@@ -583,12 +606,14 @@ class SpeedMonitor(L.Callback):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        if self._session is not None:  # never leave a dispatch mode behind
-            self._session.close()
-            self._session = None
+        self._drop_session()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._drop_session()
         self._flush(trainer)
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._drop_session()
 
     def _accumulate(self, info: _BatchInfo, batch: Any) -> None:
         acc = self._interval

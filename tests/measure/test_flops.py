@@ -211,3 +211,69 @@ class _Stack(torch.nn.Module):
         for block in self.blocks:
             x = block(x)
         return x
+
+
+class _Branches(torch.nn.Module):
+    """Two siblings fed the same input: their backward passes run side by side."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.encoder = torch.nn.Linear(d, d, bias=False)
+        self.decoder = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.encoder(x) + self.decoder(x)
+
+
+class _Chain(_Branches):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encoder(x))
+
+
+def test_by_module_gives_each_operator_to_one_module_so_the_rows_add_up() -> None:
+    d, tokens = 64, 32
+    x = torch.randn(tokens, d)  # no gradient: neither layer computes dX of x
+    matmul = 2 * d * d * tokens  # forward, dW and dX each
+    for model, expected in (
+        (_Branches(d), {"encoder": 2 * matmul, "decoder": 2 * matmul}),
+        (_Chain(d), {"encoder": 2 * matmul, "decoder": 3 * matmul}),
+    ):
+        result = count_flops(lambda m=model: m(x).sum().backward())
+        assert result.by_module == expected  # each branch was credited the other's backward
+        assert sum(result.by_module.values()) == result.model == result.total
+        assert result.by_path["Global"] == result.total
+
+
+def test_by_module_adds_up_through_checkpoint_recomputation() -> None:
+    d, tokens = 32, 8
+    x = torch.randn(tokens, d, requires_grad=True)  # as inside a network
+    matmul = 2 * d * d * tokens
+    for reentrant in (True, False):
+        model = _Chain(d)
+        result = count_flops(
+            lambda m=model, r=reentrant: checkpoint(m, x, use_reentrant=r).sum().backward()
+        )
+        assert result.by_module == {"encoder": 3 * matmul, "decoder": 3 * matmul}
+        assert sum(result.by_module.values()) == result.model == 6 * matmul
+        assert result.recomputed > 0
+
+
+def test_by_module_of_an_encoder_decoder_transformer_adds_up() -> None:
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    d, d_ff, d_kv, heads, layers, vocab = 32, 64, 16, 2, 2, 128
+    config = transformers.T5Config(
+        num_layers=layers, num_decoder_layers=layers, d_model=d, d_ff=d_ff, d_kv=d_kv,
+        num_heads=heads, vocab_size=vocab, decoder_start_token_id=0, pad_token_id=0,
+    )  # fmt: skip
+    model = transformers.T5ForConditionalGeneration(config)
+    b, s_enc, s_dec = 4, 32, 16
+    ids, labels = torch.randint(0, vocab, (b, s_enc)), torch.randint(0, vocab, (b, s_dec))
+    result = count_flops(lambda: model(input_ids=ids, labels=labels).loss.backward())
+    # Encoder: q, k, v, o (d x d) and the feed-forward (d x d_ff, d_ff x d) per layer, 6 FLOPs
+    # per weight per token, plus attention scores and mix (2 matmuls, 3x for backward).
+    weights = 4 * d * d + 2 * d * d_ff
+    attention = 3 * 2 * 2 * b * heads * s_enc * s_enc * d_kv
+    assert result.by_module["encoder"] == layers * (6 * weights * b * s_enc + attention)
+    assert result.by_module["lm_head"] == 6 * d * vocab * b * s_dec
+    assert sum(result.by_module.values()) == result.model == result.total  # was 34% over

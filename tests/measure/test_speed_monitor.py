@@ -447,3 +447,34 @@ def test_without_torchs_capabilities_the_flags_come_from_proc_cpuinfo(
         with_query = sm._cpu_native_bf16()
         monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
         assert sm._cpu_native_bf16() is with_query
+
+
+class _StopsEpochOnTheLastBatch(MLP):
+    """Ends each epoch (Lightning's -1 from ``on_train_batch_start``) on its 4th batch."""
+
+    def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> int | None:
+        return -1 if batch_idx == 3 else None
+
+
+def test_a_batch_the_module_skips_leaves_no_flop_count_running() -> None:
+    hooks = torch.nn.modules.module._global_forward_hooks
+    hooks_before = len(hooks)
+    monitor = SpeedMonitor(log_every_n_steps=1, peak_flops=None)
+    model = _StopsEpochOnTheLastBatch()
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=2, logger=False, callbacks=[monitor],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    try:
+        # 3 batches of 8, then one of 5: a new shape, so its count opens and is cut off
+        trainer.fit(model, loader(n=29))
+        assert torch._C._len_torch_dispatch_stack() == 0  # was 1: a FLOP counter, forever
+        assert len(hooks) == hooks_before
+    finally:
+        while torch._C._len_torch_dispatch_stack():  # keep a failure from slowing the rest
+            torch._C._pop_torch_dispatch_stack(None)
+    # the cut-off batch recorded nothing; the full batches' count is exact
+    assert [(c.samples, c.model) for c in monitor.flops.counted.values()] == [
+        (8, 8 * model.flops_per_sample())
+    ]
+    assert monitor.summary["flops_per_sample"] == model.flops_per_sample()
