@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
 import multiprocessing
-import sys
 import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -113,8 +113,10 @@ class SpeedDataModuleMixin:
         options = {**kwargs, **tuned}
         if cache is not False:
             # The caller (the hook that builds this loader) keeps its latest cache alive.
-            code = sys._getframe(1).f_code
-            site = (code.co_filename, code.co_firstlineno, code.co_name)
+            caller = inspect.currentframe()
+            code = caller.f_back.f_code if caller and caller.f_back else None
+            site = (code.co_filename, code.co_firstlineno, code.co_name) if code else None
+            del caller
             cached = self._sample_cache(dataset, None if cache is True else cache, site)
             if warm_cache and self._warming_reaches_the_loader(options):
                 cores = cpu_budget(self._local_ranks())
