@@ -284,6 +284,8 @@ def _key(index: Any) -> Any:
     """
     if isinstance(index, int):
         return index
+    if getattr(index, "ndim", 0) != 0:  # tensor([3]) fetches a batch of one, not sample 3
+        return index
     try:
         return operator.index(index)
     except TypeError:  # not an integer: a key of the dataset's own (a str, a tuple)

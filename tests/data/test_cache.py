@@ -463,3 +463,15 @@ def test_warm_leaves_a_programs_own_frozen_objects_frozen(tmp_path: Path) -> Non
         assert log.read_text().split() == [str(os.getpid())]  # finalized here, not in a worker
     finally:
         gc.unfreeze()
+
+
+def test_an_index_of_one_element_but_not_0_d_is_not_taken_for_that_int() -> None:
+    """`tensor([3])` fetches a batch of one from a tensor dataset: not sample 3."""
+    data = torch.utils.data.TensorDataset(torch.arange(10) * 10)
+    cached = SampleCache(data)
+    (batched,) = cached[torch.tensor([3])]
+    assert batched.shape == (1,)
+    (single,) = cached[3]
+    assert single.shape == ()
+    assert int(single) == 30
+    assert list(cached._samples) == [3]
