@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -10,7 +11,11 @@ from torch import Tensor
 
 from lightning_speedkit.errors import SpeedkitConfigError
 
-__all__ = ["PackingCollate", "document_mask"]
+__all__ = ["TOKEN_FIELDS", "PackingCollate", "document_mask"]
+
+#: A tokenizer's fields of one value per token, which :class:`PackingCollate` packs with
+#: the tokens by default.
+TOKEN_FIELDS = ("labels", "attention_mask", "token_type_ids", "special_tokens_mask")
 
 
 class PackingCollate:
@@ -28,16 +33,21 @@ class PackingCollate:
       FlexAttention's document mask, or :func:`document_mask`);
     - ``max_seqlen``: the longest document, as a Python int.
 
-    The sample's other fields are kept, none dropped:
+    The samples' other fields are kept, none dropped (a field some samples lack is
+    ``None`` for them):
 
-    - per-token fields (``labels``, ``attention_mask``, ``token_type_ids``: 1-D, a
-      tensor or a list, as long as the tokens in every sample) are packed with the
-      tokens, into the same rows and places; their padding is ``pad_values[field]``,
-      by default -100 for ``labels`` (the loss's ignore index in torch and Hugging
-      Face) and 0 for the others;
+    - the per-token fields named in ``token_fields`` (by default a tokenizer's
+      ``labels``, ``attention_mask``, ``token_type_ids`` and ``special_tokens_mask``),
+      each as long as the tokens in every sample (a tensor, an array or a list), are
+      packed with the tokens, into the same rows and places; their padding is
+      ``pad_values[field]``, by default -100 for ``labels`` (the loss's ignore index in
+      torch and Hugging Face) and 0 for the others;
     - other tensors (an image, a class label) are stacked in document order, and
       numbers become a tensor of one per document;
     - anything else (strings, ids) is a list in document order.
+
+    Which fields are packed goes by name, not by length, so a field's shape never
+    changes from one batch to the next.
 
     Hugging Face's causal LMs shift ``labels`` inside the model, so a packed row's
     loss also asks each document's last token for the next document's first: set
@@ -48,6 +58,7 @@ class PackingCollate:
         key: the sample field holding the token sequence.
         pad_id: the value padding positions get.
         pad_values: the padding of per-token fields, by field name.
+        token_fields: the fields holding one value per token, packed with the tokens.
 
     Example::
 
@@ -75,6 +86,7 @@ class PackingCollate:
         key: str = "input_ids",
         pad_id: int = 0,
         pad_values: Mapping[str, int | float] | None = None,
+        token_fields: Sequence[str] = TOKEN_FIELDS,
     ) -> None:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise SpeedkitConfigError(
@@ -88,7 +100,13 @@ class PackingCollate:
         self.max_tokens = max_tokens
         self.key = key
         self.pad_id = pad_id
+        if isinstance(token_fields, str) or not all(isinstance(f, str) for f in token_fields):
+            raise SpeedkitConfigError(
+                f"`token_fields` must be a list of field names, e.g. ['labels']; got "
+                f"{token_fields!r}."
+            )
         self.pad_values = {"labels": -100, **(pad_values or {})}
+        self.token_fields = tuple(token_fields)
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if not samples:
@@ -127,22 +145,22 @@ class PackingCollate:
             "cu_seqlens": cu,
             "max_seqlen": max(lengths),
         }
-        for field in samples[0]:
+        fields = dict.fromkeys(field for sample in samples for field in sample)
+        for field in fields:
             if field == self.key or field in batch:
                 continue
             values = [sample.get(field) for sample in samples]
-            if self._per_token(values, tokens):
-                pad = self.pad_values.get(field, 0)
-                per_doc = [torch.as_tensor(v) for v in values]
-                batch[field] = self._pack(per_doc, places, n_rows, pad)
+            if field in self.token_fields:
+                batch[field] = self._pack(self._per_token(field, values, tokens), places,
+                                          n_rows, self.pad_values.get(field, 0))  # fmt: skip
             elif all(isinstance(v, Tensor) for v in values):
                 try:
                     batch[field] = torch.stack(cast("list[Tensor]", values))
                 except RuntimeError as exc:
                     raise SpeedkitConfigError(
-                        f"PackingCollate cannot stack the samples' {field!r} ({exc}): a field "
-                        f"is packed with the tokens only where it is as long as "
-                        f"{self.key!r} in every sample; pad or drop it before packing."
+                        f"PackingCollate cannot stack the samples' {field!r} ({exc}): name "
+                        f"it in `token_fields` if it holds one value per token, or pad or "
+                        f"drop it before packing."
                     ) from None
             elif all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in values):
                 batch[field] = torch.tensor(values)
@@ -150,20 +168,20 @@ class PackingCollate:
                 batch[field] = values
         return batch
 
-    def _per_token(self, values: list[Any], tokens: list[Tensor]) -> bool:
-        """Whether a field holds one value per token in every sample (1-D, as long)."""
+    def _per_token(self, field: str, values: list[Any], tokens: list[Tensor]) -> list[Tensor]:
+        """A per-token field's values as 1-D tensors, each as long as its tokens."""
+        per_doc = []
         for value, seq in zip(values, tokens, strict=True):
-            if isinstance(value, Tensor):
-                one_per_token = value.ndim == 1 and len(value) == len(seq)
-            else:
-                one_per_token = (
-                    isinstance(value, (list, tuple))
-                    and len(value) == len(seq)
-                    and all(isinstance(v, (int, float)) for v in value)
+            tensor = torch.as_tensor(value) if value is not None else None
+            if tensor is None or tensor.ndim != 1 or len(tensor) != len(seq):
+                got = "nothing" if tensor is None else f"shape {tuple(tensor.shape)}"
+                raise SpeedkitConfigError(
+                    f"PackingCollate packs {field!r} with the tokens (`token_fields`), but a "
+                    f"sample's is {got} where its {self.key!r} has {len(seq)} tokens; give "
+                    f"one value per token, or leave {field!r} out of `token_fields`."
                 )
-            if not one_per_token:
-                return False
-        return True
+            per_doc.append(tensor)
+        return per_doc
 
     def _pack(
         self,
@@ -172,7 +190,12 @@ class PackingCollate:
         n_rows: int,
         pad: int | float,
     ) -> Tensor:
-        out = torch.full((n_rows, self.max_tokens), pad, dtype=per_doc[0].dtype)
+        dtype = functools.reduce(torch.promote_types, (seq.dtype for seq in per_doc))
+        if isinstance(pad, float) and not dtype.is_floating_point:
+            dtype = torch.promote_types(dtype, torch.get_default_dtype())
+        elif pad < 0 and not torch.empty((), dtype=dtype).is_signed():
+            dtype = torch.int64  # -100 in uint8 labels would wrap to 156
+        out = torch.full((n_rows, self.max_tokens), pad, dtype=dtype)
         for seq, (r, offset, n) in zip(per_doc, places, strict=True):
             out[r, offset : offset + n] = seq[:n]
         return out

@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -83,3 +84,32 @@ def test_a_field_that_can_be_neither_packed_nor_stacked_is_named() -> None:
         PackingCollate(max_tokens=4)(samples)
     with pytest.raises(SpeedkitConfigError, match="must be dicts"):
         PackingCollate(max_tokens=4)([torch.tensor([1, 2])])  # type: ignore[list-item]
+
+
+def test_which_fields_are_packed_goes_by_name_not_by_length() -> None:
+    """A 1-D field as long as the tokens by chance keeps its shape from batch to batch."""
+    collate = PackingCollate(max_tokens=8)
+    two = collate([{"input_ids": [1, 2], "span": torch.tensor([0, 1])},
+                   {"input_ids": [3, 4], "span": torch.tensor([1, 1])}])  # fmt: skip
+    assert two["span"].tolist() == [[0, 1], [1, 1]]  # stacked, as in any other batch
+    own = PackingCollate(max_tokens=8, token_fields=["span"])
+    assert own([{"input_ids": [1, 2], "span": [0, 1]}])["span"].tolist() == [[0, 1] + [0] * 6]
+    with pytest.raises(SpeedkitConfigError, match="sample's is shape \\(3,\\) where its"):
+        own([{"input_ids": [1, 2], "span": [0, 1, 2]}])
+    with pytest.raises(SpeedkitConfigError, match="`token_fields`"):
+        PackingCollate(max_tokens=8, token_fields="labels")
+
+
+def test_labels_of_any_kind_keep_their_values_and_padding() -> None:
+    """numpy labels (a `datasets` numpy format), uint8 labels, mixed int and float."""
+    batch = PackingCollate(max_tokens=6)([
+        {"input_ids": np.array([1, 2, 3]), "labels": np.array([1, 2, 3], dtype=np.uint8)},
+        {"input_ids": np.array([4]), "labels": np.array([4], dtype=np.uint8),
+         "weight": 0.5},
+    ])  # fmt: skip
+    assert batch["labels"].tolist() == [[1, 2, 3, 4, -100, -100]]  # not 156: uint8 wraps
+    assert batch["weight"] == [None, 0.5]  # a field only a later sample has is kept
+    mixed = PackingCollate(max_tokens=4, token_fields=["w"])(
+        [{"input_ids": [1, 2], "w": [1, 1]}, {"input_ids": [3], "w": [0.5]}]
+    )
+    assert mixed["w"].tolist() == [[1.0, 1.0, 0.5, 0.0]]
