@@ -338,10 +338,12 @@ class _Owners:
         return (*self._node_owner(), *(path for path, _ in self._stack))
 
     def paths(self) -> tuple[str, ...]:
-        """The owning module and its callers, outermost first (``Global`` always)."""
+        """The owning module and its callers, outermost first (``Global`` always), each
+        once: a module that calls itself (recursion, a checkpoint's recomputation under
+        the node's owner) is credited once per operator."""
         if self.is_bw and not torch.is_grad_enabled():
-            return ("Global", *self._node_owner())
-        return ("Global", *self._owner())
+            return tuple(dict.fromkeys(("Global", *self._node_owner())))
+        return tuple(dict.fromkeys(("Global", *self._owner())))
 
     def _name(self, module: torch.nn.Module) -> str:
         # As torch's ModuleTracker names them: the first module seen by its class, and

@@ -244,6 +244,27 @@ def test_by_module_gives_each_operator_to_one_module_so_the_rows_add_up() -> Non
         assert result.by_path["Global"] == result.total
 
 
+class _Recursive(torch.nn.Module):
+    """Calls itself: each operator once in its row, not once per level of the recursion."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(d, d, bias=False)
+
+    def forward(self, x: torch.Tensor, depth: int = 2) -> torch.Tensor:
+        y = self.lin(x)
+        return self(y, depth - 1) if depth > 1 else y
+
+
+def test_a_module_that_calls_itself_is_credited_once_per_operator() -> None:
+    d, tokens = 16, 8
+    model = _Recursive(d)
+    result = count_flops(lambda: model(torch.randn(tokens, d)).sum().backward())
+    assert result.by_path["Global"] == result.total
+    assert result.by_path["_Recursive"] == result.total  # was 1.6x: the outer level twice
+    assert result.by_path["_Recursive.lin"] == result.total
+
+
 def test_by_module_adds_up_through_checkpoint_recomputation() -> None:
     d, tokens = 32, 8
     x = torch.randn(tokens, d, requires_grad=True)  # as inside a network
