@@ -305,6 +305,8 @@ def _measure(
     except TypeError:  # an iterable dataset without a length
         per_epoch = None
     if per_epoch is not None:  # a short epoch: fewer left untimed, at least one timed
+        # (with no warm-up left, the timed batch carries the workers' start-up: on such an
+        # epoch loading in the training process wins, as it should: workers cannot repay)
         warmup = min(warmup, max(0, per_epoch - 1))
     if loader.num_workers > 0:
         # Iterate a private copy: with workers, DataLoader raises if one takes longer than
