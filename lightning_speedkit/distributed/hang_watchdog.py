@@ -29,8 +29,9 @@ training batches it has started in this ``fit``, and the last of these hooks it 
 in that batch: ``forward`` (``on_train_batch_start``: the training step runs),
 ``backward`` (``on_before_backward``: under DDP, the gradient all-reduce runs here),
 ``after backward`` (``on_after_backward``), ``optimizer step``
-(``on_before_optimizer_step``), ``between steps`` (``on_train_batch_end``: data loading,
-validation and checkpointing follow). Ranks at the furthest pair are waiting; every
+(``on_before_optimizer_step``), ``between steps`` (``on_train_batch_end``: the batch's
+end, then the next batch's fetch), and the unwatched ``validating``, ``saving a
+checkpoint`` and ``epoch end``. Ranks at the furthest pair are waiting; every
 rank at an earlier pair (an earlier batch, or an earlier phase of the same batch) is
 behind. One rank sleeping in its forward pass while the others wait in the backward
 all-reduce of the same batch is therefore named; if every rank is at the same pair
@@ -73,8 +74,14 @@ log = logging.getLogger(__name__)
 HANG_EXIT_CODE = 75
 
 #: Phases of a training batch, in the order a rank passes them (see the module docstring).
-PHASES = ("forward", "backward", "after backward", "optimizer step", "between steps")
-_FORWARD, _BACKWARD, _AFTER_BACKWARD, _OPTIMIZER, _BETWEEN = range(len(PHASES))
+#: The first five are watched; validation, a checkpoint's save and the end of an epoch
+#: (until the next batch starts) are not.
+PHASES = (
+    "forward", "backward", "after backward", "optimizer step", "between steps",
+    "validating", "saving a checkpoint", "epoch end",
+)  # fmt: skip
+_FORWARD, _BACKWARD, _AFTER_BACKWARD, _OPTIMIZER, _BETWEEN = range(5)
+_VALIDATING, _SAVING, _EPOCH_END = range(5, 8)
 
 #: Completed steps of a ``fit`` before the relative limit applies (the median needs them).
 WARMUP_STEPS = 5
@@ -135,6 +142,10 @@ class HangEvent:
         behind: ``report``: the ranks behind, where each was.
         silent: ``report``: the ranks that did not say where they were.
         progress: ``report``: where every rank that answered was.
+        between: ``overrun`` and ``recovered``: of the time after the batch's step (its
+            end, the next batch's fetch; ``seconds`` counted from the step's end), not of
+            the step. Ranks waiting for one stuck there wait between steps too:
+            Lightning 2.6 starts every batch with a broadcast from rank 0.
     """
 
     kind: Literal["overrun", "alarm", "report", "recovered"]
@@ -147,6 +158,7 @@ class HangEvent:
     behind: tuple[RankProgress, ...] = ()
     silent: tuple[int, ...] = ()
     progress: tuple[RankProgress, ...] = ()
+    between: bool = False
 
 
 def late_ranks(progress: Sequence[RankProgress]) -> list[RankProgress]:
@@ -174,6 +186,13 @@ def late_ranks(progress: Sequence[RankProgress]) -> list[RankProgress]:
 # The hooks' record of the current batch, replaced whole (one attribute store, so the
 # thread never reads half of an update): (batch, phase, phase since, batch start, global step).
 _Mark = tuple[int, int, float, float, int]
+# A batch and whether its step is over: one overrun (and one dump) each, the step's and the
+# time after it.
+_Where = tuple[int, bool]
+
+
+def _where(mark: _Mark | None) -> _Where:
+    return (mark[0], mark[1] >= _BETWEEN) if mark is not None else (0, False)
 
 
 class HangWatchdog(L.Callback):
@@ -189,6 +208,10 @@ class HangWatchdog(L.Callback):
       autotuning, allocator and DDP bucket warm-up all land there), and a step is allowed
       ``factor x min_timeout`` (10 minutes by default): a slow first step is no alarm,
       a first step that never ends still is.
+
+    The time between steps (a batch's end, the next batch's fetch) is held to the same
+    limit, counted from the step's end. Validation, a checkpoint's save and an epoch's
+    end are not watched.
 
     Args:
         timeout: A fixed limit in seconds for every step. ``None`` (default): the relative
@@ -260,9 +283,11 @@ class HangWatchdog(L.Callback):
         self._mark: _Mark | None = None
         self._steps: deque[tuple[int, float]] = deque(maxlen=_HISTORY)  # (batch, seconds)
         # (batch, global step, limit) of a step that overran and has not finished yet
-        self._overrun: tuple[int, int, float] | None = None
-        self._overrun_seen = 0  # last batch found overrunning
-        self._dumped: int | None = None  # batch this rank last dumped its stacks in
+        # (batch, global step, limit, since: None for the step, the batch's end for the time
+        # between steps) of an overrun not over yet
+        self._overrun: tuple[int, int, float, float | None] | None = None
+        self._overrun_seen: _Where = (0, False)  # the last (batch, after its step) overrunning
+        self._dumped: _Where | None = None  # where this rank last dumped its stacks
         self._dump_path: str | None = None
         self._alarms_seen = self._reports_seen = self._reported_upto = self._leaving_seen = 0
         self._aborting = False
@@ -371,6 +396,28 @@ class HangWatchdog(L.Callback):
             self._steps.append((batch_number, now - start))
             self._mark = (batch_number, _BETWEEN, now, start, step)
 
+    # Validation, a save and an epoch's end may take long for good reasons: unwatched, up to
+    # the next batch (or, for validation, its end: the time between steps goes on).
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not getattr(trainer, "sanity_checking", False):
+            self._enter(_VALIDATING)
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._mark is not None and self._mark[1] == _VALIDATING:
+            self._enter(_BETWEEN)
+
+    def on_save_checkpoint(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict[str, Any]
+    ) -> None:
+        self._enter(_SAVING)
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._enter(_EPOCH_END)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._enter(_EPOCH_END)  # the fit's end (max_steps mid-epoch): no next batch comes
+
     # -- the thread --------------------------------------------------------------------------------
 
     def _run(self) -> None:
@@ -387,32 +434,37 @@ class HangWatchdog(L.Callback):
         self._check_recovered()
         dumped = False
         floor = self.timeout if self.timeout is not None else self.min_timeout
-        age = now - start
-        if phase != _BETWEEN and batch > self._overrun_seen and age > floor:
+        between = phase == _BETWEEN
+        age = now - (since if between else start)  # the step's age, or the time since it
+        where = _where(mark)
+        if phase <= _BETWEEN and where > self._overrun_seen and age > floor:
             limit = self.threshold()  # >= floor: the median is only needed past it
             if age > limit:
-                self._overrun_seen = batch
-                self._overrun = (batch, step, limit)
-                path = self._dump_path if self._dumped == batch else None
-                if self._dumped != batch:
+                self._overrun_seen = where
+                self._overrun = (batch, step, limit, since if between else None)
+                path = self._dump_path if self._dumped == where else None
+                what = "has been between steps" if between else "step ran"
+                if self._dumped != where:
                     # Alarm first (the other ranks start dumping now), then this rank's stacks.
                     count = self._store_call(lambda s: s.add(_ALARMS, 1))
                     if count is not None:
                         self._alarms_seen = count
-                    why = f"this rank's step ran {age:.1f} s, past its limit of {limit:.1f} s"
+                    why = f"this rank's {what} {age:.1f} s, past its limit of {limit:.1f} s"
                     path = self._dump(mark, now, why)
                     dumped = True
                 self.events.append(HangEvent("overrun", self._rank, batch, step, age, limit,
-                                             path))  # fmt: skip
+                                             path, between=between))  # fmt: skip
                 log.warning(
-                    "HangWatchdog: rank %d: batch %d (global step %d) has run %.1f s, past its "
+                    "HangWatchdog: rank %d: batch %d (global step %d) %s %.1f s, past its "
                     "limit of %.1f s; stacks written to %s",
-                    self._rank, batch, step, age, limit, path,
+                    self._rank, batch, step,
+                    "ended and the next has not begun for" if between else "has run",
+                    age, limit, path,
                 )  # fmt: skip
         count = self._store_call(lambda s: s.add(_ALARMS, 0))
         if count is not None and count > self._alarms_seen:
             self._alarms_seen = count
-            if self._dumped != batch:
+            if self._dumped != where:
                 path = self._dump(mark, now, "another rank's step ran past its limit")
                 self.events.append(HangEvent("alarm", self._rank, batch, step, now - since,
                                              self.threshold(), path))  # fmt: skip
@@ -432,18 +484,27 @@ class HangWatchdog(L.Callback):
     def _check_recovered(self) -> None:
         if self._overrun is None:
             return
-        batch, step, limit = self._overrun
-        finished = [seconds for b, seconds in list(self._steps) if b == batch]
-        if finished:
+        batch, step, limit, since = self._overrun
+        mark = self._mark
+        if since is not None:  # the time between steps: over once the rank moved on
+            if mark is None or (mark[0], mark[1]) == (batch, _BETWEEN):
+                return
+            left = mark[2] if mark[0] == batch else mark[3]  # its next phase, or batch, began
+            took: float | None = left - since
+        else:
+            finished = [seconds for b, seconds in list(self._steps) if b == batch]
+            took = finished[-1] if finished else None
+        if took is not None:
             self._overrun = None
-            self.events.append(HangEvent("recovered", self._rank, batch, step, finished[-1],
-                                         limit))  # fmt: skip
+            self.events.append(HangEvent("recovered", self._rank, batch, step, took, limit,
+                                         between=since is not None))  # fmt: skip
             log.warning(
-                "HangWatchdog: rank %d: batch %d finished after %.1f s (limit %.1f s): it was "
-                "slow, not stuck",
-                self._rank, batch, finished[-1], limit,
+                "HangWatchdog: rank %d: batch %d %s after %.1f s (limit %.1f s): it was slow, "
+                "not stuck",
+                self._rank, batch, "was followed" if since is not None else "finished", took,
+                limit,
             )  # fmt: skip
-        elif self._mark is not None and self._mark[0] != batch:
+        elif mark is not None and mark[0] != batch:
             self._overrun = None  # it ended unseen (its duration already out of the history)
 
     def _progress(self, mark: _Mark | None, now: float) -> RankProgress:
@@ -456,7 +517,7 @@ class HangWatchdog(L.Callback):
 
     def _dump(self, mark: _Mark | None, now: float, why: str) -> str | None:
         """Write this rank's stacks; publish where it is to the store. Returns the file path."""
-        self._dumped = mark[0] if mark is not None else 0
+        self._dumped = _where(mark)
         progress = self._progress(mark, now)
         if self._store is not None:
             answer = json.dumps({**dataclasses.asdict(progress), "alarm": self._alarms_seen})
@@ -639,6 +700,12 @@ def _report_text(
     if behind:
         named = ", ".join(f"rank {p.rank} (batch {p.batch}, {p.phase})" for p in behind)
         lines.append(f"Behind: {named}.")
+    elif progress and all(p.phase == PHASES[_BETWEEN] for p in progress):
+        lines.append(
+            "Behind: no rank by progress: all were between steps of one batch. Lightning "
+            "starts each batch with a broadcast from rank 0: the rank whose stacks are not "
+            "in `_broadcast_sigterm_tensor` is the one the others wait for."
+        )
     else:
         lines.append("Behind: no rank by progress: all were at the same batch and phase.")
     if silent:

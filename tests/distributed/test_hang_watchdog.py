@@ -188,7 +188,7 @@ def test_recovered_slow_step_is_reported_once(tmp_path: Path) -> None:
     )  # fmt: skip
     for _ in range(3):
         rank.step(1.0)
-    assert rank.look(after=30) == []  # between steps: no limit runs
+    assert rank.look(after=9) == []  # between steps, within the limit
     assert [e.kind for e in rank.w.events] == ["overrun", "recovered"]
     assert rank.exits == []  # action="dump" lets training go on
 
@@ -285,7 +285,57 @@ def test_late_ranks(where: list[tuple[int, str]], behind: list[int]) -> None:
 
 
 def test_phases_are_in_step_order() -> None:
-    assert PHASES == ("forward", "backward", "after backward", "optimizer step", "between steps")
+    assert PHASES == ("forward", "backward", "after backward", "optimizer step", "between steps",
+                      "validating", "saving a checkpoint", "epoch end")  # fmt: skip
+
+
+def test_a_rank_stuck_after_its_step_is_caught_and_its_recovery_timed(tmp_path: Path) -> None:
+    """Between steps is watched from the step's end: a batch-end callback's work, the
+    next fetch. (Lightning 2.6's other ranks wait for it in the broadcast that starts
+    every batch, between steps too: no step of theirs overruns.)"""
+    (rank,), _, _ = ranks(tmp_path, 1, timeout=10)
+    for _ in range(3):
+        rank.step(1.0)
+    assert rank.look(after=10) == []  # exactly at the limit: not past it
+    (overrun,) = rank.look(after=0.5)
+    assert (overrun.kind, overrun.batch, overrun.seconds, overrun.between) == (
+        "overrun", 3, 10.5, True,
+    )  # fmt: skip
+    assert "has been between steps 10.5 s" in Path(overrun.path or "").read_text()
+    assert rank.look(after=30) == []  # one overrun, one dump
+    rank.start()  # the next batch begins 42.5 s after the last one ended
+    (recovered,) = rank.look(after=0.5)
+    assert (recovered.kind, recovered.batch, recovered.seconds, recovered.between) == (
+        "recovered", 3, 40.5, True,
+    )  # fmt: skip
+    assert rank.exits == []
+
+
+@pytest.mark.parametrize(
+    ("hook", "args"),
+    [("on_validation_start", ()), ("on_save_checkpoint", ({},)), ("on_train_epoch_end", ())],
+)
+def test_validation_saves_and_epoch_ends_are_not_watched(
+    tmp_path: Path, hook: str, args: tuple[Any, ...]
+) -> None:
+    (rank,), _, _ = ranks(tmp_path, 1, timeout=10)
+    rank.step(1.0)
+    getattr(rank.w, hook)(rank.trainer, None, *args)
+    assert rank.look(after=600) == []  # a long validation, save or epoch end: no alarm
+    rank.start()
+    assert rank.look(after=1) == []
+    assert rank.w.events == []
+
+
+def test_the_time_after_validation_is_watched_again(tmp_path: Path) -> None:
+    (rank,), _, _ = ranks(tmp_path, 1, timeout=10)
+    rank.step(1.0)
+    rank.w.on_validation_start(rank.trainer, None)  # type: ignore[arg-type]
+    rank.clock.now += 300
+    rank.w.on_validation_end(rank.trainer, None)  # type: ignore[arg-type]
+    assert rank.look(after=10) == []  # counted from validation's end
+    (overrun,) = rank.look(after=1)
+    assert (overrun.kind, overrun.seconds, overrun.between) == ("overrun", 11.0, True)
 
 
 def test_two_ranks_sleeping_one_is_named(tmp_path: Path) -> None:
@@ -316,10 +366,11 @@ def test_two_ranks_sleeping_one_is_named(tmp_path: Path) -> None:
 
 
 def test_rank_outside_its_step_dumps_on_the_alarm_and_is_named(tmp_path: Path) -> None:
-    """Rank 1 hangs between steps (data loading): its own limit does not run; rank 0's does."""
+    """Rank 1 hangs in validation, which is not watched; rank 0's step overruns."""
     (r0, r1), store, _ = ranks(tmp_path, 2, timeout=2)
     for r in (r0, r1):
         r.step(0.5)
+    r1.w.on_validation_start(r1.trainer, None)  # type: ignore[arg-type]
     r0.start()
     r0.phase("on_before_backward")
     r0.clock.now += 3
@@ -336,7 +387,7 @@ def test_rank_outside_its_step_dumps_on_the_alarm_and_is_named(tmp_path: Path) -
         "alarm", 1, 1, str(tmp_path / "hang-rank1.txt"),
     )  # fmt: skip
     assert [e.kind for e in done] == ["overrun", "report"]
-    assert done[1].behind == (RankProgress(1, 1, 0, "between steps", 3.0),)
+    assert done[1].behind == (RankProgress(1, 1, 0, "validating", 3.0),)
 
 
 def test_silent_rank_is_named(tmp_path: Path) -> None:
@@ -552,6 +603,28 @@ def test_two_processes_dump_name_the_sleeper_and_train_on(tmp_path: Path) -> Non
     assert "stuck_in_training_step" not in waiter
     assert "in backward" in waiter  # waiting in the all-reduce
     assert "Behind: rank 1 (batch 8, forward)." in (dumps / "hang-report.txt").read_text()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_two_processes_a_rank_stuck_after_its_step_is_caught(tmp_path: Path) -> None:
+    """Rank 1 sleeps 6 s in batch 8's end; rank 0 waits for it in the broadcast Lightning
+    starts batch 9 with. Neither is in a step: both overrun between steps."""
+    r0, r1 = run_script("hang_ddp.py", tmp_path, "--action", "dump", "--min-timeout", "2",
+                        "--hang-batch", "8", "--hang-seconds", "6", "--after-step")  # fmt: skip
+    for r in (r0, r1):
+        assert r["batches"] == 12  # it trained on
+        kinds = [(e["kind"], e["batch"], e["between"]) for e in r["events"]]
+        assert ("overrun", 8, True) in kinds
+        assert ("recovered", 8, True) in kinds
+        assert all(e["batch"] == 8 for e in r["events"])
+    dumps = tmp_path / "dumps"
+    assert "in stuck_after_training_step" in (dumps / "hang-rank1.txt").read_text()
+    waiter = (dumps / "hang-rank0.txt").read_text()
+    assert "stuck_after_training_step" not in waiter
+    assert "_broadcast_sigterm_tensor" in waiter  # where Lightning holds the other ranks
+    report = (dumps / "hang-report.txt").read_text()
+    assert "all were between steps of one batch" in report
 
 
 @pytest.mark.multiprocess
