@@ -278,9 +278,11 @@ def not_counted() -> Iterator[None]:
 _OWNER = "lightning_speedkit.owner"
 
 
-def _tensors(value: Any) -> Iterator[Any]:
-    """Tensors in a module's output: through mappings (a ``ModelOutput``), lists, tuples
-    and dataclasses."""
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """Every tensor in a batch or a module's output, in order, through what Lightning's
+    ``apply_to_collection`` walks: mappings (``dict``, Hugging Face's ``BatchEncoding`` and
+    ``ModelOutput``, a ``UserDict``), lists and tuples (named ones too), and dataclass
+    instances."""
     if isinstance(value, torch.Tensor):
         yield value
     elif isinstance(value, Mapping):
@@ -370,9 +372,7 @@ class _Owners:
         # per thread, and a forward runs on one); older nodes are the inputs' history.
         # (`requires_grad` first: reading a tensor's `grad_fn` can make a lazy tensor
         # subclass, as AttentionSwap's traced placeholders, compute itself.)
-        todo = [
-            t.grad_fn for t in _tensors(output) if isinstance(t, torch.Tensor) and t.requires_grad
-        ]
+        todo = [t.grad_fn for t in _tensors(output) if t.requires_grad]
         seen: dict[int, Any] = {}  # holds the nodes, so that their ids stay theirs
         while todo:
             node = todo.pop()

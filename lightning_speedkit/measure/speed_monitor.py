@@ -35,14 +35,13 @@ than float32.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import platform
 import statistics
 import sys
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -57,7 +56,7 @@ from lightning_speedkit._imports import NVML_AVAILABLE
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure import peak as _peak
 from lightning_speedkit.measure._host_memory import host_memory_bytes
-from lightning_speedkit.measure.flops import _Counter, _Owners
+from lightning_speedkit.measure.flops import _Counter, _Owners, _tensors
 
 __all__ = ["SUMMARY_KEYS", "SpeedMonitor"]
 
@@ -84,23 +83,6 @@ _GIB = 2**30
 
 
 # --- batch inspection (host metadata only: shapes and dtypes, never values) ----------------
-
-
-def _tensors(batch: Any) -> Iterator[torch.Tensor]:
-    """Every tensor in the batch, in order, through what Lightning's ``apply_to_collection``
-    walks: mappings (``dict``, Hugging Face's ``BatchEncoding``, a ``UserDict``), lists and
-    tuples (named ones too), and dataclass instances."""
-    if isinstance(batch, torch.Tensor):
-        yield batch
-    elif isinstance(batch, Mapping):
-        for value in batch.values():
-            yield from _tensors(value)
-    elif isinstance(batch, (list, tuple)):
-        for value in batch:
-            yield from _tensors(value)
-    elif dataclasses.is_dataclass(batch) and not isinstance(batch, type):
-        for each in dataclasses.fields(batch):
-            yield from _tensors(getattr(batch, each.name, None))
 
 
 @dataclass(frozen=True)
