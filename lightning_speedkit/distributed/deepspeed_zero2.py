@@ -148,6 +148,22 @@ class DeepSpeedZeRO2Strategy(DeepSpeedStrategy):
             config["zero_force_ds_cpu_optimizer"] = False
         super().setup(trainer)
 
+    def backward(self, closure_loss: Any, optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+        """Backward through DeepSpeed's engine, the loss divided by the accumulation once.
+
+        Lightning's loop divides the loss by ``accumulate_grad_batches`` and gives the same
+        number to DeepSpeed as ``gradient_accumulation_steps``, whose ``engine.backward``
+        divides by it again by default: with two micro-batches per step each step was
+        half of DDP's (exactly, with SGD; gradient clipping's threshold doubled). Where
+        Lightning divides, the engine is told not to (``scale_wrt_gas=False``); where it
+        does not (``accumulate_grad_batches=1``, as AccumulationScheduler sets it while it
+        moves the engine's own window), the engine divides by its window.
+        """
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.accumulate_grad_batches > 1:
+            kwargs.setdefault("scale_wrt_gas", False)
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
     def _setup_model_and_optimizer(
         self, model: nn.Module, optimizer: Any, lr_scheduler: Any = None
     ) -> tuple[Any, Any]:

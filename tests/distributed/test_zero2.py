@@ -230,6 +230,21 @@ def test_preset_trains_shards_resumes_and_consolidates(
     assert full_loss(task) < 0.7 * before
 
 
+@pytest.mark.multiprocess
+@pytest.mark.slow
+@pytest.mark.deepspeed
+def test_deepspeed_preset_accumulates_to_the_step_ddp_takes(tmp_path: Path) -> None:
+    """Lightning divides the loss by the accumulation and DeepSpeed's backward divided it
+    again: with two micro-batches per step, every SGD step was half DDP's."""
+    moved = {}
+    for strategy in ("ddp", "deepspeed_zero2"):
+        runs = run_script("zero2_ddp.py", tmp_path / strategy, "--strategy", strategy,
+                          "--steps", "1", "--accumulate", "2", "--sgd")  # fmt: skip
+        moved[strategy] = torch.tensor(runs[0]["moved"])
+    assert moved["ddp"].abs().max() > 1e-3  # it moved
+    torch.testing.assert_close(moved["deepspeed_zero2"], moved["ddp"], rtol=1e-4, atol=1e-7)
+
+
 class _Stepper(nn.Module):
     """A model run through a method, as Lightning runs ``training_step``, not ``forward``."""
 

@@ -61,11 +61,12 @@ def dataset(samples: int = 64) -> TensorDataset:
 
 
 class Task(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, sgd: bool = False) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.net = Net()
         self.losses: list[float] = []
+        self.sgd = sgd
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -74,6 +75,8 @@ class Task(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
+        if self.sgd:  # the step is the gradient itself: its scale shows
+            return torch.optim.SGD(self.parameters(), lr=0.1)
         return torch.optim.AdamW(self.parameters(), lr=3e-3)
 
     def train_dataloader(self) -> DataLoader[Any]:
@@ -112,6 +115,8 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", type=int, default=2)
     parser.add_argument("--precision", default="32-true")
+    parser.add_argument("--accumulate", type=int, default=1)
+    parser.add_argument("--sgd", action="store_true", help="plain SGD instead of AdamW")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(1)
@@ -132,8 +137,9 @@ def main() -> None:
         strategy=args.strategy, max_steps=args.steps,
         logger=False, callbacks=callbacks, enable_checkpointing=bool(args.save_every),
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+        accumulate_grad_batches=args.accumulate,
     )  # fmt: skip
-    task = Task()
+    task = Task(sgd=args.sgd)
     trainer.fit(task, ckpt_path=args.resume)
     rank = trainer.global_rank
     n_params = sum(p.numel() for p in Task().parameters())
@@ -147,6 +153,12 @@ def main() -> None:
         "checkpointed": checkpointing.checkpointed if checkpointing is not None else [],
         "traces": [str(p) for p in profiler.traces] if profiler is not None else [],
     }
+    if args.sgd:  # how far each weight moved (DDP and DeepSpeed's ZeRO-2 keep them whole)
+        result["moved"] = [
+            float(value)
+            for after, before in zip(task.parameters(), Task().parameters(), strict=True)
+            for value in (after.detach().float().cpu() - before).flatten()[:64]
+        ]
     (args.out / f"rank{rank}.json").write_text(json.dumps(result))
     if dist.is_initialized():
         dist.destroy_process_group()
