@@ -298,7 +298,8 @@ def peak_flops(
         overrides: ``{device name or table key: FLOP/s}``, checked first: for a
             device the table lacks, or a clock-limited part.
         measure: when the table has no figure (a CPU, an unknown part), time a
-            matmul on ``device`` and return that (needs a real ``torch.device``).
+            matmul on ``device`` and return that (needs a real ``torch.device``, and a
+            floating dtype other than FP8: for the others the peak stays unknown).
 
     Example::
 
@@ -334,7 +335,10 @@ def peak_flops(
             return float(overrides[candidate])
     if key is not None and dtype_key in PEAK_TABLE[key].flops:
         return PEAK_TABLE[key].flops[dtype_key]
-    if measure and torch_device is not None:
-        real = dtype_key if isinstance(dtype_key, torch.dtype) else torch.float32
-        return measure_matmul_peak(torch_device, real)
+    if measure and torch_device is not None and torch_device.type != "meta":
+        # TF32 is a float32 matmul at this precision setting; a matmul of FP8 or of an
+        # integer dtype is no plain torch.mm, and a meta device computes nothing: unknown.
+        real = torch.float32 if dtype_key is _TF32 else dtype_key
+        if isinstance(real, torch.dtype) and real.is_floating_point:
+            return measure_matmul_peak(torch_device, real)
     return None

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from lightning_speedkit import peak_flops
+from lightning_speedkit.measure import peak
 from lightning_speedkit.measure.peak import PEAK_TABLE, measure_matmul_peak, resolve_device_name
 
 # Names exactly as torch.cuda.get_device_name() prints them on real machines.
@@ -74,6 +75,21 @@ def test_unknown_device_is_none_and_cpu_is_measured() -> None:
     measured = peak_flops(torch.device("cpu"), torch.float32, measure=True)
     assert measured is not None
     assert 1e8 < measured < 1e14
+
+
+def test_what_a_matmul_cannot_measure_stays_unknown(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A meta device computes nothing (it timed at 2.7e14); FP8 is no plain torch.mm (it
+    returned the fp32 rate under FP8's name); int8 raised torch's own error."""
+    timed: list[torch.dtype] = []
+    monkeypatch.setattr(peak, "measure_matmul_peak",
+                        lambda device, dtype: timed.append(dtype) or 1e9)  # fmt: skip
+    assert peak_flops(torch.device("meta"), torch.float32, measure=True) is None
+    assert peak_flops(torch.device("cpu"), "fp8", measure=True) is None
+    assert peak_flops(torch.device("cpu"), torch.int8, measure=True) is None
+    assert timed == []
+    assert peak_flops(torch.device("cpu"), "tf32", measure=True) == 1e9  # a float32 matmul
+    assert peak_flops(torch.device("cpu"), torch.float16, measure=True) == 1e9
+    assert timed == [torch.float32, torch.float16]
 
 
 def test_measured_peak_is_a_real_matmul_rate() -> None:
