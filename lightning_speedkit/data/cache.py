@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import io
 import math
@@ -129,16 +130,13 @@ class SampleCache(Dataset[Any]):
 
     def __getitem__(self, index: int) -> Any:
         key = _key(index)
-        try:
-            sample = self._samples[key]
-        except (KeyError, TypeError):  # not kept yet; an index that is no key (a list)
-            pass
-        else:
+        sample = self._samples.get(key, _MISSING) if key is not None else _MISSING
+        if sample is not _MISSING:
             self.hits += 1
             return sample
         self.misses += 1
         sample = self.dataset[index]
-        if _hashable(key):
+        if key is not None:
             self._keep(key, sample)
         return sample
 
@@ -274,33 +272,32 @@ class SampleCache(Dataset[Any]):
         return getattr(self.dataset, name)
 
 
+_MISSING = object()
+
+
 def _key(index: Any) -> Any:
-    """What a sample is kept under: ``3``, ``np.int64(3)`` and ``torch.tensor(3)`` alike.
+    """What a sample is kept under: ``3``, ``np.int64(3)`` and ``torch.tensor(3)`` alike;
+    None for an index that is read through, never kept.
 
     Samplers yield indices of all three kinds (``SubsetRandomSampler`` over
-    ``torch.where(mask)[0]``, a permutation tensor as the sampler); a tensor hashes by
-    identity, so kept under itself it would never be found again, and the cache would
-    grow at every read.
+    ``torch.where(mask)[0]``, a permutation tensor as the sampler). Any other tensor is
+    read through: it hashes by identity, so kept under itself it would never be found
+    again and the cache would grow at every read, and ``tensor([3])`` fetches a batch of
+    one, not sample 3. So is an unhashable index (a list). A key of the dataset's own
+    (a str, a tuple) is kept under itself.
     """
     if isinstance(index, int):
         return index
-    if getattr(index, "ndim", 0) != 0:  # tensor([3]) fetches a batch of one, not sample 3
-        return index
+    if getattr(index, "ndim", 0) == 0:
+        with contextlib.suppress(TypeError):  # not an integer
+            return operator.index(index)
+    if isinstance(index, torch.Tensor):
+        return None
     try:
-        return operator.index(index)
-    except TypeError:  # not an integer: a key of the dataset's own (a str, a tuple)
-        return index
-
-
-def _hashable(key: Any) -> bool:
-    """Whether ``key`` can be kept under: hashable, and not by identity (a tensor)."""
-    if isinstance(key, torch.Tensor):
-        return False
-    try:
-        hash(key)
+        hash(index)
     except TypeError:
-        return False
-    return True
+        return None
+    return index
 
 
 class _Indexed(Dataset[tuple[int, Any]]):
