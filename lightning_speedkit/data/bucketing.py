@@ -8,9 +8,32 @@ import torch
 import torch.distributed as dist
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
+from lightning_speedkit import _validation
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["LengthBucketBatchSampler"]
+
+
+def _checked_lengths(lengths: Sequence[int]) -> torch.Tensor:
+    """``lengths`` as int64, each refused by its index unless finite and 0 or more."""
+    try:
+        values = torch.as_tensor(lengths)
+    except (TypeError, ValueError, RuntimeError):
+        values = None
+    if values is None or values.ndim != 1 or values.dtype in (torch.bool, torch.complex64,
+                                                                torch.complex128):  # fmt: skip
+        _validation.fail(
+            "lengths", lengths, "must be one number per sample (tokens, patches, ...)",
+            "pass a list or 1-D tensor of lengths, e.g. [len(s) for s in dataset]",
+        )  # fmt: skip
+    bad = ~torch.isfinite(values) | (values < 0) if values.is_floating_point() else values < 0
+    if bool(bad.any()):
+        index = int(bad.nonzero()[0])
+        _validation.fail(
+            f"lengths[{index}]", values[index].item(), "must be a finite length of 0 or more",
+            "give every sample its length (tokens, patches, ...); drop or fix that sample",
+        )  # fmt: skip
+    return values.to(torch.long)
 
 
 class _EpochHolder(Sampler[int]):
@@ -48,7 +71,8 @@ class LengthBucketBatchSampler(BatchSampler):
     (``drop_last=True`` drops the remainder instead).
 
     Args:
-        lengths: the length of each sample (tokens, patches, ...).
+        lengths: the length of each sample (tokens, patches, ...): finite, 0 or more
+            (others are refused, by index).
         batch_size: most samples per batch.
         num_replicas: ranks; default the process group's size (1 without one).
         rank: this rank; default the process group's rank.
@@ -117,7 +141,7 @@ class LengthBucketBatchSampler(BatchSampler):
         self.sampler: DistributedSampler[int] | _EpochHolder = (
             sampler if isinstance(sampler, DistributedSampler) else _EpochHolder(len(lengths))
         )
-        self.lengths = torch.as_tensor(lengths, dtype=torch.long)
+        self.lengths = _checked_lengths(lengths)
         self.batch_size = batch_size
         self.num_replicas = num_replicas
         self.rank = rank

@@ -222,3 +222,25 @@ def test_drop_last_drops_random_samples_not_the_longest(replicas: int) -> None:
     # A fair draw drops lengths averaging 15.5; always the longest would average 28 or more.
     assert 11 < sum(dropped_lengths) / len(dropped_lengths) < 20
     assert min(dropped_lengths) <= 3
+
+
+@pytest.mark.parametrize(
+    ("lengths", "index", "shown"),
+    [([1, float("nan")], 1, "nan"), ([5, -3], 1, "-3"), ([4, 2, float("inf")], 2, "inf")],
+    ids=["nan", "negative", "infinite"],
+)
+def test_lengths_that_are_not_finite_and_non_negative_are_refused_by_index(
+    lengths: list[float], index: int, shown: str
+) -> None:
+    """Issue 33: NaN raised torch's raw overflow error, and -3 was accepted."""
+    with pytest.raises(SpeedkitConfigError) as raised:
+        LengthBucketBatchSampler(lengths, 1)  # type: ignore[arg-type]
+    message = str(raised.value)
+    expected = f"`lengths[{index}]` must be a finite length of 0 or more, got {shown};"
+    assert message.startswith(expected)
+    assert "overflow" not in message
+
+
+def test_lengths_that_are_not_numbers_are_refused() -> None:
+    with pytest.raises(SpeedkitConfigError, match=r"^`lengths` must be one number per sample"):
+        LengthBucketBatchSampler(["a", "bb"], 1)  # type: ignore[list-item]
