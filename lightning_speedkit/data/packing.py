@@ -53,6 +53,10 @@ class PackingCollate:
     loss also asks each document's last token for the next document's first: set
     that label to -100 in the samples (or the loss) where it matters.
 
+    Each sample holds one sequence: its tokens 1-D, ``(N,)``. A ``(1, N)`` tensor, as a
+    tokenizer called with ``return_tensors="pt"`` gives every field, is taken as its N
+    tokens (its per-token fields likewise); a ``(B, N)`` batch is refused with the fix.
+
     Args:
         max_tokens: tokens per packed row.
         key: the sample field holding the token sequence.
@@ -119,7 +123,7 @@ class PackingCollate:
                     f"PackingCollate(key={self.key!r}) found no {self.key!r} in a sample "
                     f"({found}); samples must be dicts, and `key` the field holding the tokens."
                 )
-            tokens.append(torch.as_tensor(sample[self.key]))
+            tokens.append(self._sequence(len(tokens), sample[self.key]))
         # Where each document goes: (row, offset, kept length), greedily in order.
         places: list[tuple[int, int, int]] = []
         row, used = 0, 0
@@ -168,11 +172,29 @@ class PackingCollate:
                 batch[field] = values
         return batch
 
+    def _sequence(self, index: int, value: Any) -> Tensor:
+        """Sample ``index``'s tokens as one 1-D sequence: a (1, N) tensor (a tokenizer's
+        ``return_tensors="pt"``) is its N tokens; a (B, N) batch or a scalar is refused."""
+        tokens = torch.as_tensor(value)
+        if tokens.ndim == 2 and tokens.shape[0] == 1:
+            return tokens[0]
+        if tokens.ndim != 1:
+            raise SpeedkitConfigError(
+                f"PackingCollate packs one sequence per sample, but sample {index}'s "
+                f"{self.key!r} has shape {tuple(tokens.shape)}; a sample's tokens must be 1-D "
+                f"(N,) or (1, N). Give the DataLoader one sequence per dataset item (a batch "
+                f"of B sequences is B samples), and let PackingCollate batch them."
+            )
+        return tokens
+
     def _per_token(self, field: str, values: list[Any], tokens: list[Tensor]) -> list[Tensor]:
-        """A per-token field's values as 1-D tensors, each as long as its tokens."""
+        """A per-token field's values as 1-D tensors, each as long as its tokens ((1, N)
+        taken as N values, as the tokens are)."""
         per_doc = []
         for value, seq in zip(values, tokens, strict=True):
             tensor = torch.as_tensor(value) if value is not None else None
+            if tensor is not None and tensor.ndim == 2 and tensor.shape[0] == 1:
+                tensor = tensor[0]
             if tensor is None or tensor.ndim != 1 or len(tensor) != len(seq):
                 got = "nothing" if tensor is None else f"shape {tuple(tensor.shape)}"
                 raise SpeedkitConfigError(

@@ -113,3 +113,31 @@ def test_labels_of_any_kind_keep_their_values_and_padding() -> None:
         [{"input_ids": [1, 2], "w": [1, 1]}, {"input_ids": [3], "w": [0.5]}]
     )
     assert mixed["w"].tolist() == [[1.0, 1.0, 0.5, 0.0]]
+
+
+def test_a_sample_of_shape_1_by_n_is_one_sequence() -> None:
+    """Issue 33: a tokenizer's ``return_tensors="pt"`` gives each field as (1, N); such a
+    sample is packed as its N tokens, its per-token fields with it."""
+    collate = PackingCollate(max_tokens=4)
+    batch = collate([
+        {"input_ids": torch.tensor([[1, 2]]), "attention_mask": torch.tensor([[1, 1]])},
+        {"input_ids": torch.tensor([3]), "attention_mask": torch.tensor([1])},
+    ])  # fmt: skip
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 0]]
+    assert batch["cu_seqlens"].tolist() == [0, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("tokens", "shape"),
+    [(torch.ones(2, 5, dtype=torch.long), "(2, 5)"), (torch.tensor(7), "()")],
+    ids=["a-batch", "a-scalar"],
+)
+def test_a_sample_that_is_not_one_sequence_is_named(tokens: torch.Tensor, shape: str) -> None:
+    """Issue 33: a (B, N) sample raised torch's raw ``expand`` error."""
+    with pytest.raises(SpeedkitConfigError) as raised:
+        PackingCollate(max_tokens=8)([{"input_ids": torch.tensor([1, 2])}, {"input_ids": tokens}])
+    message = str(raised.value)
+    expected = "PackingCollate packs one sequence per sample, but sample 1's 'input_ids' has"
+    assert message.startswith(f"{expected} shape {shape};")
+    assert "expand" not in message
