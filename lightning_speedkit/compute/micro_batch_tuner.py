@@ -425,15 +425,19 @@ def tune_micro_batch(
             fix = "choose a global batch each rank can take an equal share of"
             _validation.fail("global_batch", global_batch,
                              f"is not a multiple of the {world_size} ranks", fix)  # fmt: skip
-    if dataloader.batch_size is None:  # a batch sampler of the user's, or no batching
-        batcher = type(dataloader.batch_sampler).__name__ if dataloader.batch_sampler else None
-        _validation.fail("dataloader", dataloader,
-                         f"must batch by `batch_size` (this one batches with "
-                         f"{batcher or 'its dataset'})",
-                         "set the batch size there yourself, or batch by `batch_size`")  # fmt: skip
-    started = time.perf_counter()
-    device = next(model.parameters()).device
     given = dataloader.batch_size
+    if given is None:  # a batch sampler of the user's, or no batching
+        why, fix = _why_unbatched(dataloader)
+        _validation.fail("dataloader", dataloader, f"must batch by `batch_size` ({why})", fix)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    if not trainable:
+        _validation.fail("model", model,
+                         "has no parameters that require grad, so its training step has "
+                         "nothing to run backward into and no micro-batch can be timed",
+                         "tune a model with trainable parameters, or keep the loader's "
+                         "batch size as it is")  # fmt: skip
+    started = time.perf_counter()
+    device = trainable[0].device
     per_rank = None if global_batch is None else global_batch // world_size
     caps = [c for c in (max_micro_batch, per_rank) if c is not None]
     cap = min(caps) if caps else None
@@ -553,6 +557,22 @@ def tune_micro_batch(
     )  # fmt: skip
     result.dataloader = rebuild_dataloader(dataloader, batch_size=best)
     return result
+
+
+def _why_unbatched(loader: DataLoader[Any]) -> tuple[str, str]:
+    """Why ``loader``, whose ``batch_size`` is None, has no batch size the tuner could set;
+    and the fix."""
+    if loader.batch_sampler is not None:  # the user's: DataLoader makes one only from a size
+        return (
+            f"this one batches with {type(loader.batch_sampler).__name__}, whose own size decides",
+            "size that batch sampler yourself, or pass `batch_size=` instead of `batch_sampler=`",
+        )
+    return (
+        "this one has `batch_size=None`: automatic batching is off, so each item the dataset "
+        "gives is a whole batch",
+        "if the dataset gives single samples, give the loader a `batch_size`; if it gives "
+        "whole batches, size them in the dataset and do not tune",
+    )
 
 
 def _out_of_memory(exc: BaseException) -> bool:
@@ -732,6 +752,17 @@ class MicroBatchTuner(L.Callback):
                 "timed. Tune on one device or under DDP (or `fsdp_zero2`), then set the "
                 "loader's `batch_size` to `result.best['batch_size']`; or remove the callback."
             )
+        if not pl_module.automatic_optimization:
+            raise SpeedkitConfigError(
+                "MicroBatchTuner cannot keep the global batch under manual optimization: this "
+                "LightningModule sets `automatic_optimization = False`, so its `training_step` "
+                "accumulates gradients by hand, and the tuner cannot change how many "
+                "micro-batches it accumulates (AccumulationScheduler, which does that for the "
+                "tuner, drives automatic optimization only). Remove MicroBatchTuner and tune "
+                "before fit: `result = tune_micro_batch(model, loader, step, global_batch=N)`; "
+                "then train with `batch_size=result.best['batch_size']` and accumulate "
+                "`result.accumulation` micro-batches per optimizer step in `training_step`."
+            )
         callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
         schedulers = [c for c in callbacks if isinstance(c, AccumulationScheduler)]
         scheduler = schedulers[0] if schedulers else None
@@ -775,6 +806,9 @@ class MicroBatchTuner(L.Callback):
         if getattr(trainer, "fast_dev_run", False):  # not in its stubs
             rank_zero_info("MicroBatchTuner: not tuning in a `fast_dev_run` (a smoke test).")
             return
+        if trainer.limit_train_batches == 0:  # 0 or 0.0: the fit loop trains no batch
+            rank_zero_info("MicroBatchTuner: `limit_train_batches=0`, no batch trains; not tuning.")
+            return
         loader = _compat.train_loader_source(trainer).dataloader()
         if not isinstance(loader, DataLoader):
             rank_zero_warn(
@@ -783,10 +817,10 @@ class MicroBatchTuner(L.Callback):
             )
             return
         if loader.batch_size is None:  # with a size, the loader made its batch sampler
+            why, fix = _why_unbatched(loader)
             raise SpeedkitConfigError(
-                f"MicroBatchTuner sets the train loader's `batch_size`, and this loader batches "
-                f"with {type(loader.batch_sampler).__name__}, whose own size decides. Remove "
-                f"MicroBatchTuner and size the batch sampler yourself, or batch by `batch_size`."
+                f"MicroBatchTuner sets the train loader's `batch_size`, and {why}. To use the "
+                f"tuner, {fix}; or remove MicroBatchTuner."
             )
         global_batch = int(scheduler.target_global_batch or 0)
         saved = self._saved_choice(global_batch, trainer.world_size)
@@ -901,7 +935,7 @@ class MicroBatchTuner(L.Callback):
                 continue
             if name == "limit_train_batches" and getattr(trainer, "overfit_batches", None):
                 continue  # the batches to overfit: the user's count, as given
-            scaled = max(1, -(-value * given // best))  # rounded up: never none
+            scaled = -(-value * given // best)  # rounded up: some stay some, none stays none
             if name == "val_check_interval" and epoch is not None:
                 scaled = min(scaled, epoch)
             if name == "limit_train_batches" and epoch is not None:

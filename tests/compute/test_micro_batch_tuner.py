@@ -702,3 +702,114 @@ def test_a_stateful_dataloader_at_the_new_size_resumes_mid_epoch_exactly(tmp_pat
     for got, expected in zip(resumed.batches, whole.batches[12:], strict=True):
         assert torch.equal(got[0], expected[0])
     assert resumed.losses == whole.losses[12:]
+
+
+# --- what a new user found (no batches, no parameters, manual optimization, no batch size) ----
+
+
+def test_with_no_training_batches_nothing_is_tuned_and_nothing_trains() -> None:
+    measure, ran = fake_measure(SECONDS)
+    tuner = MicroBatchTuner(measure=measure, verbose=False)
+    scheduler = AccumulationScheduler(target_global_batch=32, verbose=False)
+    model = Net()
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    run = trainer(-1, [scheduler, tuner], max_epochs=1, limit_train_batches=0)
+    run.fit(model, DataLoader(dataset(), batch_size=4))
+    assert ran == []  # no trial step either
+    assert tuner.result is None
+    assert run.global_step == 0
+    assert run.optimizers[0].state == {}  # AdamW made no moments: no step ran
+    for name, p in model.named_parameters():
+        assert torch.equal(p, before[name]), name  # bit-identical
+        assert p.grad is None
+    assert run.limit_train_batches == 0  # the user's count, not one batch
+
+
+def test_a_zero_count_of_batches_stays_zero_at_a_new_micro_batch() -> None:
+    """``val_check_interval`` and ``limit_train_batches`` in batches: 0 is none at any size."""
+    tuner = MicroBatchTuner(measure=fake_measure(SECONDS)[0], verbose=False)
+    run = trainer(1, [], limit_train_batches=0)
+    tuner._count_in_new_batches(run, given=4, best=8, batches=16)
+    assert run.limit_train_batches == 0  # it said 1: one step trained
+    run = trainer(1, [], limit_train_batches=6)
+    tuner._counts = None
+    tuner._count_in_new_batches(run, given=4, best=8, batches=16)
+    assert run.limit_train_batches == 3
+
+
+class Constant(L.LightningModule):
+    """A LightningModule with no parameters at all."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return batch[0].sum()
+
+    def configure_optimizers(self) -> None:
+        return None
+
+
+def test_a_model_without_parameters_is_refused_with_the_reason() -> None:
+    step = lambda batch: batch[0].sum()  # noqa: E731
+    loader = DataLoader(dataset(16), batch_size=4)
+    with pytest.raises(SpeedkitConfigError) as error:
+        tune_micro_batch(nn.Identity(), loader, step, measure=fake_measure(SECONDS)[0])
+    message = str(error.value)
+    assert message.startswith("`model` has no parameters that require grad")
+    assert "got Identity()" in message
+    frozen = nn.Linear(16, 1).requires_grad_(False)
+    with pytest.raises(SpeedkitConfigError, match="`model` has no parameters that require grad"):
+        tune_micro_batch(frozen, loader, step, measure=fake_measure(SECONDS)[0])
+    tuner = MicroBatchTuner(measure=fake_measure(SECONDS)[0], verbose=False)
+    scheduler = AccumulationScheduler(target_global_batch=16, verbose=False)
+    with pytest.raises(SpeedkitConfigError, match="`model` has no parameters that require grad"):
+        trainer(1, [scheduler, tuner]).fit(Constant(), loader)
+
+
+class Manual(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        self.manual_backward(loss)
+        optimizer.step()  # type: ignore[union-attr]
+        optimizer.zero_grad()  # type: ignore[union-attr]
+        return loss
+
+
+def test_manual_optimization_is_told_to_accumulate_by_hand_not_to_add_a_scheduler() -> None:
+    tuner = MicroBatchTuner(measure=fake_measure(SECONDS)[0], verbose=False)
+    with pytest.raises(SpeedkitConfigError) as error:
+        trainer(1, [tuner]).fit(Manual(), DataLoader(dataset(), batch_size=4))
+    message = str(error.value)
+    assert "`automatic_optimization = False`" in message
+    assert "`training_step` accumulates gradients by hand" in message
+    assert "tune_micro_batch(" in message  # the function works without the callback
+    assert "Add `AccumulationScheduler" not in message  # which refuses manual optimization
+    # with the scheduler listed after it, the tuner's message comes first, and says the same
+    scheduler = AccumulationScheduler(target_global_batch=16, verbose=False)
+    with pytest.raises(SpeedkitConfigError, match="MicroBatchTuner cannot keep the global"):
+        trainer(1, [tuner, scheduler]).fit(Manual(), DataLoader(dataset(), batch_size=4))
+
+
+def test_a_loader_without_a_batch_size_says_so_not_nonetype() -> None:
+    unbatched = DataLoader(dataset(16), batch_size=None)  # the dataset's items are the batches
+    model, _, step = _setup()
+    with pytest.raises(SpeedkitConfigError) as error:
+        tune_micro_batch(model, unbatched, step, measure=fake_measure(SECONDS)[0])
+    assert "`batch_size=None`" in str(error.value)
+    assert "NoneType" not in str(error.value)
+    tuner = MicroBatchTuner(measure=fake_measure(SECONDS)[0], verbose=False)
+    scheduler = AccumulationScheduler(target_global_batch=16, verbose=False)
+    with pytest.raises(SpeedkitConfigError) as error:
+        trainer(1, [scheduler, tuner]).fit(Net(), unbatched)
+    message = str(error.value)
+    assert "NoneType" not in message
+    assert "`batch_size=None`" in message
+    assert "each item the dataset gives is a whole batch" in message
+    assert "give the loader a `batch_size`" in message  # the fix
+    # a batch sampler of the user's is still named
+    bucketed = DataLoader(dataset(16), batch_sampler=LengthBucketBatchSampler([1] * 16, 4))
+    with pytest.raises(SpeedkitConfigError, match="batches with LengthBucketBatchSampler"):
+        trainer(1, [scheduler, tuner]).fit(Net(), bucketed)
