@@ -9,7 +9,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -189,6 +189,50 @@ class _LossTrace(L.Callback):
             self._window = None
 
 
+class _CacheAtStart(L.Callback):
+    """How many samples the kit's cache held when training began, and how they got there.
+
+    The tuner's trials read through the cache in this process before the warm-up fills
+    the rest, so the cache's miss count at the end mixes reads made before the first
+    step with reads made during training; this takes the count apart at the first step.
+    """
+
+    def __init__(self) -> None:
+        self.misses: int | None = None
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        cache = getattr(trainer.datamodule, "sample_cache", None)
+        self.misses = cache.misses if cache is not None else None
+
+
+def cache_note(cache: SampleCache, misses_at_start: int | None) -> str:
+    """The demo's line on the kit's sample cache: what was decoded before the first step
+    (by the warm-up's workers, by the tuner's trials in this process) and during training.
+
+    Example::
+
+        >>> cache = SampleCache(list(range(10)))
+        >>> cache.warmed, cache.misses, cache.hits, cache.nbytes = 6, 4, 30, 2**20
+        >>> note = cache_note(cache, misses_at_start=4)
+        >>> for part in note.split("): ")[1].split(", "):
+        ...     print(part)
+        10 in memory before the first step (6 decoded by the warm-up's workers
+        4 by the tuner's trials in this process)
+        0 read during training
+        30 served from memory (1 MiB)
+    """
+    before = cache.warmed + (misses_at_start or 0)
+    during = cache.misses - (misses_at_start or 0)
+    how = f"{cache.warmed:,} decoded by the warm-up's workers"
+    if misses_at_start:
+        how += f", {misses_at_start:,} by the tuner's trials in this process"
+    return (
+        f"kit: SampleCache: decoded samples kept in memory (same data, same order): "
+        f"{before:,} in memory before the first step ({how}), {during:,} read during "
+        f"training, {cache.hits:,} served from memory ({cache.nbytes / 2**20:.0f} MiB)"
+    )
+
+
 class _KitVLMData(SpeedDataModuleMixin, VLMDataModule):
     """The example's DataModule with the kit's loader: tuned workers, decoded samples cached.
 
@@ -244,6 +288,8 @@ class _Kit:
     accumulation: AccumulationScheduler | None
     """With a global batch: the same micro-batches per optimizer step as plain's."""
     swap: AttentionSwap
+    cache_at_start: _CacheAtStart = field(default_factory=_CacheAtStart)
+    """Not a lever: where the cache's samples came from (the notes)."""
 
     @classmethod
     def build(cls, config: DemoConfig, on_cuda: bool) -> _Kit:
@@ -348,7 +394,7 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
         task,
         datamodule,
         peak,
-        callbacks=kit.callbacks() if kit is not None else [],
+        callbacks=[*kit.callbacks(), kit.cache_at_start] if kit is not None else [],
         strategy=strategy,
         accumulate_grad_batches=accumulation if run == "plain" else 1,
     )
@@ -359,12 +405,7 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
     if isinstance(datamodule, _KitVLMData):
         cache = datamodule.sample_cache
         if cache is not None:
-            notes.append(
-                f"kit: SampleCache: decoded samples kept in memory (same data, same order): "
-                f"{cache.warmed:,} decoded before the first step, "
-                f"{cache.misses:,} read in-process, {cache.hits:,} served from memory "
-                f"({cache.nbytes / 2**20:.0f} MiB)"
-            )
+            notes.append(cache_note(cache, kit.cache_at_start.misses))
         else:
             notes.append(
                 "kit: SampleCache left off: the tuned loader decodes in worker processes, "

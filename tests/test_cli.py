@@ -148,7 +148,8 @@ def test_demo_trains_plain_and_kit_and_prints_them_side_by_side(
     assert "kit / plain samples/s:" in out
     if "NumWorkersTuner chose num_workers=0" in out:  # loading in-process: cached, warmed
         assert "kit: SampleCache: decoded samples kept in memory (same data, same order): " in out
-        assert " decoded before the first step, " in out
+        assert " in memory before the first step (" in out
+        assert " decoded by the warm-up's workers" in out
     else:
         assert "kit: SampleCache left off: the tuned loader decodes in worker processes" in out
     plain, kit = json.loads((tmp_path / "demo.json").read_text())
