@@ -6,7 +6,8 @@ an error that names neither the rank nor the line. The watchdog is a thread on e
 rank that notices a training step running past its limit and then:
 
 1. writes that rank's Python stacks, every thread, to ``dirpath/hang-rank{R}.txt``
-   (a readable traceback per thread, then :mod:`faulthandler`'s raw dump);
+   (a readable traceback per thread, then :mod:`faulthandler`'s raw dump), or to stderr
+   where that file cannot be written (the directory is checked at setup, but may go);
 2. raises an alarm in the process group's rendezvous store (the TCP key-value store
    the ranks met through, served by its own thread, outside any collective), and
    every other rank's watchdog, seeing it, writes its stacks too, whatever its own
@@ -42,6 +43,7 @@ holds its interpreter lock) is named as silent.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import faulthandler
@@ -64,6 +66,7 @@ import lightning as L
 import torch
 
 from lightning_speedkit import _compat, _validation
+from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["HANG_EXIT_CODE", "HangEvent", "HangWatchdog", "RankProgress", "late_ranks"]
 
@@ -225,7 +228,8 @@ class HangWatchdog(L.Callback):
             an evaluation inside the training step).
         dirpath: Where ``hang-rank{R}.txt`` (every rank) and ``hang-report.txt`` (rank 0)
             go. ``None``: the Trainer's ``default_root_dir``. On a cluster, a filesystem
-            every node shares.
+            every node shares. A directory that cannot be made or written is refused at
+            setup, before training starts.
         action: ``"dump"`` (default): write the stacks, report, and let training go on (a
             step that was only slow finishes, and is reported as recovered). ``"abort"``:
             after the stacks are written and rank 0 has reported, end every process with
@@ -320,6 +324,7 @@ class HangWatchdog(L.Callback):
         self._reset()
         self._rank, self._world_size = trainer.global_rank, trainer.world_size
         self._dir = Path(self.dirpath if self.dirpath is not None else trainer.default_root_dir)
+        self._check_writable()
         self._store = _open_store() if self._world_size > 1 else None
         # Counters of earlier fits stay in the store: only what comes after these is news.
         # Lightning's strategy.setup, after every rank's callback setup, broadcasts the
@@ -332,6 +337,23 @@ class HangWatchdog(L.Callback):
             target=self._run, name="speedkit-hang-watchdog", daemon=True
         )
         self._thread.start()
+
+    def _check_writable(self) -> None:
+        """Refuse, before training starts, a directory the stacks could not be written to:
+        at a hang it is too late to ask for another."""
+        probe = self._dir / f".write-test-rank{self._rank}"
+        try:
+            self._dir.mkdir(parents=True, exist_ok=True)
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as error:
+            shown = (repr(str(self.dirpath)) if self.dirpath is not None
+                     else f"None (the Trainer's default_root_dir, {str(self._dir)!r})")  # fmt: skip
+            raise SpeedkitConfigError(
+                f"`dirpath` must be a directory the stacks can be written to, got {shown}: "
+                f"{error.strerror or error}; pass `dirpath=` a writable directory, on a "
+                f"cluster one every node shares."
+            ) from error
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -456,10 +478,10 @@ class HangWatchdog(L.Callback):
                                              path, between=between))  # fmt: skip
                 log.warning(
                     "HangWatchdog: rank %d: batch %d (global step %d) %s %.1f s, past its "
-                    "limit of %.1f s; stacks written to %s",
+                    "limit of %.1f s; %s",
                     self._rank, batch, step,
                     "ended and the next has not begun for" if between else "has run",
-                    age, limit, path,
+                    age, limit, _where_stacks_went(path),
                 )  # fmt: skip
         count = self._store_call(lambda s: s.add(_ALARMS, 0))
         if count is not None and count > self._alarms_seen:
@@ -470,8 +492,8 @@ class HangWatchdog(L.Callback):
                                              self.threshold(), path))  # fmt: skip
                 log.warning(
                     "HangWatchdog: rank %d: another rank raised a hang alarm; this rank is at "
-                    "batch %d (global step %d), %s; stacks written to %s",
-                    self._rank, batch, step, PHASES[phase], path,
+                    "batch %d (global step %d), %s; %s",
+                    self._rank, batch, step, PHASES[phase], _where_stacks_went(path),
                 )  # fmt: skip
                 dumped = True
         if not dumped:
@@ -523,10 +545,14 @@ class HangWatchdog(L.Callback):
             answer = json.dumps({**dataclasses.asdict(progress), "alarm": self._alarms_seen})
             self._store_call(lambda s: s.set(f"progress/{self._rank}", answer))
         path = self._dir / f"hang-rank{self._rank}.txt"
+        header = _stacks_header(self._rank, self._world_size, why, progress)
         try:
-            _write_stacks(path, self._rank, self._world_size, why, progress)
-        except OSError as error:
-            log.error("HangWatchdog: rank %d could not write %s: %s", self._rank, path, error)
+            _write_stacks(path, header)
+        except OSError as error:  # the stacks are what a hang leaves: never lose them
+            log.error("HangWatchdog: rank %d could not write %s (%s); stacks printed to stderr",
+                      self._rank, path, error)  # fmt: skip
+            _print_stacks(header)
+            self._dump_path = None
             return None
         self._dump_path = str(path)
         return self._dump_path
@@ -594,7 +620,7 @@ class HangWatchdog(L.Callback):
             "HangWatchdog: a training step hung (action='abort'): ending rank %d with exit "
             "status %d. Stacks: %s; rank 0's report: %s. Restart the job from its last "
             "checkpoint; see the troubleshooting page's 'Distributed hangs'.",
-            self._rank, HANG_EXIT_CODE, self._dir / f"hang-rank{self._rank}.txt",
+            self._rank, HANG_EXIT_CODE, self._dump_path or "printed to stderr above",
             self._dir / "hang-report.txt",
         )  # fmt: skip
         for stream in (sys.stdout, sys.stderr):
@@ -657,8 +683,13 @@ def _open_store() -> Any:
     return PrefixStore(_PREFIX, base)
 
 
-def _write_stacks(path: Path, rank: int, world_size: int, why: str, progress: RankProgress) -> None:
-    """Every thread's stack: readable first, then faulthandler's dump (C-level, all threads)."""
+def _where_stacks_went(path: str | None) -> str:
+    return f"stacks written to {path}" if path is not None else "stacks printed to stderr"
+
+
+def _stacks_header(rank: int, world_size: int, why: str, progress: RankProgress) -> str:
+    """Where the rank was and every thread's Python stack, readable (faulthandler's raw dump
+    follows it)."""
     names = {thread.ident: thread.name for thread in threading.enumerate()}
     lines = [
         f"HangWatchdog stack dump: rank {rank} of {world_size}, host {socket.gethostname()}, "
@@ -675,13 +706,33 @@ def _write_stacks(path: Path, rank: int, world_size: int, why: str, progress: Ra
         lines.append(f"\nThread {names.get(ident, '?')} (id {ident}):")
         lines.extend(line.rstrip("\n") for line in traceback.format_stack(frames[ident]))
     lines += ["", "--- faulthandler (most recent call first) ---", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _write_stacks(path: Path, header: str) -> None:
+    """The header, then faulthandler's dump (C-level, all threads), to ``path``."""
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
-    with partial.open("w", encoding="utf-8") as out:
-        out.write("\n".join(lines) + "\n")
-        out.flush()
-        faulthandler.dump_traceback(file=out, all_threads=True)
-    os.replace(partial, path)  # a reader never sees half a dump
+    try:
+        with partial.open("w", encoding="utf-8") as out:
+            out.write(header)
+            out.flush()
+            faulthandler.dump_traceback(file=out, all_threads=True)
+        os.replace(partial, path)  # a reader never sees half a dump
+    finally:
+        with contextlib.suppress(OSError):
+            partial.unlink(missing_ok=True)
+
+
+def _print_stacks(header: str) -> None:
+    """The stacks that could not be written, on stderr (faulthandler's dump where stderr
+    is a real file: it writes to a file descriptor)."""
+    sys.stderr.write(header)
+    sys.stderr.flush()
+    try:
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    except (AttributeError, ValueError, OSError):  # no file descriptor (a captured stream)
+        sys.stderr.write("(faulthandler's dump needs stderr to be a file: left out)\n")
 
 
 def _report_text(

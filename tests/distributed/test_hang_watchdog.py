@@ -262,6 +262,52 @@ def test_dump_failure_is_logged_not_raised(
     assert "could not write" in caplog.text
 
 
+def test_stacks_that_cannot_be_written_go_to_stderr(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The directory was fine at setup and is gone at the hang (a file took its name): the
+    stacks are the one thing the user needs from a hang, so they go to stderr instead."""
+    (rank,), _, _ = ranks(tmp_path, 1, timeout=5)
+    rank.w._dir = tmp_path / "dumps"
+    (tmp_path / "dumps").write_text("")  # a file where the directory was
+    rank.start()
+    events: list[HangEvent] = []
+    looking = threading.Thread(target=lambda: events.extend(rank.look(after=6)))
+    looking.start()  # as the watchdog's thread: the main thread's stack is in the dump
+    looking.join()
+    (event,) = events
+    assert (event.kind, event.path) == ("overrun", None)
+    err = capsys.readouterr().err
+    assert "HangWatchdog stack dump: rank 0 of 1" in err
+    assert "why: this rank's step ran 6.0 s, past its limit of 5.0 s" in err
+    assert "Thread MainThread" in err
+    assert "in test_stacks_that_cannot_be_written_go_to_stderr" in err
+    assert f"could not write {tmp_path / 'dumps' / 'hang-rank0.txt'}" in caplog.text
+    assert "stacks printed to stderr" in caplog.text
+    assert "written to None" not in caplog.text
+
+
+@pytest.mark.parametrize("given", [True, False])
+def test_a_directory_that_cannot_be_written_is_refused_at_setup(
+    tmp_path: Path, given: bool
+) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    unwritable = blocker / "dumps"  # under a file: no one can make it, root included
+    watchdog = HangWatchdog(timeout=5, dirpath=unwritable if given else None)
+    trainer = SimpleNamespace(global_rank=0, world_size=1, default_root_dir=str(unwritable))
+    with pytest.raises(SpeedkitConfigError) as error:
+        watchdog.setup(trainer, None, "fit")  # type: ignore[arg-type]
+    message = str(error.value)
+    shown = f"'{unwritable}'" if given else f"None (the Trainer's default_root_dir, '{unwritable}')"
+    assert message.startswith(f"`dirpath` must be a directory the stacks can be written to, "
+                              f"got {shown}: ")  # fmt: skip
+    assert "Not a directory" in message
+    assert message.endswith("pass `dirpath=` a writable directory, on a cluster one every "
+                            "node shares.")  # fmt: skip
+    assert not watchdog.running
+
+
 # --- several ranks: who is behind -------------------------------------------------------------
 
 
