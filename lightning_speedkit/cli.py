@@ -662,6 +662,12 @@ def _model_builder(spec: str) -> tuple[Callable[[], Any], str]:
         raise CommandLineError(
             f"argument --model: cannot import {module_name!r} (from {spec!r}): {err}"
         ) from err
+    except Exception as err:  # the user's module failed as it ran: their code, not ours
+        raise CommandLineError(
+            f"argument --model: importing {module_name!r} (from {spec!r}) raised "
+            f"{type(err).__name__}: {err}; fix the module so that it imports, or give "
+            "--params instead"
+        ) from err
     finally:
         if added:
             sys.path.remove(os.getcwd())
@@ -701,8 +707,15 @@ def _count_parameters(spec: str) -> tuple[int, int, str]:
     import torch
 
     build, note = _model_builder(spec)
-    with torch.device("meta"):  # no memory: a 70B model counts in a second
-        model = build()
+    try:
+        with torch.device("meta"):  # no memory: a 70B model counts in a second
+            model = build()
+    except Exception as err:  # the user's factory failed: their code, not ours
+        raise CommandLineError(
+            f"argument --model: {spec} raised {type(err).__name__}: {err} (called with no "
+            "arguments, on the meta device); fix the factory so that it builds the model, "
+            "or give --params instead"
+        ) from err
     if not isinstance(model, torch.nn.Module):
         raise CommandLineError(
             f"argument --model: {spec} returned a {type(model).__name__}, not a torch.nn.Module"

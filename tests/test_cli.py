@@ -552,6 +552,36 @@ def test_plan_imports_a_model_factory_from_the_current_directory(
     sys.modules.pop("my_models_xyz", None)
 
 
+def test_a_model_factory_that_raises_is_one_line_naming_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The factory is the user's code: its failure is input the command cannot use (exit
+    status 2, one line naming the factory and the exception), not a bug of the kit."""
+    (tmp_path / "my_broken_models_xyz.py").write_text(
+        "def build():\n    raise RuntimeError('no config at cfg.yaml')\n"
+    )
+    (tmp_path / "my_failing_module_xyz.py").write_text(
+        "raise KeyError('HOME_OF_DATA')\n\ndef build():\n    return None\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--model", "my_broken_models_xyz:build", "--gpus", "2"]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err == (
+        "speedkit plan: error: argument --model: my_broken_models_xyz:build raised "
+        "RuntimeError: no config at cfg.yaml (called with no arguments, on the meta device); "
+        "fix the factory so that it builds the model, or give --params instead\n"
+    )
+    assert main(["plan", "--model", "my_failing_module_xyz:build", "--gpus", "2"]) == 2
+    assert capsys.readouterr().err == (
+        "speedkit plan: error: argument --model: importing 'my_failing_module_xyz' (from "
+        "'my_failing_module_xyz:build') raised KeyError: 'HOME_OF_DATA'; fix the module so "
+        "that it imports, or give --params instead\n"
+    )
+    for name in ("my_broken_models_xyz", "my_failing_module_xyz"):
+        sys.modules.pop(name, None)
+
+
 def test_bench_allreduce_writes_its_json_into_a_new_directory(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
