@@ -12,7 +12,14 @@ from types import SimpleNamespace
 from lightning_speedkit import _versions  # noqa: F401
 from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.attention import AttentionSwap, register_adapter, swap_attention
-from lightning_speedkit.compute import FusedOptimizer, MicroBatchTuner, RegionalCompile
+from lightning_speedkit.compute import (
+    FusedOptimizer,
+    MicroBatchTuner,
+    RegionalCompile,
+    compile_blocks,
+    fuse_optimizers,
+    tune_micro_batch,
+)
 from lightning_speedkit.data import NumWorkersTuner, SpeedDataModuleMixin, tune_num_workers
 from lightning_speedkit.distributed import (
     ActivationCheckpointing,
@@ -22,6 +29,7 @@ from lightning_speedkit.distributed import (
     FSDP2ZeRO2Strategy,
     FSDPZeRO2Strategy,
     HangWatchdog,
+    checkpoint_blocks,
     plan_memory,
 )
 from lightning_speedkit.errors import SpeedkitConfigError
@@ -54,11 +62,15 @@ __all__ = [
     "SpeedMonitor",
     "SpeedkitConfigError",
     "__version__",
+    "checkpoint_blocks",
+    "compile_blocks",
     "count_flops",
+    "fuse_optimizers",
     "peak_flops",
     "plan_memory",
     "register_adapter",
     "swap_attention",
+    "tune_micro_batch",
     "tune_num_workers",
 ]
 

@@ -125,3 +125,25 @@ def test_floors_agree_with_pyproject() -> None:
     }
     assert floors["torch"] == ".".join(map(str, _versions.TORCH_FLOOR))
     assert floors["lightning"] == ".".join(map(str, _versions.LIGHTNING_FLOOR))
+
+
+def test_every_trainer_free_core_is_importable_from_the_package() -> None:
+    """Each callback is a thin layer over a function a user can call without a Trainer."""
+    from lightning_speedkit.compute import compile_blocks, fuse_optimizers, tune_micro_batch
+    from lightning_speedkit.distributed import checkpoint_blocks
+
+    cores = {
+        "count_flops": lightning_speedkit.measure.count_flops,
+        "peak_flops": lightning_speedkit.measure.peak_flops,
+        "tune_num_workers": lightning_speedkit.data.tune_num_workers,
+        "swap_attention": lightning_speedkit.attention.swap_attention,
+        "plan_memory": lightning_speedkit.distributed.plan_memory,
+        "tune_micro_batch": tune_micro_batch,
+        "compile_blocks": compile_blocks,
+        "checkpoint_blocks": checkpoint_blocks,
+        "fuse_optimizers": fuse_optimizers,
+    }
+    for name, function in cores.items():
+        assert name in lightning_speedkit.__all__
+        assert getattr(lightning_speedkit, name) is function
+        assert "Example::" in (function.__doc__ or ""), f"{name} has no runnable example"
