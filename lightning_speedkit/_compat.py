@@ -614,6 +614,49 @@ def loader_iterator_workers(iterator: Any) -> tuple[list[Any], Callable[[], None
     return list(getattr(iterator, "_workers", [])), getattr(iterator, "_shutdown_workers", None)
 
 
+def is_dataloader_iterator(iterator: Any) -> bool:
+    """Whether ``iterator`` is a torch DataLoader's (``_BaseDataLoaderIter``)."""
+    from torch.utils.data.dataloader import _BaseDataLoaderIter
+
+    return isinstance(iterator, _BaseDataLoaderIter)
+
+
+def take_sampler_iterator(iterator: Any) -> Any:
+    """A running DataLoader iterator's sampler iterator (``_sampler_iter``: the batches of
+    indices of the epoch not handed out yet), taken from it: the iterator then delivers
+    only what its workers already hold (see :func:`is_dataloader_iterator`).
+    NumWorkersTuner switches a loader's workers mid-epoch with it."""
+    taken = _private(
+        iterator, "_sampler_iter", "torch", "torch.utils.data.dataloader._BaseDataLoaderIter"
+        "._sampler_iter", "NumWorkersTuner takes the rest of an epoch's order from",
+    )  # fmt: skip
+    iterator._sampler_iter = iter(())
+    return taken
+
+
+def train_loader_running(trainer: L.Trainer) -> tuple[Any, Any] | None:
+    """The fit loop's one train loader and its iterator of the epoch under way (what
+    ``CombinedLoader`` iterates, ``CombinedLoader._iterator.iterators``); None when
+    there is no epoch under way or the loop trains on several loaders."""
+    combined = trainer.fit_loop._combined_loader
+    if combined is None or len(combined.flattened) != 1:
+        return None
+    iterators = getattr(getattr(combined, "_iterator", None), "iterators", None)
+    if not isinstance(iterators, list) or len(iterators) != 1:
+        return None
+    return combined.flattened[0], iterators[0]
+
+
+def continue_train_epoch(trainer: L.Trainer, loader: Any, iterator: Any) -> None:
+    """Make the fit loop take the rest of this epoch's batches from ``iterator`` and
+    iterate ``loader`` from the next epoch on, in place of the one loader
+    :func:`train_loader_running` gave. ``loader`` must have that loader's length: the
+    loop counted the epoch's batches from it."""
+    combined: Any = trainer.fit_loop._combined_loader
+    combined._iterator.iterators[0] = iterator
+    combined.flattened = [loader]  # what trainer.train_dataloader gives, and the next epoch
+
+
 def tree_flatten_and_map() -> tuple[Callable[..., Any], Callable[..., Any]]:
     """torch's pytree ``tree_flatten`` and ``tree_map`` (``torch.utils._pytree``)."""
     try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from functools import partial
 from typing import Any
 
@@ -14,6 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat, _validation
+from lightning_speedkit.data._switch import switch_loader, why_not_switched
 from lightning_speedkit.data.mixin import SpeedDataModuleMixin
 from lightning_speedkit.data.worker_search import (
     TuneResult,
@@ -46,8 +48,16 @@ class NumWorkersTuner(L.Callback):
     cores. When the verdict is that data loading holds the model back so far that
     the compute leaves cores idle (:func:`~lightning_speedkit.data.worker_search.spare_cores`),
     it measures the loader again with workers on those cores, pausing training for
-    the search, and the train loader uses the best from the next epoch on (not when
-    ``max_workers`` is given: that is the most it tries).
+    the search (not when ``max_workers`` is given: that is the most it tries). The
+    train loader switches to the best at once, in the middle of the epoch: the samples
+    the epoch has not seen yet come from a loader with the new settings, each once, in
+    the epoch's order, and later epochs use the loader rebuilt with them. Where the
+    epoch cannot change loaders (an ``IterableDataset``, a loader with a ``state_dict``
+    for mid-epoch resume), the switch waits for the next epoch; until then ``result``
+    names the loader in use, with the faster one as ``result.pending`` and why it waits
+    as ``result.pending_reason``.
+
+    ``result`` is always the loader in use: its ``best`` are the train loader's settings.
 
     Args:
         max_workers: most workers tried; default: the cores the training process
@@ -116,6 +126,7 @@ class NumWorkersTuner(L.Callback):
         self._loader: DataLoader[Any] | None = None  # the train loader as tuned at setup
         self._searched = 0  # the most workers the search at setup tried
         self._reload = False  # a loader chosen after the verdict waits for the next epoch
+        self._pending: TuneResult | None = None  # ... and what measured it
         self._restore: Callable[[], None] | None = None  # the Trainer's reload setting
 
     # -- tuning, before Lightning builds the loader --------------------------------------------
@@ -124,7 +135,7 @@ class NumWorkersTuner(L.Callback):
         if stage != "fit":
             return
         self._step_times, self._batches, self.bottleneck = [], 0, None
-        self._loader, self._reload = None, False
+        self._loader, self._reload, self._pending = None, False, None
         _compat.drop_train_loader_change(trainer, "NumWorkersTuner")  # a fit that raised
         source = _compat.train_loader_source(trainer)
         loader = source.dataloader()
@@ -249,21 +260,42 @@ class NumWorkersTuner(L.Callback):
                 logger.log_metrics(
                     {"data/model_batches_per_sec": model_rate}, step=trainer.global_step
                 )
-            best = self._spare_cores_search(trainer, model_rate) if bound else None
+            found = self._spare_cores_search(trainer, model_rate) if bound else None
+            faster = None if found is None else found.to_json()
             if trainer.world_size > 1:
                 # One collective, once per fit, on every rank at the same batch: rank 0's
-                # choice (or None) for all, as at setup.
-                best = trainer.strategy.broadcast(best, src=0)
-            if best is not None and self._loader is not None:
-                self._use(trainer, None, best)
-                self._reload = True
-                for logger in trainer.loggers:
-                    logger.log_metrics(
-                        {"data/num_workers": float(best["num_workers"])}, step=trainer.global_step
-                    )
+                # result (or None) for all, as at setup.
+                faster = trainer.strategy.broadcast(faster, src=0)
+            if faster is not None and self._loader is not None:
+                self._switch(trainer, self.result, TuneResult(**faster))
 
-    def _spare_cores_search(self, trainer: L.Trainer, model_rate: float) -> dict[str, Any] | None:
-        """Measure workers on the cores the compute leaves idle; the new best, or None.
+    def _switch(self, trainer: L.Trainer, in_use: TuneResult, found: TuneResult) -> None:
+        """Train on ``found.best`` from the next batch on: the rest of this epoch loaded
+        with it, or, where the epoch cannot change loaders, from the next epoch."""
+        self._use(trainer, None, found.best)  # the loaders the loop requests later get it too
+        running = _compat.train_loader_running(trainer)
+        why = "the fit loop trains on several loaders" if running is None else None
+        if running is not None:
+            why = why_not_switched(*running)
+        if running is not None and why is None:
+            loader, rest = switch_loader(running[0], running[1], found.best)
+            _compat.continue_train_epoch(trainer, loader, rest)
+            self.result = found
+            when = "now, for the samples this epoch has not seen yet"
+        else:
+            # `result` stays the loader in use; the faster one waits, and says why.
+            self._pending = found
+            self.result = replace(in_use, pending=dict(found.best), pending_reason=why)
+            self._reload = True
+            when = f"at the next epoch ({why})"
+        rank_zero_info(f"NumWorkersTuner: the train loader switches to it {when}.")
+        for logger in trainer.loggers:
+            logger.log_metrics(
+                {"data/num_workers": float(found.best["num_workers"])}, step=trainer.global_step
+            )
+
+    def _spare_cores_search(self, trainer: L.Trainer, model_rate: float) -> TuneResult | None:
+        """Measure workers on the cores the compute leaves idle; the new result, or None.
 
         Training on CPU, the search at setup left torch's threads their cores. Data
         loading far behind the model means the compute needs fewer: measure what giving
@@ -299,11 +331,9 @@ class NumWorkersTuner(L.Callback):
         gain = f"{result.best_batches_per_sec / self.result.best_batches_per_sec:.2f}x"
         rank_zero_info(
             f"NumWorkersTuner: {_describe(result.best)}: {result.best_batches_per_sec:.1f} "
-            f"batches/s, {gain} the loader in use; the train loader switches to it at the "
-            f"next epoch."
+            f"batches/s, {gain} the loader in use."
         )
-        self.result = result
-        return dict(result.best)
+        return result
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._reload:  # after the epoch's validation, so only the train loader reloads
@@ -311,6 +341,8 @@ class NumWorkersTuner(L.Callback):
             self._restore = _compat.reload_train_loader_next_epoch(trainer)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._restore is not None and self._pending is not None:
+            self.result, self._pending = self._pending, None  # the loader in use now
         self._restore_reload_setting()  # the loop has built this epoch's loader
 
     def _restore_reload_setting(self) -> None:

@@ -83,6 +83,11 @@ class TuneResult:
         seconds: time spent tuning (0 when the result came from the cache).
         cached: the result was read from the cache rather than measured.
         dataloader: the loader rebuilt with ``best`` (from :func:`tune_num_workers`).
+        pending: settings measured faster than ``best`` that the train loader does not
+            use yet (set by :class:`~lightning_speedkit.data.NumWorkersTuner` when it
+            cannot switch in the middle of an epoch): ``best`` stays the loader in use
+            until the next epoch starts with ``pending``. None otherwise.
+        pending_reason: why ``pending`` waits for the next epoch.
     """
 
     best: dict[str, Any]
@@ -92,6 +97,8 @@ class TuneResult:
     seconds: float = 0.0
     cached: bool = False
     dataloader: DataLoader[Any] | None = field(default=None, repr=False)
+    pending: dict[str, Any] | None = None
+    pending_reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)

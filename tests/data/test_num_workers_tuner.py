@@ -3,6 +3,7 @@ on set figures and a fake step clock; DDP and a real DataModule."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -129,9 +130,9 @@ def test_mixin_datamodule_builds_with_the_tuned_settings(
 
 def _fit_on_two_cores(
     model: L.LightningModule, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mixin: bool = False
-) -> tuple[NumWorkersTuner, _Recorder, list[int]]:
+) -> tuple[NumWorkersTuner, _Recorder, list[int], list[int]]:
     """Two epochs on a "2-core" CPU rank where torch computes on both cores (the budget at
-    setup is 0 workers); the workers each epoch's loader had."""
+    setup is 0 workers); the workers the train loader had as each epoch started and ended."""
     monkeypatch.setattr(num_workers_tuner, "cpu_budget", lambda local_world_size=1: 2)
     torch.set_num_threads(2)  # the test's fixture restores the thread count
     per_epoch: list[int] = []
@@ -167,11 +168,10 @@ def _fit_on_two_cores(
         trainer.fit(model, datamodule=Data())
     else:
         trainer.fit(model, DataLoader(dataset, batch_size=4))
-    assert at_end == per_epoch  # a switch waits for the next epoch; the loader is always there
     for epoch in samples:  # every sample once an epoch, whatever loaded it
         assert torch.equal(torch.cat(epoch), dataset.data)
     assert trainer.reload_dataloaders_every_n_epochs == 0  # the Trainer's setting, put back
-    return tuner, recorder, per_epoch
+    return tuner, recorder, per_epoch, at_end
 
 
 @pytest.mark.parametrize("mixin", [False, True], ids=["loader", "mixin-datamodule"])
@@ -180,16 +180,18 @@ def test_data_far_behind_the_model_gets_the_cores_the_compute_does_not_need(
 ) -> None:
     """Issue 20: torch's threads held both cores at setup, so no worker was tried; the
     model then consumed 731 batches/s against the loader's 10.3. The compute needs 0.06
-    of a core: workers on both cores are measured and the best is used next epoch."""
+    of a core: workers on both cores are measured and the best is used at once (issue 33)."""
     fake = figures({0: 10.3, 1: 9.0, 2: 24.0, (2, 4): 23.0}, step_s=1 / 731)
-    tuner, recorder, per_epoch = _fit_on_two_cores(MLP(), monkeypatch, tmp_path, mixin)
+    tuner, recorder, per_epoch, at_end = _fit_on_two_cores(MLP(), monkeypatch, tmp_path, mixin)
     assert fake.seen == [(0, None), (0, None), (1, 2), (2, 2), (2, 4)]  # setup, then 2 cores
     assert tuner.bottleneck is not None
     assert tuner.bottleneck["data_bound"] is True
     assert tuner.result is not None
     assert tuner.result.best == {"num_workers": 2, "pin_memory": False,
                                  "persistent_workers": True, "prefetch_factor": 2}  # fmt: skip
+    assert tuner.result.pending is None
     assert per_epoch == [0, 2]
+    assert at_end == [2, 2]  # switched within the first epoch
     assert recorder.seen["data/num_workers"] == 2.0
 
 
@@ -208,13 +210,13 @@ def test_compute_that_needs_every_core_keeps_loading_in_process(
     """The demo's case: torch's threads need both cores, so nothing more is measured and
     ``num_workers=0`` stays."""
     fake = figures({0: loader_rate, 1: loader_rate * 2, 2: loader_rate * 3}, step_s=1 / model_rate)
-    tuner, _, per_epoch = _fit_on_two_cores(MLP(), monkeypatch, tmp_path)
+    tuner, _, per_epoch, at_end = _fit_on_two_cores(MLP(), monkeypatch, tmp_path)
     assert fake.seen == [(0, None)]  # the loader as given, at setup; nothing after the verdict
     assert tuner.bottleneck is not None
     assert tuner.bottleneck["data_bound"] is (model_rate > loader_rate)
     assert tuner.result is not None
     assert tuner.result.best["num_workers"] == 0
-    assert per_epoch == [0, 0]
+    assert per_epoch == at_end == [0, 0]
 
 
 def test_compute_threads_share_the_cores_and_are_restored(
@@ -305,3 +307,116 @@ def test_callback_refuses_bad_tuning_arguments_at_construction(
 ) -> None:
     with pytest.raises(SpeedkitConfigError, match=f"`{argument}`"):
         NumWorkersTuner(**kwargs)
+
+
+class _Where(torch.utils.data.Dataset[dict[str, int]]):
+    """Each sample says which it is and which process loaded it."""
+
+    def __len__(self) -> int:
+        return 48
+
+    def __getitem__(self, i: int) -> dict[str, int]:
+        return {"index": i, "pid": os.getpid()}
+
+
+class _Seen(L.LightningModule):
+    """Records each training batch's sample indices, the processes that loaded them and
+    the settings of the train loader in use."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+        self.indices: list[int] = []
+        self.pids: list[set[int]] = []
+        self.workers: list[int] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.indices += batch["index"].tolist()
+        self.pids.append(set(batch["pid"].tolist()))
+        self.workers.append(self.trainer.train_dataloader.num_workers)  # type: ignore[union-attr]
+        return self.weight.sum() * 0.0 + self.weight.pow(2).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _one_epoch_on_two_cores(
+    monkeypatch: pytest.MonkeyPatch, given: DataLoader[Any]
+) -> tuple[NumWorkersTuner, _Seen, L.Trainer]:
+    """One epoch of 12 batches on a "2-core" rank whose torch threads hold both cores: the
+    verdict comes after batch 7 (3 untimed, 4 timed)."""
+    monkeypatch.setattr(num_workers_tuner, "cpu_budget", lambda local_world_size=1: 2)
+    torch.set_num_threads(2)  # the test's fixture restores the thread count
+    tuner = NumWorkersTuner(batches=4, cache=False, progress=False, verdict_steps=4)
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, callbacks=[tuner],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    model = _Seen()
+    trainer.fit(model, given)
+    return tuner, model, trainer
+
+
+_TWO_WORKERS = {"num_workers": 2, "pin_memory": False, "persistent_workers": True,
+                "prefetch_factor": 2}  # fmt: skip
+
+
+def test_a_one_epoch_fit_switches_to_the_faster_loader_mid_epoch(
+    monkeypatch: pytest.MonkeyPatch, figures: Callable[..., Figures]
+) -> None:
+    """Issue 33: with one epoch, the better loader found by the verdict never arrived and
+    ``result.best`` named a loader not in use. Now the rest of the epoch comes from it:
+    each sample once, in the epoch's shuffled order, loaded by its two workers."""
+    figures({0: 10.3, 1: 9.0, 2: 24.0, (2, 4): 23.0}, step_s=1 / 731)
+    torch.manual_seed(3)
+    expected = [int(i) for batch in DataLoader(_Where(), batch_size=4, shuffle=True)
+                for i in batch["index"]]  # fmt: skip
+    torch.manual_seed(3)
+    tuner, model, trainer = _one_epoch_on_two_cores(
+        monkeypatch, DataLoader(_Where(), batch_size=4, shuffle=True)
+    )
+    assert model.indices == expected  # every sample exactly once, in the epoch's order
+    assert sorted(model.indices) == list(range(48))
+    assert model.workers == [0] * 7 + [2] * 5  # the switch after batch 7's verdict
+    assert model.pids[:7] == [{os.getpid()}] * 7
+    pids = set().union(*model.pids[7:])
+    assert len(pids) == 2  # the new loader's two workers
+    assert os.getpid() not in pids
+    assert trainer.train_dataloader.num_workers == 2  # type: ignore[union-attr]
+    assert tuner.result is not None
+    assert tuner.result.best == _TWO_WORKERS
+    assert tuner.result.best_batches_per_sec == 24.0
+    assert tuner.result.pending is None
+
+
+def test_a_loader_that_cannot_switch_mid_epoch_keeps_result_true_to_it(
+    monkeypatch: pytest.MonkeyPatch, figures: Callable[..., Figures]
+) -> None:
+    """A loader with a state_dict (mid-epoch resume) keeps its workers for the epoch;
+    ``result`` names it, with the faster settings pending and why."""
+    figures({0: 10.3, 1: 9.0, 2: 24.0, (2, 4): 23.0}, step_s=1 / 731)
+    tuner, model, _ = _one_epoch_on_two_cores(monkeypatch, Stateful(_Where(), batch_size=4))
+    assert model.indices == list(range(48))
+    assert model.workers == [0] * 12
+    assert tuner.result is not None
+    assert tuner.result.best["num_workers"] == 0
+    assert tuner.result.best_batches_per_sec == 10.3
+    assert tuner.result.pending == _TWO_WORKERS
+    assert tuner.result.pending_reason is not None
+    assert tuner.result.pending_reason.startswith(
+        "the train loader, a Stateful, saves its place in the epoch for mid-epoch resume"
+    )
+
+
+@pytest.mark.multiprocess
+def test_under_ddp_every_rank_switches_mid_epoch_and_every_sample_is_seen_once(
+    tmp_path: Path,
+) -> None:
+    """Rank 0's verdict and search, broadcast: each rank goes on with two workers after its
+    7th batch, within Lightning's DistributedSampler share, losing and repeating nothing."""
+    ranks = run_script("tuner_switch_ddp.py", tmp_path)
+    for rank in ranks:
+        assert rank["sampler"] == "DistributedSampler"
+        assert rank["workers"] == [0] * 7 + [2] * 5
+        assert rank["best"]["num_workers"] == 2
+    assert sorted(ranks[0]["indices"] + ranks[1]["indices"]) == list(range(96))
