@@ -502,6 +502,33 @@ def dynamo_callback_handler() -> Any:
     return callback_handler
 
 
+def compiled_by_lightning(module: Any) -> bool:
+    """Whether Lightning runs ``module``'s steps compiled: ``trainer.fit(torch.compile(model))``
+    unwraps the ``OptimizedModule`` and compiles the LightningModule's steps, noted in its
+    private ``_compiler_ctx``."""
+    return getattr(module, "_compiler_ctx", None) is not None
+
+
+def dynamo_recompile_reasons() -> list[tuple[str, str]]:
+    """``(compile id "F/N", reason)`` of each recompilation among the compilations dynamo
+    still records (its last 64, ``torch._dynamo.utils.get_compilation_metrics``), oldest
+    first. The reason is the first guard that failed, e.g. ``"0/0: tensor 'x' size
+    mismatch at index 1..."``. Frame numbers restart after ``torch._dynamo.reset()``, so
+    an id may appear more than once: the last is the latest."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+    except ImportError:
+        raise _missing(
+            "torch", "torch._dynamo.utils.get_compilation_metrics",
+            "RegionalCompile reads dynamo's recompile reasons from",
+        ) from None  # fmt: skip
+    return [
+        (str(metrics.compile_id), str(metrics.recompile_reason))
+        for metrics in get_compilation_metrics()
+        if metrics.recompile_reason
+    ]
+
+
 def cpp_compiler() -> Any:
     """The C++ compiler inductor builds CPU kernels with (``torch._inductor.cpp_builder``);
     raises when there is none."""

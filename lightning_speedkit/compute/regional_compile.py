@@ -37,6 +37,7 @@ from torch import nn
 
 from lightning_speedkit import _compat, _surgery, _validation
 from lightning_speedkit._blocks import CacheOff, block_instances, repeated_block_types
+from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["CompileWatch", "RegionalCompile", "compile_blocks", "compiled_blocks"]
 
@@ -102,6 +103,43 @@ def _resolve(model: nn.Module, blocks: BlockChoice) -> list[type[nn.Module]]:
 
 def _is_compiled(module: nn.Module) -> bool:
     return _compat.compiled_call_impl(module) is not None
+
+
+def _refuse_compiled_around(model: nn.Module, instances: list[tuple[str, nn.Module]]) -> None:
+    """Raise if the model, or a module around one of ``instances``, is compiled already.
+
+    A block compiled inside a region that ``torch.compile`` already traces would be
+    compiled twice over: the outer compiled frame takes the block's compiled call apart
+    (dynamo fails on it, or recompiles it call after call). A block that is itself
+    compiled in place (an earlier ``compile_blocks``) is not refused: it is left as it is.
+    """
+    if _compat.compiled_by_lightning(model):
+        raise SpeedkitConfigError(
+            "`compile_blocks` (which RegionalCompile runs) got a LightningModule whose steps "
+            "Lightning already compiles, because it was passed as `torch.compile(model)`: its "
+            "blocks would be compiled again inside the compiled step. Either pass the module "
+            "uncompiled (`trainer.fit(model)`) and let RegionalCompile compile its repeated "
+            "blocks, or keep `torch.compile(model)` and remove RegionalCompile."
+        )
+    modules = dict(model.named_modules(remove_duplicate=False))
+    for name, block in instances:
+        parts = name.split(".")
+        for depth in range(len(parts) + 1):
+            around = ".".join(parts[:depth])
+            module = modules.get(around, model)
+            wrapped = type(module).__name__ == "OptimizedModule"  # torch.compile(module)
+            in_place = module is not block and _is_compiled(module)  # module.compile()
+            if not (wrapped or in_place):
+                continue
+            what = "" if around == name else " in the model" if not around else f" in `{around}`"
+            how = "torch.compile(...)" if wrapped else "module.compile()"
+            raise SpeedkitConfigError(
+                f"`compile_blocks` (which RegionalCompile runs) found the block `{name}`"
+                f"{what}, which is compiled already ({how}): compiled again inside that "
+                f"compiled region, the block would recompile or fail. Either remove that "
+                f"compile and let RegionalCompile compile the repeated blocks, or name blocks "
+                f"outside it (`blocks=[...]`), or remove RegionalCompile and keep your compile."
+            )
 
 
 def compiled_blocks(model: nn.Module) -> list[str]:
@@ -214,6 +252,7 @@ def compile_blocks(
     _check_backend_name(backend)
     kinds = _resolve(model, blocks)
     instances = block_instances(model, kinds)
+    _refuse_compiled_around(model, instances)
     options: dict[str, Any] = {"dynamic": dynamic, "fullgraph": fullgraph, "backend": backend}
     if mode is not None:
         options["mode"] = mode
@@ -256,6 +295,29 @@ def _compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:
 # --- what dynamo compiles ----------------------------------------------------------------------
 
 
+def _frame_and_attempt(compile_id: str) -> tuple[str, int]:
+    """A dynamo compile id ``"F/N"`` (``"!F/N_k"`` and the like): the frame F and the
+    attempt N, 0 for its first compilation."""
+    frame, _, attempt = compile_id.lstrip("!").rpartition("/")
+    number = attempt.split("_")[0]
+    return frame, int(number) if number.isdigit() else 0
+
+
+#: What dynamo's guard failures say when a tensor's shape changed (``tensor 'x' size
+#: mismatch at index 1``; with symbolic sizes, a failed ``L['x'].size()[1]`` relation).
+_SHAPE_GUARDS = ("size mismatch", "stride mismatch", "rank mismatch", ".size()", ".stride()")
+
+
+def _is_shape_guard(reason: str) -> bool:
+    return any(marker in reason for marker in _SHAPE_GUARDS)
+
+
+def _one_line(reason: str) -> str:
+    """A guard failure on one line, cut at 200 characters."""
+    text = " ".join(reason.split())
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 class CompileWatch:
     """Counts what dynamo compiles while it is installed: graphs, recompilations, seconds.
 
@@ -294,6 +356,7 @@ class CompileWatch:
         """Recompilations per frame id, as dynamo counts them (against its recompile
         limit): those before the watch was installed included."""
         self._frames: set[str] = set()
+        self._latest: dict[str, str] = {}  # frame -> the id of its last compilation seen
         self._started: float | None = None
         self._installed = False
 
@@ -326,9 +389,9 @@ class CompileWatch:
         if trigger != "DYNAMO":
             return  # a backward graph compiled at its first use: time only
         compile_id = str(getattr(args[0], "compile_id", "")) if args else ""
-        frame, _, attempt = compile_id.lstrip("!").rpartition("/")
+        frame, number = _frame_and_attempt(compile_id)
+        self._latest[frame] = compile_id
         self.graphs += 1
-        number = int(attempt.split("_")[0]) if attempt.split("_")[0].isdigit() else 0
         if number > 0:
             self.by_frame[frame] = max(self.by_frame[frame], number)
             if frame in self._frames:  # its first compilation was counted here too
@@ -337,6 +400,17 @@ class CompileWatch:
 
     def snapshot(self) -> tuple[int, int, float]:
         return self.graphs, self.recompiles, self.seconds
+
+    def last_reason(self) -> str | None:
+        """dynamo's reason for the last recompilation of the frame that recompiled most;
+        None when none is recorded (dynamo keeps its last 64 compilations)."""
+        if not self.by_frame:
+            return None
+        frame = max(self.by_frame, key=self.by_frame.__getitem__)
+        latest = self._latest.get(frame)
+        reasons = [why for compile_id, why in _compat.dynamo_recompile_reasons()
+                   if compile_id == latest]  # fmt: skip
+        return reasons[-1] if reasons else None
 
     @property
     def most_recompiled(self) -> int:
@@ -480,6 +554,8 @@ class RegionalCompile(L.Callback):
             f"({watch.recompiles} recompilations, {watch.seconds:.1f} s compiling so far)"
         )
         limit = "past dynamo's limit (8) it runs uncompiled"
+        reason = self.watch.last_reason()
+        quoted = "" if reason is None else f" (dynamo's last reason: `{_one_line(reason)}`)"
         blocks = [pl_module.get_submodule(name) for name in self.compiled]
         if any(block in _CACHE_CALLED for block in blocks):
             return (
@@ -491,13 +567,29 @@ class RegionalCompile(L.Callback):
             )
         if self.dynamic is True:
             return (
-                f"{said}, with `dynamic=True` already set, so not because a length changes; "
-                f"{limit}. Run with `TORCH_LOGS=recompiles` to see the guard that fails (a "
-                f"Python number, flag or module attribute that differs between calls; a "
-                f"dimension of size 0 or 1, which dynamo specializes)."
+                f"{said}{quoted}, with `dynamic=True` already set, so not because a length "
+                f"changes; {limit}. Run with `TORCH_LOGS=recompiles` to see the guard that "
+                f"fails (a Python number, flag or module attribute that differs between calls; "
+                f"a dimension of size 0 or 1, which dynamo specializes)."
+            )
+        if reason is None:
+            return (
+                f"{said}; {limit}. dynamo's reason could not be read: `TORCH_LOGS=recompiles` "
+                f"shows the guard that fails. For a tensor's shape, compile with "
+                f"`RegionalCompile(dynamic=True)` or give batches fewer distinct shapes (length "
+                f"bucketing, sequence packing); for any other value (a Python number or flag, a "
+                f"module attribute, train/eval or grad mode), keep it fixed during training."
+            )
+        if not _is_shape_guard(reason):
+            return (
+                f"{said}, not because a shape changes: dynamo's last reason is "
+                f"`{_one_line(reason)}`; {limit}. That guard is on a value that differs between "
+                f"calls (a Python number, string or flag, a module attribute, train/eval or "
+                f"grad mode): keep it fixed during training, or pass it as a tensor. "
+                f"`TORCH_LOGS=recompiles` lists every guard that fails."
             )
         return (
-            f"{said}, most likely because batch shapes keep changing; {limit}. Compile for "
+            f"{said}{quoted}: batch shapes keep changing; {limit}. Compile for "
             f"symbolic shapes with `RegionalCompile(dynamic=True)`, or give batches fewer "
             f"distinct shapes: length bucketing or sequence packing (SpeedDataModuleMixin's "
             f"`lengths=` or PackingCollate). `TORCH_LOGS=recompiles` shows the guard that fails."

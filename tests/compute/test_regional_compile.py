@@ -485,3 +485,101 @@ def test_inductor_blocks_with_fused_adamw_match_the_plain_run() -> None:
     assert fast_monitor.summary["flops_per_sample"] > 0
     # and the checkpoint's weights load into the plain model by the same names
     plain_model.load_state_dict(fast_model.state_dict())
+
+
+# --- a model compiled already; a recompile warning that says what changed ---------------------
+
+
+def test_a_lightning_module_passed_compiled_is_refused_with_the_fix() -> None:
+    """``trainer.fit(torch.compile(model))``: Lightning compiles the steps; blocks compiled
+    inside them again made dynamo fail (torch 2.13) or recompile call after call."""
+    callback = RegionalCompile(backend="eager", verbose=False)
+    with pytest.raises(SpeedkitConfigError) as error:
+        trainer(2, [callback]).fit(torch.compile(Net(), backend="eager"), loader())
+    message = str(error.value)
+    assert "Lightning already compiles" in message
+    assert "`trainer.fit(model)`" in message
+    assert "remove RegionalCompile" in message
+    assert callback.compiled == []
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(2))
+
+    def forward(self, x: Tensor) -> Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+class Tower(Net):
+    """Blocks of its own, and an encoder of other blocks that the user compiled."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(depth=2)
+        self.encoder = Encoder()
+        if how == "wrapped":
+            self.encoder = torch.compile(self.encoder, backend="eager")  # type: ignore[assignment]
+        elif how == "in_place":
+            self.encoder.compile(backend="eager")
+        elif how == "each":
+            self.blocks = nn.ModuleList(torch.compile(b, backend="eager") for b in self.blocks)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(self.encoder(x))
+
+
+@pytest.mark.parametrize(
+    ("how", "named"),
+    [("wrapped", "`encoder._orig_mod.blocks.0` in `encoder`, which is compiled already "
+                 "(torch.compile(...))"),
+     ("in_place", "`encoder.blocks.0` in `encoder`, which is compiled already (module.compile())"),
+     ("each", "the block `blocks.0`, which is compiled already (torch.compile(...))")],
+)  # fmt: skip
+def test_blocks_inside_a_compiled_submodule_are_refused_with_the_fix(how: str, named: str) -> None:
+    with pytest.raises(SpeedkitConfigError) as error:
+        compile_blocks(Tower(how), backend="eager")
+    assert named in str(error.value)
+    assert "name blocks outside it (`blocks=[...]`)" in str(error.value)
+    callback = RegionalCompile(backend="eager", verbose=False)
+    with pytest.raises(SpeedkitConfigError, match="compiled already"):
+        trainer(2, [callback]).fit(Tower(how), loader())
+
+
+def test_blocks_outside_a_compiled_submodule_still_compile() -> None:
+    class Outer(Block):
+        """The model's own blocks, another class than the encoder's."""
+
+    model = Tower("wrapped")
+    model.blocks = nn.ModuleList(Outer() for _ in range(2))
+    assert compile_blocks(model, ["Outer"], backend="eager") == ["blocks.0", "blocks.1"]
+
+
+def test_the_recompile_warning_names_the_guard_when_shapes_do_not_change() -> None:
+    """Constant shapes, a string attribute new every step: not a shape problem."""
+    callback = RegionalCompile(["Tagged"], backend="eager", recompile_warning=3, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(5, [callback]).fit(TaggedNet(), loader(40, batch_size=8))
+    assert (callback.watch.graphs, callback.watch.recompiles) == (5, 4)
+    ours = [str(w.message) for w in caught if "recompiled" in str(w.message)]
+    assert len(ours) == 1
+    assert "not because a shape changes" in ours[0]
+    assert "dynamo's last reason is `0/2: " in ours[0]
+    assert ".tag" in ours[0]  # the guard on the attribute, as dynamo wrote it
+    assert "shapes keep changing" not in ours[0]
+    assert "dynamic=True" not in ours[0]
+    assert "bucketing" not in ours[0]
+
+
+def test_the_shape_warning_quotes_the_size_guard() -> None:
+    callback = RegionalCompile(dynamic=False, backend="eager", recompile_warning=3, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(4, [callback]).fit(Net(), DataLoader(Lengths(), batch_size=4, collate_fn=_ragged))
+    ours = [str(w.message) for w in caught if "recompiled" in str(w.message)]
+    assert len(ours) == 1
+    assert "batch shapes keep changing" in ours[0]
+    assert "size mismatch at index 1. expected 4, actual 5" in ours[0]
