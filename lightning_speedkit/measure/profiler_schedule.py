@@ -78,6 +78,35 @@ def _top_level(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
         children = list(only.named_children())
 
 
+def _marked_modules(module: torch.nn.Module) -> list[tuple[str, torch.nn.Module]]:
+    """The modules ProfilerSchedule marks, each with its row in the report.
+
+    The rows are :func:`_top_level`'s. A container among them (an ``nn.ModuleList`` of
+    blocks, an ``nn.ModuleDict``: no forward of its own, so it is never called and its
+    hooks never run) is marked through its called parts, the shallowest modules under it
+    that have a forward (``blocks.0``, ``blocks.1``, ...), all under the container's name:
+    nanoGPT's blocks are one row, ``blocks``, their forward times summed.
+    """
+    marked = []
+    for name, child in _top_level(module):
+        parts = _called_parts(child) if _is_container(child) else [child]
+        marked += [(name, part) for part in parts]
+    return marked
+
+
+def _is_container(module: torch.nn.Module) -> bool:
+    """A module without a forward of its own (``nn.ModuleList``, ``nn.ModuleDict``)."""
+    return type(module).forward is torch.nn.Module.forward
+
+
+def _called_parts(container: torch.nn.Module) -> list[torch.nn.Module]:
+    """The shallowest modules under ``container`` that have a forward, in order."""
+    parts = []
+    for child in container.children():
+        parts += _called_parts(child) if _is_container(child) else [child]
+    return parts
+
+
 def _first_profiled(
     position: int, *, skip_first: int, wait: int, warmup: int, active: int, repeat: int
 ) -> float:
@@ -99,10 +128,22 @@ def _has_parameters(module: torch.nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def _why_not_written(directory: Path, error: BaseException | None) -> str:
-    """What a failed trace write means for the user: a vanished directory, a full disk."""
+def _why_not_written(directory: Path, error: BaseException | None, *, made: bool = True) -> str:
+    """What a failed trace write means for the user: a vanished directory, a full disk.
+
+    ``made``: whether the directory was made (at setup) and has changed since; before,
+    the reason is what stands in the way of making it.
+    """
+    if directory.is_file():  # a file has its name
+        if made:
+            return f"the directory {directory} is now a file"
+        return f"{directory} is a file, not a directory"
     if not directory.is_dir():
-        return f"the directory {directory} no longer exists"
+        if made:
+            gone = "is no longer a directory" if directory.exists() else "no longer exists"
+            return f"the directory {directory} {gone}"
+        why = error.strerror if isinstance(error, OSError) and error.strerror else error
+        return f"cannot make the directory {directory}: {why}"
     full = isinstance(error, OSError) and error.errno == errno.ENOSPC
     try:
         free = shutil.disk_usage(directory).free
@@ -136,7 +177,8 @@ class ProfilerSchedule(L.Callback):
     ``speedkit/data_fetch`` (between batches), ``speedkit/forward``,
     ``speedkit/backward``, ``speedkit/optimizer_step``, and the forward of each
     top-level child module of the LightningModule (``speedkit/module/<name>``, e.g.
-    vision encoder, projector, language model), so time can be attributed although
+    vision encoder, projector, language model; the blocks of an ``nn.ModuleList``, which
+    has no forward of its own, under the list's name), so time can be attributed although
     Lightning runs forward and backward inside the optimizer's closure. Outside the
     windows nothing is marked and no torch profiler exists (it is made as a window's
     first step begins and dropped once its trace is written): a step costs the hooks a
@@ -316,11 +358,10 @@ class ProfilerSchedule(L.Callback):
             # torch has one profiling session per process: two profilers share it, and
             # whichever stops first pulls it from under the other (a segfault, not an error).
             self._disabled = True
+            who, advice = other
             rank_zero_warn(
-                f"ProfilerSchedule stands down: {other} already runs torch.profiler, and two "
-                f"profilers in one process crash it. Keep one: remove `profiler=` from the "
-                f"Trainer (ProfilerSchedule writes traces and a report per window), or remove "
-                f"ProfilerSchedule (`speedkit report TRACE` reads Lightning's traces too)."
+                f"ProfilerSchedule stands down: {who} already runs torch.profiler, and two "
+                f"profilers in one process crash it. Keep one: {advice}."
             )
             return
         root = trainer.log_dir or trainer.default_root_dir
@@ -331,7 +372,8 @@ class ProfilerSchedule(L.Callback):
             probe.write_bytes(b"")
             probe.unlink()
         except OSError as error:
-            self._give_up(f"writing to {directory}", _why_not_written(directory, error))
+            why = _why_not_written(directory, error, made=False)
+            self._give_up(f"writing to {directory}", why)
             return
         self._directory = directory
         self._activities = [ProfilerActivity.CPU]
@@ -340,9 +382,9 @@ class ProfilerSchedule(L.Callback):
         self._compiles.install()
         self._compiled_before_step = self._compiles.compilations
         # For the whole fit: hooks added to a compiled module later would recompile it.
-        for name, child in _top_level(pl_module):
-            self._hooks.append(child.register_forward_pre_hook(self._module_enter(name)))
-            self._hooks.append(child.register_forward_hook(self._module_exit(name)))
+        for name, part in _marked_modules(pl_module):
+            self._hooks.append(part.register_forward_pre_hook(self._module_enter(name)))
+            self._hooks.append(part.register_forward_hook(self._module_exit(name)))
         rank_zero_info(f"ProfilerSchedule: traces go to {directory}")
         self._time_saves(trainer)
         self._next_window = self._window_after(self._steps)
@@ -408,13 +450,19 @@ class ProfilerSchedule(L.Callback):
         return action
 
     @staticmethod
-    def _other_profiler(trainer: L.Trainer) -> str | None:
-        """Who else runs torch.profiler in this process, if anyone."""
+    def _other_profiler(trainer: L.Trainer) -> tuple[str, str] | None:
+        """Who else runs torch.profiler in this process, if anyone, and how to keep one."""
+        ours = ("(ProfilerSchedule writes traces and a report per window), or remove "
+                "ProfilerSchedule from the callbacks (`speedkit report TRACE` reads {} traces "
+                "too)")  # fmt: skip
         profiler = getattr(trainer, "profiler", None)
         if isinstance(profiler, PyTorchProfiler):
-            return "the Trainer's `profiler=` (Lightning's PyTorchProfiler)"
+            who = "the Trainer's `profiler=` (Lightning's PyTorchProfiler)"
+            return who, "remove `profiler=` from the Trainer " + ours.format("Lightning's")
         if _compat.torch_profiler_enabled():
-            return "a torch.profiler session opened around `fit()`"
+            who = "a torch.profiler session opened around `fit()`"
+            block = "remove your own `torch.profiler.profile()` block around `fit()` "
+            return who, block + ours.format("torch's")
         return None
 
     def _recording(self) -> bool:

@@ -13,10 +13,16 @@ import lightning as L
 import pytest
 import torch
 from torch.profiler import ProfilerAction
+from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_speedkit import ProfilerSchedule, SpeedkitConfigError
-from lightning_speedkit.measure.profiler_schedule import _first_profiled, _top_level
+from lightning_speedkit.measure.profiler_schedule import (
+    _first_profiled,
+    _marked_modules,
+    _top_level,
+    _why_not_written,
+)
 from tests.helpers.clock import VirtualClock
 from tests.helpers.models import MLP, loader
 
@@ -434,6 +440,93 @@ def test_a_trace_directory_that_vanishes_never_stops_training(tmp_path: Path) ->
 
 
 @pytest.mark.slow
+def test_a_trace_directory_replaced_by_a_file_is_named_so(tmp_path: Path) -> None:
+    shapes = ["0w0r", "1w1r"]
+    results = _run_faults(tmp_path, [f"replace-{s}:{tmp_path / s}" for s in shapes])
+    for shape in shapes:
+        replaced = results[f"replace-{shape}"]
+        assert replaced["steps"] == 10, shape
+        assert replaced["traces"] == [], shape
+        (warning,) = replaced["warnings"]
+        assert f"the directory {tmp_path / shape / 'traces'} is now a file" in warning, warning
+        assert "no longer exists" not in warning, warning
+
+
+def test_why_a_trace_was_not_written_names_what_took_the_directorys_place(
+    tmp_path: Path,
+) -> None:
+    gone, file, kept = tmp_path / "gone", tmp_path / "file", tmp_path / "kept"
+    file.write_text("")
+    kept.mkdir()
+    error = OSError("planted")
+    assert _why_not_written(gone, error) == f"the directory {gone} no longer exists"
+    assert _why_not_written(file, error) == f"the directory {file} is now a file"
+    assert _why_not_written(kept, PermissionError(13, "Permission denied")) == (
+        "PermissionError: [Errno 13] Permission denied"
+    )
+    # at setup, before the directory was ever made: what is in the way, not what changed
+    under = NotADirectoryError(20, "Not a directory")
+    assert _why_not_written(file, FileExistsError(17, "File exists"), made=False) == (
+        f"{file} is a file, not a directory"
+    )
+    assert _why_not_written(file / "x", under, made=False) == (
+        f"cannot make the directory {file / 'x'}: Not a directory"
+    )
+
+
+def test_a_dirpath_that_is_a_file_is_named_so(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    callback = ProfilerSchedule(wait=0, warmup=0, active=1, dirpath=blocker)
+    with pytest.warns(UserWarning, match="training goes on without profiling") as record:
+        fit(callback, steps=2)
+    (message,) = [str(w.message) for w in record if "ProfilerSchedule" in str(w.message)]
+    assert message == (
+        f"ProfilerSchedule: writing to {blocker} failed ({blocker} is a file, not a "
+        f"directory); training goes on without profiling."
+    )
+
+
+def test_inside_a_torch_profiler_block_the_advice_is_to_remove_that_block(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch has one profiling session per process: standing down is tested beside a real
+    outer profiler in a child (test_it_stands_down_beside_another_profiler); here the
+    session is one torch reports as open, and the advice is checked word for word."""
+    from lightning_speedkit import _compat
+
+    monkeypatch.setattr(_compat, "torch_profiler_enabled", lambda: True)
+    callback = ProfilerSchedule(wait=0, warmup=0, active=1, dirpath=tmp_path)
+    with pytest.warns(UserWarning, match="stands down") as record:
+        fit(callback, steps=2)
+    (message,) = [str(w.message) for w in record if "ProfilerSchedule" in str(w.message)]
+    assert message == (
+        "ProfilerSchedule stands down: a torch.profiler session opened around `fit()` "
+        "already runs torch.profiler, and two profilers in one process crash it. Keep one: "
+        "remove your own `torch.profiler.profile()` block around `fit()` (ProfilerSchedule "
+        "writes traces and a report per window), or remove ProfilerSchedule from the "
+        "callbacks (`speedkit report TRACE` reads torch's traces too)."
+    )
+    assert callback.traces == []
+
+
+def test_beside_lightnings_profiler_the_advice_is_to_remove_profiler_argument() -> None:
+    from types import SimpleNamespace
+
+    from lightning.pytorch.profilers import PyTorchProfiler
+
+    trainer = SimpleNamespace(profiler=PyTorchProfiler())
+    who, advice = ProfilerSchedule._other_profiler(trainer)  # type: ignore[arg-type, misc]
+    assert who == "the Trainer's `profiler=` (Lightning's PyTorchProfiler)"
+    assert advice == (
+        "remove `profiler=` from the Trainer (ProfilerSchedule writes traces and a report "
+        "per window), or remove ProfilerSchedule from the callbacks (`speedkit report "
+        "TRACE` reads Lightning's traces too)"
+    )
+    assert ProfilerSchedule._other_profiler(SimpleNamespace(profiler=None)) is None  # type: ignore[arg-type]
+
+
+@pytest.mark.slow
 def test_a_full_filesystem_never_stops_training_nor_stays_full(tmp_path: Path) -> None:
     import subprocess
 
@@ -466,6 +559,9 @@ def test_it_stands_down_beside_another_profiler(tmp_path: Path) -> None:
         (warning,) = result["warnings"]
         assert "stands down" in warning, warning
         assert who in warning, warning
+    outer = results["outer"]["warnings"][0]
+    assert "remove your own `torch.profiler.profile()` block around `fit()`" in outer
+    assert "`profiler=`" not in outer
 
 
 def test_a_full_disk_is_named_and_partial_files_removed(
@@ -789,3 +885,89 @@ def test_unprofiled_steps_count_no_pause_as_data_wait(
     fetches, steps = callback._unprofiled
     assert list(fetches) == [0.125] * 3  # the gaps after steps 0, 2 and 4
     assert list(steps) == [0.375] * 3
+
+
+# ------------------------------------------------------------------ blocks in a ModuleList
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(dim)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 4 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(4 * dim, dim))  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class TinyGPT(L.LightningModule):
+    """nanoGPT's layout at its simplest: an input layer, blocks in an ``nn.ModuleList``
+    (which has no forward of its own: the model loops over it), an output layer."""
+
+    VOCAB = 64
+
+    def __init__(self, dim: int = 32, layers: int = 3) -> None:
+        super().__init__()
+        self.inp = torch.nn.Embedding(self.VOCAB, dim)
+        self.blocks = torch.nn.ModuleList(_Block(dim) for _ in range(layers))
+        self.out = torch.nn.Linear(dim, self.VOCAB)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.inp(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.out(x)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (idx,) = batch
+        return torch.nn.functional.cross_entropy(self(idx).flatten(0, 1), idx.flatten())
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class GPT(torch.nn.Module):
+    """nanoGPT's own: ``transformer`` a ModuleDict (embeddings, a ModuleList ``h``, a final
+    norm), ``lm_head`` beside it."""
+
+    def __init__(self, dim: int = 8, layers: int = 2) -> None:
+        super().__init__()
+        self.transformer = torch.nn.ModuleDict(dict(
+            wte=torch.nn.Embedding(16, dim), wpe=torch.nn.Embedding(8, dim),
+            h=torch.nn.ModuleList(_Block(dim) for _ in range(layers)),
+            ln_f=torch.nn.LayerNorm(dim)))  # fmt: skip
+        self.lm_head = torch.nn.Linear(dim, 16, bias=False)
+
+
+class GPTTask(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = GPT()
+
+
+def test_blocks_in_a_module_list_are_marked_under_the_lists_name() -> None:
+    marked = [(name, type(module).__name__) for name, module in _marked_modules(TinyGPT())]
+    assert marked == [("inp", "Embedding"), ("blocks", "_Block"), ("blocks", "_Block"),
+                      ("blocks", "_Block"), ("out", "Linear")]  # fmt: skip
+    # a ModuleDict's called parts, a ModuleList inside it too, under the dict's name
+    marked = [(name, type(module).__name__) for name, module in _marked_modules(GPTTask())]
+    assert marked == [("model.transformer", "Embedding"), ("model.transformer", "Embedding"),
+                      ("model.transformer", "_Block"), ("model.transformer", "_Block"),
+                      ("model.transformer", "LayerNorm"), ("model.lm_head", "Linear")]  # fmt: skip
+
+
+def test_a_nanogpt_style_models_blocks_have_their_row_in_the_report(tmp_path: Path) -> None:
+    callback = ProfilerSchedule(skip_first=0, wait=0, warmup=1, active=2, dirpath=tmp_path)
+    trainer = L.Trainer(accelerator="cpu", max_steps=4, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[callback])  # fmt: skip
+    tokens = torch.randint(0, TinyGPT.VOCAB, (64, 16), generator=torch.Generator().manual_seed(0))
+    trainer.fit(TinyGPT(layers=3), DataLoader(TensorDataset(tokens), batch_size=8))
+    (path,) = callback.traces
+    trace = events(path)
+    assert count(trace, "speedkit/module/blocks") == 3 * 2  # each block's forward, 2 steps
+    assert count(trace, "speedkit/module/inp") == count(trace, "speedkit/module/out") == 2
+    assert callback.report is not None
+    assert set(callback.report.modules) == {"inp", "blocks", "out"}
+    assert sum(callback.report.modules.values()) == pytest.approx(1.0)

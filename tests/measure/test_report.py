@@ -318,6 +318,49 @@ def test_lightning_module_names_are_read_at_the_top_level_depth() -> None:
     assert _top_level_names({"net"}) == {"net"}
 
 
+def test_blocks_of_a_module_list_are_one_row_in_lightnings_traces() -> None:
+    """Lightning's PyTorchProfiler marks every module that is called: a ModuleList (no
+    forward) never is, so its blocks appear without their parent. They are its row."""
+    names = {"inp", "blocks.0", "blocks.0.mlp", "blocks.1", "blocks.1.mlp", "out"}
+    assert _top_level_names(names) == {"inp", "blocks", "out"}
+    # nanoGPT's own: a ModuleDict `transformer` (embeddings, a ModuleList `h`, a norm)
+    gpt = {"model", "model.transformer.wte", "model.transformer.wpe", "model.transformer.h.0",
+           "model.transformer.h.0.attn", "model.transformer.h.1", "model.transformer.ln_f",
+           "model.lm_head"}  # fmt: skip
+    assert _top_level_names(gpt) == {"model.transformer", "model.lm_head"}
+    # a single list of blocks is looked into, as a single model is
+    assert _top_level_names({"layers.0", "layers.1"}) == {"layers.0", "layers.1"}
+
+
+def _pl_module(name: str, ts: float, dur: float) -> dict[str, Any]:
+    return _x(f"[pl][module]torch.nn.modules.linear.Linear: {name}", "user_annotation", ts, dur)
+
+
+def test_a_nanogpt_style_models_blocks_take_their_share() -> None:
+    """One 1000 us step of an input layer (9 us), three blocks of 125 us each, their
+    inner layers marked too, and an output layer (9 us): exact shares, adding up to 1."""
+    events = [_x("ProfilerStep#1", "user_annotation", 0, 1000), _pl_module("inp", 10, 9)]
+    for i in range(3):
+        start = 20 + 125 * i
+        events += [_pl_module(f"blocks.{i}", start, 125),
+                   _pl_module(f"blocks.{i}.mlp", start + 5, 100)]  # fmt: skip
+    events += [_pl_module("out", 400, 9), _x("aten::mm", "cpu_op", 10, 400)]
+    modules = analyze_trace({"traceEvents": events}).modules
+    total = 9 + 3 * 125 + 9
+    assert modules == {"blocks": pytest.approx(375 / total), "inp": pytest.approx(9 / total),
+                       "out": pytest.approx(9 / total)}  # fmt: skip
+    assert list(modules) == ["blocks", "inp", "out"]  # the heaviest first
+    assert sum(modules.values()) == pytest.approx(1.0)
+    # ProfilerSchedule marks each block under the list's name: the same row
+    marked = [_x("ProfilerStep#1", "user_annotation", 0, 1000),
+              _x("speedkit/module/inp", "user_annotation", 10, 9),
+              *(_x("speedkit/module/blocks", "user_annotation", 20 + 125 * i, 125)
+                for i in range(3)),
+              _x("speedkit/module/out", "user_annotation", 400, 9),
+              _x("aten::mm", "cpu_op", 10, 400)]  # fmt: skip
+    assert analyze_trace({"traceEvents": marked}).modules == modules
+
+
 def test_plain_torch_profiler_trace_gz_or_not(tmp_path: Path) -> None:
     # matmuls of 256 x 1024 x 4096: they dominate the step (a load-9 machine read a matmul
     # share of 0.14 with a quarter of these sizes, the framework's overhead inflated)

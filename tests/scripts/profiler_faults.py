@@ -6,7 +6,8 @@ profiler, and records whether training finished, what was warned and what was le
 the directory. A regression is a segfault (exit 139), which is why this runs in its own
 process: the test reads the JSON written after every case.
 
-Cases: ``vanish-<shape>`` (the directory is removed after the first step), ``full-<shape>``
+Cases: ``vanish-<shape>`` (the directory is removed after the first step),
+``replace-<shape>`` (the directory is replaced by a file after the first step), ``full-<shape>``
 (DIR is a tiny filesystem, already full enough that no trace fits), ``lightning`` (with
 ``Trainer(profiler="pytorch")``), ``outer`` (inside a ``torch.profiler.profile`` block).
 A shape is ``<wait>w<repeat>r`` (e.g. ``0w0r``: a window right after the last, forever).
@@ -31,22 +32,24 @@ STEPS = 10
 
 
 class _Vanish(L.Callback):
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
+    def __init__(self, directory: Path, replace: bool = False) -> None:
+        self.directory, self.replace = directory, replace
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if trainer.global_step == 1:
             shutil.rmtree(self.directory, ignore_errors=True)
+            if self.replace:  # a file takes the directory's name
+                self.directory.write_text("")
 
 
 def run(case: str, directory: Path) -> dict[str, Any]:
     kind, _, shape = case.partition("-")
     wait, repeat = (int(x) for x in shape.rstrip("r").split("w")) if shape else (1, 1)
-    traces = directory / "traces" if kind == "vanish" else directory
+    traces = directory / "traces" if kind in ("vanish", "replace") else directory
     callback = ProfilerSchedule(wait=wait, warmup=1, active=2, repeat=repeat, dirpath=traces)
     callbacks: list[L.Callback] = [callback]
-    if kind == "vanish":
-        callbacks.insert(0, _Vanish(directory / "traces"))
+    if kind in ("vanish", "replace"):
+        callbacks.insert(0, _Vanish(directory / "traces", replace=kind == "replace"))
     trainer = L.Trainer(accelerator="cpu", max_steps=STEPS, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False, callbacks=callbacks,

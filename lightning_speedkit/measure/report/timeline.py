@@ -182,21 +182,43 @@ def _module_name(region: str) -> str | None:
 
 
 def _top_level_names(names: set[str]) -> set[str]:
-    """The module names whose shares the report gives, from every depth's names.
+    """The module names whose shares the report gives (see :func:`_module_rows`)."""
+    return set(_module_rows(names).values())
 
-    Lightning's PyTorchProfiler marks modules at every depth (``model``, ``model.vision``,
-    ``model.vision.blocks.0``, ...). As ProfilerSchedule does, take the LightningModule's
-    children, or while there is a single one with children of its own (``self.model``),
-    its children: one depth only, so that no time is counted twice.
+
+def _module_rows(names: set[str]) -> dict[str, str]:
+    """Of the modules marked at every depth, those that are counted, each with its row.
+
+    Lightning's PyTorchProfiler marks every module that is called (``model``,
+    ``model.vision``, ``model.vision.blocks.0``, ...). As ProfilerSchedule does, the rows
+    are the LightningModule's children, or while there is a single one with children of
+    its own (``self.model``), its children: one depth only, so that no time is counted
+    twice. A row missing from the names is a container that is never called itself (an
+    ``nn.ModuleList`` of blocks, an ``nn.ModuleDict``): its shallowest marked descendants
+    (``blocks.0``, ``blocks.1``, ...) are counted in it.
     """
-    level = {n for n in names if "." not in n}
-    while len(level) == 1:
-        (only,) = level
-        children = {n for n in names if n.startswith(only + ".") and "." not in n[len(only) + 1 :]}
-        if not children:
-            break
-        level = children
-    return level
+    nodes = set(names)
+    for name in names:
+        parts = name.split(".")
+        nodes.update(".".join(parts[:depth]) for depth in range(1, len(parts)))
+
+    def children(node: str) -> set[str]:
+        return {n for n in nodes if n.rpartition(".")[0] == node}
+
+    level = children("")
+    while len(level) == 1 and children(next(iter(level))):
+        level = children(next(iter(level)))
+    rows = {}
+    for name in names:
+        parts = name.split(".")
+        prefixes = [".".join(parts[:depth]) for depth in range(1, len(parts) + 1)]
+        row = next((p for p in prefixes if p in level), None)
+        if row is None:
+            continue  # above the rows' depth
+        below = prefixes[prefixes.index(row) : -1]
+        if not any(p in names for p in below):  # its own time, not inside a counted module
+            rows[name] = row
+    return rows
 
 
 def _module_shares(
@@ -204,8 +226,8 @@ def _module_shares(
 ) -> dict[str, float]:
     regions = [(name, e) for e in host if (name := _module_name(e.name)) is not None]
     if any(e.name.startswith("[pl][module]") for _, e in regions):
-        keep = _top_level_names({name for name, _ in regions})
-        regions = [(name, e) for name, e in regions if name in keep]
+        rows = _module_rows({name for name, _ in regions})
+        regions = [(rows[name], e) for name, e in regions if name in rows]
     if not regions:
         return {}
     times: dict[str, float] = defaultdict(float)
