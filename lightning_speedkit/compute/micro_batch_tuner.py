@@ -296,7 +296,7 @@ def _eager() -> contextlib.AbstractContextManager[Any]:
 # --- the search --------------------------------------------------------------------------------
 
 
-def check_tune_arguments(
+def _check_micro_batch_arguments(
     candidates: Sequence[int] | None, max_micro_batch: int | None, memory_headroom: float
 ) -> list[int] | None:
     """Refuse bad arguments, naming the argument (shared by the function and the callback)."""
@@ -417,7 +417,7 @@ def tune_micro_batch(
         >>> model.weight.grad is None
         True
     """
-    candidates = check_tune_arguments(candidates, max_micro_batch, memory_headroom)
+    candidates = _check_micro_batch_arguments(candidates, max_micro_batch, memory_headroom)
     _validation.positive_int("world_size", world_size)
     if global_batch is not None:
         _validation.positive_int("global_batch", global_batch)
@@ -718,7 +718,7 @@ class MicroBatchTuner(L.Callback):
         measure: Measure | None = None,
         verbose: bool = True,
     ) -> None:
-        self.candidates = check_tune_arguments(candidates, max_micro_batch, memory_headroom)
+        self.candidates = _check_micro_batch_arguments(candidates, max_micro_batch, memory_headroom)
         _validation.non_negative_int("warmup", warmup, example=1)
         _validation.positive_int("repeats", repeats, example=3)
         fix = "pass `lambda run, micro_batch: StepMeasurement(...)`, or None"
