@@ -18,6 +18,7 @@ import torch
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
+from lightning_speedkit import _compat
 from lightning_speedkit.attention import AttentionSwap
 from lightning_speedkit.compute import FusedOptimizer, RegionalCompile
 from lightning_speedkit.data import NumWorkersTuner, SampleCache, SpeedDataModuleMixin
@@ -201,7 +202,7 @@ class _CacheAtStart(L.Callback):
         self.misses: int | None = None
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        cache = getattr(trainer.datamodule, "sample_cache", None)
+        cache = getattr(_compat.datamodule(trainer), "sample_cache", None)
         self.misses = cache.misses if cache is not None else None
 
 
@@ -405,7 +406,8 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
     if isinstance(datamodule, _KitVLMData):
         cache = datamodule.sample_cache
         if cache is not None:
-            notes.append(cache_note(cache, kit.cache_at_start.misses))
+            misses_at_start = kit.cache_at_start.misses if kit is not None else None
+            notes.append(cache_note(cache, misses_at_start))
         else:
             notes.append(
                 "kit: SampleCache left off: the tuned loader decodes in worker processes, "
