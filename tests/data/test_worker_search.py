@@ -200,21 +200,25 @@ def test_the_search_stops_when_its_time_budget_is_spent(monkeypatch: pytest.Monk
     # deeper prefetch (not tried: the budget is spent), at the end
 
 
-def test_real_timing_measures_what_the_loader_delivers() -> None:
-    """The one test on the wall clock: a loader that sleeps 16 ms a batch cannot be
-    measured faster than 62.5 batches/s in the training process (a sleep only ever takes
-    longer on a busy machine), and the search measures every candidate on it."""
+def test_real_timing_smoke() -> None:
+    """The one test on the wall clock, and it judges no time: on the real clock, with real
+    workers, the search measures every candidate (a rate each, none skipped) and reports
+    the pick at the rate its row holds. Which candidate wins is left to the tests above,
+    on set figures."""
     slow = loader(n=400, batch_size=4, delay=0.004)
-    in_process = worker_search._measure(slow, warmup=1, batches=5, max_seconds=30, timeout=30)
-    assert 0 < in_process <= 62.5
     result = tune_num_workers(slow, max_workers=2, batches=5, min_seconds=0.0, cache=False,
                               progress=False)  # fmt: skip
+    assert [(r["num_workers"], r["prefetch_factor"], r["given"]) for r in result.table][:3] == [
+        (0, None, True), (1, 2, False), (2, 2, False)
+    ]  # fmt: skip
+    assert all(r["skipped"] is None for r in result.table)
+    assert all(isinstance(r["batches_per_sec"], float) for r in result.table)
     rates = {(r["num_workers"], r["prefetch_factor"]): r["batches_per_sec"] for r in result.table}
-    assert set(rates) >= {(0, None), (1, 2), (2, 2)}
-    assert 0 < rates[0, None] <= 62.5
-    assert all(rate > 0 for rate in rates.values())
     pick = (result.best["num_workers"], result.best["prefetch_factor"])
     assert result.best_batches_per_sec == rates[pick]
+    assert result.given_batches_per_sec == rates[0, None]
+    assert result.seconds == result.to_json()["seconds"]
+    assert result.cached is False
 
 
 class _CrashInWorkers(SlowDataset):
@@ -252,17 +256,19 @@ def test_failing_candidates_are_skipped_with_the_reason(
     paced(lambda trial: 20.0)  # the workers' own failures decide; a timeout is real seconds
     workers = 1 if context else 0  # a multiprocessing context needs workers
     bad = DataLoader(dataset, batch_size=4, num_workers=workers, multiprocessing_context=context)
-    start = time.perf_counter()
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         result = tune_num_workers(
             bad, max_workers=2, batches=3, timeout=2, cache=False, progress=False
         )
-    assert time.perf_counter() - start < 60  # never hangs
     assert result.best["num_workers"] == 0
     skipped = [row for row in result.table if row["skipped"]]
     assert skipped
     assert all(reason in row["skipped"] for row in skipped)
+    if reason == "workers hung":  # cut by the 2 s `timeout` itself, so the search never hangs
+        assert {row["skipped"] for row in skipped} == {
+            "workers hung (RuntimeError: DataLoader timed out after 2 seconds)"
+        }
     assert all(row["num_workers"] > 0 for row in skipped)
     assert any(reason in str(w.message) for w in caught)
     assert result.dataloader is not None
@@ -432,8 +438,8 @@ def test_a_clean_measurement_shuts_its_workers_down_in_order(
 
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "terminate", terminate)
     rate = worker_search._measure(_user_loader(num_workers=2), warmup=1, batches=4,
-                              max_seconds=30, timeout=10)  # fmt: skip
-    assert rate > 0
+                                  max_seconds=30, timeout=10, clock=StepClock(0.25))  # fmt: skip
+    assert rate == 4.0  # 4 batches, 0.25 s apart on the clock: measured to the end
     assert terminated == []
 
 
@@ -442,7 +448,9 @@ def test_measured_workers_never_finalize_this_processs_garbage(tmp_path: Path) -
     log = tmp_path / "finalized_in"
     with uncollected_garbage(log):
         measured = DataLoader(Collecting(n=8), batch_size=2, num_workers=1)
-        assert worker_search._measure(measured, warmup=0, batches=3, max_seconds=60, timeout=60) > 0
+        rate = worker_search._measure(measured, warmup=0, batches=3, max_seconds=60, timeout=60,
+                                      clock=StepClock(0.5))  # fmt: skip
+        assert rate == 2.0  # all 3 batches came, 0.5 s apart on the clock
         assert not log.exists()
     gc.collect()
     assert log.read_text().split() == [str(os.getpid())]
@@ -563,12 +571,19 @@ def test_a_stateful_dataloader_over_a_users_batch_sampler_is_kept() -> None:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_an_epoch_shorter_than_the_warm_up_is_still_timed(num_workers: int) -> None:
+def test_an_epoch_shorter_than_the_warm_up_is_still_timed(
+    num_workers: int, paced: Callable[[Rates], Figures]
+) -> None:
     """One batch per epoch: warm-up leaves it to be timed, not reported as a failure."""
     loader = DataLoader(SlowDataset(n=3), batch_size=4, num_workers=num_workers)
     rate = worker_search._measure(loader, warmup=3, batches=30, max_seconds=30, timeout=30,
                                   clock=StepClock(0.5))  # fmt: skip
     assert rate == 1 / 0.5  # the one batch, 0.5 s on the clock
+    paced({0: 8.0, 1: 4.0, (1, 4): 4.0, (2, 2): 4.0})  # each candidate's one real batch, paced
     result = tune_num_workers(loader, max_workers=1, cache=False, progress=False)
-    assert len(result.table) >= 2
-    assert all(row["skipped"] is None for row in result.table)  # none "ran out of batches"
+    # The loader as given, then 0 workers (unless that is the loader as given), 1 worker and
+    # its deeper prefetch: each timed on its one batch, none "ran out of batches".
+    table = [(row["num_workers"], row["prefetch_factor"], row["skipped"], row["batches_per_sec"])
+             for row in result.table]  # fmt: skip
+    assert table == [(2, 2, None, 4.0), (0, None, None, 8.0), (1, 2, None, 4.0),
+                     (1, 4, None, 4.0)][0 if num_workers else 1 :]  # fmt: skip
