@@ -12,7 +12,9 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState
 
 from lightning_speedkit import DDPHalfPrecisionStrategy, DDPPowerSGDStrategy, SpeedkitConfigError
-from lightning_speedkit.distributed.powersgd import _KitDDPStrategy, _ParameterBook
+from lightning_speedkit.distributed._kit_ddp import _KitDDPStrategy
+from lightning_speedkit.distributed._powersgd_state import _ParameterBook
+from lightning_speedkit.distributed.powersgd import _PowerSGDCheckpoint
 
 from ..helpers.multiprocess import run_script
 
@@ -49,70 +51,6 @@ def test_bad_arguments_name_the_argument_and_the_fix(kwargs: dict[str, Any], arg
 
 def test_start_iter_one_is_allowed_without_error_feedback_or_warm_start() -> None:
     DDPPowerSGDStrategy(start_iter=1, error_feedback=False, warm_start=False)
-
-
-class _Bucket:
-    """Stands in for dist.GradBucket: an index, its parameters, a flat buffer."""
-
-    def __init__(self, index: int, params: list[torch.nn.Parameter]) -> None:
-        self._index, self._params = index, params
-        self._buffer = torch.zeros(sum(p.numel() for p in params))
-
-    def index(self) -> int:
-        return self._index
-
-    def parameters(self) -> list[torch.nn.Parameter]:
-        return self._params
-
-    def buffer(self) -> torch.Tensor:
-        return self._buffer
-
-
-def test_state_follows_parameters_when_ddp_relays_its_buckets() -> None:
-    """DDP's first buckets are in reverse order, later ones in gradient-ready order:
-    the state of each parameter must move with it, not stay with the bucket index."""
-    a, b, c = (torch.nn.Parameter(torch.zeros(8, 6)) for _ in range(3))
-    bias = torch.nn.Parameter(torch.zeros(8))
-    names = {id(a): "a", id(b): "b", id(c): "c", id(bias): "bias"}
-    state = PowerSGDState(
-        None, matrix_approximation_rank=1, start_powerSGD_iter=2, min_compression_rate=2
-    )
-    book = _ParameterBook(state, names)
-
-    book.on_bucket(_Bucket(0, [a, bias]))  # first layout: {a, bias} and {b, c}
-    book.on_bucket(_Bucket(1, [b, c]))
-    state.error_dict[0] = torch.cat([torch.full((48,), 1.0), torch.full((8,), 4.0)])
-    state.error_dict[1] = torch.cat([torch.full((48,), 2.0), torch.full((48,), 3.0)])
-    state.p_memory_dict[0], state.q_memory_dict[0] = torch.full((8,), 1.0), torch.full((6,), 1.0)
-    state.p_memory_dict[1] = torch.cat([torch.full((8,), 2.0), torch.full((8,), 3.0)])
-    state.q_memory_dict[1] = torch.cat([torch.full((6,), 2.0), torch.full((6,), 3.0)])
-
-    book.on_bucket(_Bucket(0, [c, a]))  # re-laid: {c, a} and {bias, b}
-    book.on_bucket(_Bucket(1, [bias, b]))
-    assert state.error_dict[0].tolist() == [3.0] * 48 + [1.0] * 48
-    assert state.error_dict[1].tolist() == [4.0] * 8 + [2.0] * 48
-    assert state.p_memory_dict[0].tolist() == [3.0] * 8 + [1.0] * 8
-    assert state.q_memory_dict[1].tolist() == [2.0] * 6  # the bias is not compressed
-
-    exported = book.export()
-    assert exported["params"]["bias"]["error"].tolist() == [4.0] * 8
-    assert set(exported["params"]["a"]) == {"error", "p", "q"}
-
-
-def test_a_bucket_that_did_not_move_keeps_its_state() -> None:
-    a, b, c = (torch.nn.Parameter(torch.zeros(8, 6)) for _ in range(3))
-    names = {id(a): "a", id(b): "b", id(c): "c"}
-    state = PowerSGDState(
-        None, matrix_approximation_rank=1, start_powerSGD_iter=2, min_compression_rate=2
-    )
-    book = _ParameterBook(state, names)
-    for index, params in enumerate(([a], [b], [c])):
-        book.on_bucket(_Bucket(index, params))
-        state.error_dict[index] = torch.full((48,), float(index))
-    book.on_bucket(_Bucket(0, [b]))  # buckets 0 and 1 swap; bucket 2 stays as it was
-    book.on_bucket(_Bucket(1, [a]))
-    book.on_bucket(_Bucket(2, [c]))
-    assert [state.error_dict[i][0].item() for i in range(3)] == [1.0, 0.0, 2.0]
 
 
 def _params(out: Path, rank: int) -> dict[str, torch.Tensor]:
@@ -220,8 +158,6 @@ def test_converges_close_to_plain_ddp_and_half_precision_runs_on_gloo(tmp_path: 
 
 
 def test_compression_ratio_is_logged_from_the_live_state() -> None:
-    from lightning_speedkit.distributed.powersgd import _PowerSGDCheckpoint
-
     class Recorder:
         def __init__(self) -> None:
             self.rows: list[tuple[int, dict[str, float]]] = []
@@ -292,32 +228,6 @@ def test_adam_family_below_rank_4_is_warned_at_setup(
     assert f"`rank`={rank} with {optimizer}" in message
     assert "DDPPowerSGDStrategy(rank=4)" in message
     assert "benchmarks/powersgd_rank.py" in message
-
-
-def test_factors_saved_at_another_rank_start_afresh() -> None:
-    """A run resumed with another `rank` (as the Adam warning advises) keeps the error
-    feedback and drops the warm-start factors, which no longer fit."""
-    a = torch.nn.Parameter(torch.zeros(32, 32))
-    state = PowerSGDState(None, matrix_approximation_rank=4, start_powerSGD_iter=2)
-    book = _ParameterBook(state, {id(a): "a"})
-    rng = _ParameterBook(PowerSGDState(None), {}).export()["rng"]
-    at_rank_1 = {"error": torch.full((1024,), 5.0), "p": torch.ones(32), "q": torch.ones(32)}
-    saved = {"iter": 7, "rng": rng, "numel_before": 0, "numel_after": 0}
-    book.restore({**saved, "params": {"a": at_rank_1}})
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        book.on_bucket(_Bucket(0, [a]))
-    assert state.error_dict[0].tolist() == [5.0] * 1024
-    assert 0 not in state.p_memory_dict  # powerSGD_hook draws fresh factors of rank 4
-    assert book.rank_changed
-    assert any("start afresh" in str(w.message) for w in caught)
-    assert state.iter == 7
-    # factors of the run's own rank are taken back as they were saved
-    same = _ParameterBook(PowerSGDState(None, matrix_approximation_rank=1), {id(a): "a"})
-    same.restore({**saved, "params": {"a": at_rank_1}})
-    same.on_bucket(_Bucket(0, [a]))
-    assert same.state.p_memory_dict[0].tolist() == [1.0] * 32
-    assert not same.rank_changed
 
 
 @pytest.mark.multiprocess

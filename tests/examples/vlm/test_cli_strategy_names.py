@@ -116,7 +116,7 @@ def test_plain_lightning_cli_needs_the_import_or_a_class_path(tmp_path: Path) ->
     # A class path needs no import: jsonargparse imports the class while parsing
     assert out["class_path"] == [POWERSGD, 4, None]
     assert out["DDPHalfPrecisionStrategy"] == [
-        "lightning_speedkit.distributed.powersgd.DDPHalfPrecisionStrategy",
+        "lightning_speedkit.distributed.half_precision.DDPHalfPrecisionStrategy",
         None,
         "fp16",
     ]
@@ -126,7 +126,7 @@ def test_plain_lightning_cli_needs_the_import_or_a_class_path(tmp_path: Path) ->
         assert deepspeed.endswith("deepspeed_zero2.DeepSpeedZeRO2Strategy")
     # ... and from then on (the kit is imported) every name works
     assert out["name_after"] == [
-        "lightning_speedkit.distributed.powersgd.DDPHalfPrecisionStrategy",
+        "lightning_speedkit.distributed.half_precision.DDPHalfPrecisionStrategy",
         None,
         "bf16",
     ]
