@@ -143,6 +143,18 @@ def drop_train_loader_change(trainer: L.Trainer, owner: str) -> None:
         above, source = source, source.inner
 
 
+def train_combined_loader(trainer: L.Trainer) -> Any:
+    """The fit loop's CombinedLoader (Lightning wraps every train loader, or dict or list
+    of loaders, in one); None before the loop has built it."""
+    return trainer.fit_loop._combined_loader
+
+
+def combined_loader_mode(loader: Any) -> str:
+    """A CombinedLoader's mode: ``"max_size_cycle"``, ``"min_size"``, ``"max_size"`` or
+    ``"sequential"`` (only its constructor takes it; nothing reads it back publicly)."""
+    return str(loader._mode)
+
+
 def dataloader_built_again(loader: Any, changes: dict[str, Any]) -> Any | None:
     """``loader``'s own class constructed again from its own arguments, but ``changes``.
 

@@ -341,8 +341,10 @@ PRIVATE_NAMES: list[tuple[str, str, Callable[[], Any]]] = [
     # Lightning
     ("train_loader_source, change_train_loader, drop_train_loader_change", "_data_source",
      _attribute(lambda: _trainer().fit_loop, "_data_source")),
-    ("change_train_loader", "_combined_loader",
+    ("change_train_loader, train_combined_loader", "_combined_loader",
      lambda: "_combined_loader" in vars(_trainer().fit_loop) or None),
+    ("combined_loader_mode", "_mode",
+     _attribute(lambda: L.pytorch.utilities.CombinedLoader([], "min_size"), "_mode")),
     ("change_train_loader", "_data_fetcher",
      lambda: "_data_fetcher" in vars(_trainer().fit_loop) or None),
     ("dataloader_built_again", "_replace_dunder_methods",
