@@ -6,7 +6,6 @@ store, with exact expected values; two gloo processes check the whole thing for 
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 import time
@@ -632,17 +631,16 @@ def test_two_processes_dump_name_the_sleeper_and_train_on(tmp_path: Path) -> Non
     ]
     assert [p["phase"] for p in report["progress"]] == ["backward", "forward"]
     assert report["silent"] == []
-    assert r1["events"][1]["seconds"] >= 6.0  # the sleeping step, recovered
-    # both dumps while rank 1 still slept: at least the limit after its step began, and
-    # within the few seconds its sleep lasted
+    # The limit and the durations are wall-clock here, judged exactly on the injected clock
+    # above; what they must say here: the step that overran is the one that recovered, its
+    # duration what it had run at the dump and more, under the limit every look held it to.
+    overrun, recovered = r1["events"]
+    assert recovered["seconds"] >= overrun["seconds"] > overrun["threshold"]
+    assert r0["events"][2]["seconds"] >= r0["events"][0]["seconds"]
+    assert report["threshold"] == r0["events"][0]["threshold"]
+    # both dumps while rank 1 still slept: its stack is in the sleep, rank 0's in the
+    # all-reduce that waits for it
     dumps = tmp_path / "dumps"
-    started, ended = r1["hang_window"]
-    for r in (r0, r1):
-        limit = r["events"][0]["threshold"]
-        assert limit == 2.0
-        written = os.stat(dumps / f"hang-rank{r['events'][0]['rank']}.txt").st_mtime
-        # (rank 0 may begin the batch a little before rank 1: the all-reduce syncs them)
-        assert started + limit - 0.5 <= written <= ended
     sleeper = (dumps / "hang-rank1.txt").read_text()
     waiter = (dumps / "hang-rank0.txt").read_text()
     assert "in stuck_in_training_step" in sleeper
