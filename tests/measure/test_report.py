@@ -456,6 +456,23 @@ def test_a_nanogpt_style_models_blocks_take_their_share() -> None:
     assert analyze_trace({"traceEvents": marked}).modules == modules
 
 
+def test_on_a_gpu_a_lists_blocks_are_one_row_by_the_kernels_they_launched() -> None:
+    """Lightning's marks on a GPU trace: each kernel goes to the module whose forward
+    launched it; the blocks' kernels (200 + 300 us) to `blocks`, the head's (100 us) to it."""
+    host = [_x("ProfilerStep#1", "user_annotation", 0, 1000),
+            _pl_module("blocks.0", 0, 100), _pl_module("blocks.0.mlp", 10, 50),
+            _x("cudaLaunchKernel", "cuda_runtime", 20, 5, correlation=1),
+            _pl_module("blocks.1", 100, 100),
+            _x("cudaLaunchKernel", "cuda_runtime", 120, 5, correlation=2),
+            _pl_module("head", 200, 50),
+            _x("cudaLaunchKernel", "cuda_runtime", 210, 5, correlation=3)]  # fmt: skip
+    device = [_x("sm90_xmma_gemm_bf16", "kernel", 100, 200, tid=7, correlation=1),
+              _x("sm90_xmma_gemm_bf16", "kernel", 300, 300, tid=7, correlation=2),
+              _x("sm90_xmma_gemm_bf16", "kernel", 600, 100, tid=7, correlation=3)]  # fmt: skip
+    report = analyze_trace({"traceEvents": host + device})
+    assert report.modules == {"blocks": pytest.approx(5 / 6), "head": pytest.approx(1 / 6)}
+
+
 def test_plain_torch_profiler_trace_gz_or_not(tmp_path: Path) -> None:
     model = nn.Sequential(nn.Linear(256, 512), nn.ReLU(), nn.Linear(512, 256))
     x = torch.randn(64, 256)
