@@ -6,7 +6,14 @@ How each figure is obtained, and what it costs:
   step, as the Trainer runs them) by :func:`count_flops`, once per distinct batch
   shape up to ``max_flop_counts`` shapes; other shapes are estimated from the
   counted ones by a linear fit in tokens per batch. A counted step is slower
-  (every operator passes through Python) and is left out of the timings.
+  (every operator passes through Python) and is left out of the timings. Under the
+  count, compiled blocks (RegionalCompile, ``torch.compile``) run eagerly and compile
+  nothing, so with compiled parts the count waits for a step that ran them compiled
+  without compiling (the step ProfilerSchedule's window waits for); a step torch's
+  profiler records is not counted either (up to ``_PROFILED_SKIPS`` steps). Steps
+  before the first count are left out of every figure, as warm-up is.
+- **Samples** of a step are those of every train loader's batch in it: a dict or list
+  of loaders (Lightning's CombinedLoader) trains one batch of each per step.
 - **Time** on CPU is the host clock at the start and end of each batch. On CUDA it
   is a pair of CUDA events per batch, recorded without waiting and read once per
   log interval: the step time is the device time from the end of one batch to the
@@ -39,7 +46,6 @@ import math
 import platform
 import statistics
 import sys
-import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -51,10 +57,12 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_speedkit import _compat, _validation
+from lightning_speedkit import _combined, _compat, _validation
 from lightning_speedkit._imports import NVML_AVAILABLE
+from lightning_speedkit.compute.regional_compile import CompileWatch
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure import peak as _peak
+from lightning_speedkit.measure._clock import StepClock
 from lightning_speedkit.measure._host_memory import host_memory_bytes
 from lightning_speedkit.measure.flops import _Counter, _Owners, _tensors
 
@@ -80,6 +88,9 @@ SUMMARY_KEYS = (
 # Per-rank raw sums, gathered across ranks at log time. Order of the gathered vector.
 _FIELDS = ("samples", "tokens", "time", "steps", "model_flops", "hw_flops", "wait", "mem_gib")
 _GIB = 2**30
+#: Steps per fit a FLOP count waits for torch's profiler to be off (a ProfilerSchedule
+#: window); past them it counts under the profiler (a profiler open for the whole fit).
+_PROFILED_SKIPS = 16
 
 
 # --- batch inspection (host metadata only: shapes and dtypes, never values) ----------------
@@ -109,84 +120,6 @@ def _number(value: Any, argument: str) -> float:
     if value < 0:
         raise SpeedkitConfigError(f"`{argument}` returned {value}; it must be 0 or more.")
     return float(value)
-
-
-# --- clocks ----------------------------------------------------------------------------------
-
-
-def _host_time() -> float:
-    """The host clock (seconds); tests replace it with a virtual one."""
-    return time.perf_counter()
-
-
-class _HostClock:
-    """Host timestamps; on CPU the host is the device."""
-
-    def __init__(self) -> None:
-        self.steps: list[float] = []
-        self.waits: list[float] = []
-        self._last_end: float | None = None
-        self._start = 0.0
-
-    def gap(self) -> None:
-        """Forget the previous batch end: the next gap (validation, new epoch) is not data wait."""
-        self._last_end = None
-
-    def batch_start(self) -> None:
-        self._start = _host_time()
-
-    def batch_end(self, keep: bool) -> bool:
-        """Time the step that ends here if ``keep``; whether it was timed (the first
-        after a gap has no start to time from)."""
-        now, last = _host_time(), self._last_end
-        self._last_end = now
-        if not keep or last is None:
-            return False
-        self.steps.append(now - last)
-        self.waits.append(self._start - last)
-        return True
-
-    def drain(self) -> tuple[list[float], list[float]]:
-        steps, waits = self.steps, self.waits
-        self.steps, self.waits = [], []
-        return steps, waits
-
-
-class _CudaClock:
-    """CUDA events recorded on the current stream; read only at log time."""
-
-    def __init__(self) -> None:
-        self._pending: list[tuple[Any, Any, Any]] = []
-        self._last_end: Any = None
-        self._start: Any = None
-
-    def gap(self) -> None:
-        self._last_end = None
-
-    def _event(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()  # enqueued on the stream; the host does not wait
-        return event
-
-    def batch_start(self) -> None:
-        self._start = self._event()
-
-    def batch_end(self, keep: bool) -> bool:
-        end = self._event()
-        timed = keep and self._last_end is not None
-        if timed:
-            self._pending.append((self._last_end, self._start, end))
-        self._last_end = end
-        return timed
-
-    def drain(self) -> tuple[list[float], list[float]]:
-        pending, self._pending = self._pending, []
-        if not pending:
-            return [], []
-        pending[-1][2].synchronize()  # SYNC: once per log interval, to read the events
-        steps = [prev.elapsed_time(end) / 1e3 for prev, _, end in pending]
-        waits = [max(0.0, prev.elapsed_time(start) / 1e3) for prev, start, _ in pending]
-        return steps, waits
 
 
 # --- FLOPs per batch shape -----------------------------------------------------------------
@@ -275,6 +208,12 @@ class _FlopSession:
         return total - self.counter.recomputed, total
 
 
+def _tokens(tensors: list[torch.Tensor]) -> int | None:
+    """Tokens of one loader's batch: its largest 2-D integer tensor (``input_ids``)."""
+    ids = [t for t in tensors if t.ndim == 2 and not t.is_floating_point() and not t.is_complex()]
+    return max((t.numel() for t in ids), default=None)
+
+
 # --- bf16 on a CPU without native bf16 -------------------------------------------------------
 
 #: The x86 instructions that compute bf16 natively; with neither, oneDNN emulates bf16.
@@ -360,11 +299,13 @@ class SpeedMonitor(L.Callback):
             replacing the automatic count (e.g. a formula you trust). Used for
             both MFU and HFU.
         tokens_per_batch: ``batch -> tokens``. By default the largest 2-D integer
-            tensor in the batch counts (e.g. ``input_ids``, padding included);
-            with none, ``tokens_per_sec`` is not logged.
+            tensor in the batch counts (e.g. ``input_ids``, padding included; with
+            several train loaders, each loader's, summed); with none,
+            ``tokens_per_sec`` is not logged.
         samples_per_batch: ``batch -> samples``; by default the first dimension
             of the first tensor in the batch, found through mappings (``dict``, Hugging
-            Face's ``BatchEncoding``), lists, tuples and dataclasses. A batch with no
+            Face's ``BatchEncoding``), lists, tuples and dataclasses, summed over the
+            loaders' batches of a step with several train loaders. A batch with no
             tensor counts as one sample, and that is said once.
         peak_flops: dense peak FLOP/s of one device for MFU. ``"auto"`` (default)
             looks the device up in :data:`~lightning_speedkit.measure.peak.PEAK_TABLE`
@@ -436,7 +377,13 @@ class SpeedMonitor(L.Callback):
         self._interval = dict.fromkeys(_FIELDS, 0.0)
         self._info: _BatchInfo | None = None
         self._session: _FlopSession | None = None
-        self._clock: _HostClock | _CudaClock = _HostClock()
+        self._clock = StepClock(torch.device("cpu"))
+        self._loaders: _combined.TrainLoaders | None = None  # None: one loader
+        # Compiled parts: a count waits for a step that ran them compiled, compiling nothing.
+        self._compiles: CompileWatch | None = None
+        self._compiled_before = 0
+        self._settled = True
+        self._profiled_skips = 0
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -460,11 +407,22 @@ class SpeedMonitor(L.Callback):
             self._recent.clear()
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop_compile_watch()
         self._reset_fit_state()
         self._device = device = trainer.strategy.root_device
-        self._clock = _CudaClock() if device.type == "cuda" else _HostClock()
+        self._clock = StepClock(device)
         self._peak = self._resolve_peak(device, _compute_dtype(str(trainer.precision)))
         self._warn_bf16_on_cpu(device, str(trainer.precision))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if _compat.has_compiled_parts(pl_module):  # RegionalCompile's blocks, torch.compile
+            self._compiles = CompileWatch().install()
+            self._settled = False
+
+    def _stop_compile_watch(self) -> None:
+        if self._compiles is not None:
+            self._compiles.remove()
+            self._compiles = None
 
     def _warn_bf16_on_cpu(self, device: torch.device, precision: str) -> None:
         """Once per callback: bf16 (mixed or true) on a CPU known to lack native bf16."""
@@ -498,34 +456,38 @@ class SpeedMonitor(L.Callback):
     # -- per batch: host metadata and events only ---------------------------------------------
 
     def _describe(self, batch: Any) -> _BatchInfo:
-        tensors = list(_tensors(batch))
-        signature = tuple((tuple(t.shape), str(t.dtype)) for t in tensors)
+        # Several train loaders (a dict or list of them): the step trains each one's batch.
+        parts = self._loaders.parts(batch) if self._loaders is not None else [batch]
+        tensors = [list(_tensors(part)) for part in parts]
+        signature = tuple((tuple(t.shape), str(t.dtype)) for each in tensors for t in each)
         if self.samples_per_batch is not None:
             samples = int(_number(self.samples_per_batch(batch), "samples_per_batch"))
-        elif tensors and tensors[0].ndim:
-            samples = int(tensors[0].shape[0])
         else:
-            samples = 1
-            if not self._said_samples:
-                self._said_samples = True
-                found = "holds no tensor" if not tensors else "starts with a 0-d tensor"
-                rank_zero_warn(
-                    f"SpeedMonitor cannot tell how many samples a batch of type "
-                    f"`{type(batch).__name__}` holds (it {found}), so it counts one per batch: "
-                    f"samples/s and FLOPs per sample are off by the batch size. Pass "
-                    f"`SpeedMonitor(samples_per_batch=lambda batch: ...)`."
-                )
+            samples = sum(
+                self._samples(part, found) for part, found in zip(parts, tensors, strict=True)
+            )
         tokens: int | None
         if self.tokens_per_batch is not None:
             tokens = int(_number(self.tokens_per_batch(batch), "tokens_per_batch"))
         else:
-            ids = [
-                t
-                for t in tensors
-                if t.ndim == 2 and not t.is_floating_point() and not t.is_complex()
-            ]
-            tokens = max((t.numel() for t in ids), default=None)
+            counts = [n for found in tensors if (n := _tokens(found)) is not None]
+            tokens = sum(counts) if counts else None
         return _BatchInfo(signature, samples, tokens)
+
+    def _samples(self, batch: Any, tensors: list[torch.Tensor]) -> int:
+        """Samples of one loader's batch: the first dimension of its first tensor."""
+        if tensors and tensors[0].ndim:
+            return int(tensors[0].shape[0])
+        if not self._said_samples:
+            self._said_samples = True
+            found = "holds no tensor" if not tensors else "starts with a 0-d tensor"
+            rank_zero_warn(
+                f"SpeedMonitor cannot tell how many samples a batch of type "
+                f"`{type(batch).__name__}` holds (it {found}), so it counts one per batch: "
+                f"samples/s and FLOPs per sample are off by the batch size. Pass "
+                f"`SpeedMonitor(samples_per_batch=lambda batch: ...)`."
+            )
+        return 1
 
     def _drop_session(self) -> None:
         """Close a FLOP count whose batch never reached ``on_train_batch_end`` (the
@@ -538,6 +500,8 @@ class SpeedMonitor(L.Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._drop_session()
         self._clock.gap()
+        loaders = _combined.of_trainer(trainer)  # built (or reloaded) by now
+        self._loaders = loaders if loaders is not None and loaders.combined else None
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._drop_session()
@@ -552,14 +516,30 @@ class SpeedMonitor(L.Callback):
         self._drop_session()  # the previous batch's, if its end hook never ran
         self._batches += 1
         self._info = info = self._describe(batch)
-        key = info.key
-        if (
-            self.flops_per_batch is None
-            and key not in self.flops.counted
-            and len(self.flops.counted) < self.max_flop_counts
-        ):
+        if self._compiles is not None:
+            self._compiled_before = self._compiles.compilations
+        if self._counts(info.key):
             self._session = _FlopSession()
         self._clock.batch_start()
+
+    def _counts(self, key: str) -> bool:
+        """Whether this batch's step is the one to count FLOPs on."""
+        if (
+            self.flops_per_batch is not None
+            or key in self.flops.counted
+            or len(self.flops.counted) >= self.max_flop_counts
+        ):
+            return False
+        if not self._settled:
+            # Under the count, compiled blocks run eagerly: a step that would compile them
+            # would compile nothing, and the compile would move to the next step, where
+            # ProfilerSchedule (which waits for a step that compiles nothing) now profiles.
+            return False
+        if self._profiled_skips < _PROFILED_SKIPS and _compat.torch_profiler_enabled():
+            # A profiled step would record every operator passing through the counter.
+            self._profiled_skips += 1
+            return False
+        return True
 
     def on_train_batch_end(
         self,
@@ -573,14 +553,23 @@ class SpeedMonitor(L.Callback):
         counted_now = self._session is not None
         # Samples and FLOPs count only with a timed step: the first batch after a gap
         # (a new epoch, validation) has no step time, and counting its samples would
-        # overstate throughput by one batch per gap.
-        keep = self._clock.batch_end(not counted_now and self._batches > self.warmup_steps)
+        # overstate throughput by one batch per gap. Steps before the first FLOP count
+        # (still compiling, or profiled) are start-up too: they would add samples and no FLOPs.
+        priced = self.flops_per_batch is not None or bool(self.flops.counted)
+        keep = self._clock.batch_end(
+            not counted_now and priced and self._batches > self.warmup_steps
+        )
         if self._session is not None and info is not None:
             model, hardware = self._session.close()
             self._session = None
             self.flops.add(info.key, _Counted(info.samples, info.tokens, model, hardware))
         if keep and info is not None:
             self._accumulate(info, batch)
+        if self._compiles is not None and not counted_now:
+            # Settled: a whole step ran the compiled parts and compiled nothing.
+            self._settled = self._compiles.compilations == self._compiled_before
+            if self._settled:
+                self._stop_compile_watch()
         every = self.log_every_n_steps or _compat.log_every_n_steps(trainer)
         if self._batches % every == 0:
             self._flush(trainer)
@@ -589,6 +578,7 @@ class SpeedMonitor(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         self._drop_session()
+        self._stop_compile_watch()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._drop_session()
@@ -596,6 +586,7 @@ class SpeedMonitor(L.Callback):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._drop_session()
+        self._stop_compile_watch()
 
     def _accumulate(self, info: _BatchInfo, batch: Any) -> None:
         acc = self._interval

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import statistics
-import time
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
@@ -17,8 +16,10 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_speedkit import _compat, _validation
+from lightning_speedkit import _combined, _compat, _validation
+from lightning_speedkit._optimizers import torch_optimizer
 from lightning_speedkit.errors import SpeedkitConfigError
+from lightning_speedkit.measure._clock import Stamps
 from lightning_speedkit.schedule.policies import (
     AccumulationPolicy,
     AdaptiveToCommunication,
@@ -63,32 +64,11 @@ class _Window:
     tainted: bool = False
 
 
-class _Clock:
-    """Host ``perf_counter`` on CPU; CUDA events on GPU, read only when a decision is due."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def now(self) -> Any:
-        if not self.cuda:
-            return time.perf_counter()
-        event = torch.cuda.Event(enable_timing=True)
-        event.record()  # enqueued on the current stream; the host does not wait
-        return event
-
-    def seconds(self, start: Any, end: Any) -> float:
-        return float(start.elapsed_time(end)) / 1e3 if self.cuda else float(end - start)
-
-    def wait(self, stamp: Any) -> None:
-        if self.cuda:
-            stamp.synchronize()  # SYNC: once per adaptive decision, to read the events
-
-
 def _median(values: list[float]) -> float:
     return statistics.median(values) if values else 0.0
 
 
-def _measure(windows: list[_Window], clock: _Clock) -> CommShare | None:
+def _measure(windows: list[_Window], clock: Stamps) -> CommShare | None:
     """Turn complete, untainted windows of one accumulation into a CommShare."""
     usable = [
         w
@@ -286,7 +266,8 @@ class AccumulationScheduler(L.Callback):
         self._next_check = 0
         self._resumed_global_batch: int | None = None
         # timing for the adaptive policy's measurements
-        self._clock: _Clock | None = None
+        self._clock: Stamps | None = None
+        self._loaders: _combined.TrainLoaders | None = None
         self._windows: list[_Window] = []
         self._open: _Window | None = None
         self._last_end: Any = None
@@ -325,7 +306,9 @@ class AccumulationScheduler(L.Callback):
         # fit): trainer.estimated_stepping_batches, which LR schedulers size themselves
         # from, counts the first window's accumulation. A loader from a hook is not built
         # here: that would run the user's hook early.
-        micro = self._micro or _loader_batch_size(_compat.train_loader_source(trainer).instance)
+        given = _combined.given(_compat.train_loader_source(trainer).instance)
+        _refuse_shrinking_batches(given)
+        micro = self._micro or _micro_batch(given)
         if micro is not None:
             trainer.accumulate_grad_batches = accumulation_for(
                 self._first_global_batch(micro), micro, trainer.world_size
@@ -351,8 +334,11 @@ class AccumulationScheduler(L.Callback):
         self._world = trainer.world_size
         if isinstance(trainer.strategy, DeepSpeedStrategy):
             self._engine = trainer.strategy.deepspeed_engine
+        self._loaders = _combined.of_trainer(trainer)
+        if self._loaders is not None:
+            _refuse_shrinking_batches(self._loaders)
         if self._micro is None:
-            self._micro = _loader_batch_size(trainer.train_dataloader)
+            self._micro = _micro_batch(self._loaders) if self._loaders is not None else None
         elif self._micro_changed and self._engine is None:
             # A micro-batch set since setup (MicroBatchTuner's): Lightning reads the factor
             # before the first window sets it, to tell whether a resumed epoch stopped
@@ -362,7 +348,7 @@ class AccumulationScheduler(L.Callback):
             )
         if self.lr_scaling is not None:
             self._hook_optimizers(trainer)
-        self._clock = _Clock(trainer.strategy.root_device)
+        self._clock = Stamps(trainer.strategy.root_device)
         if self.adaptive:
             self._adaptive_on = self._adaptive_applies(trainer)
         loaded, self._loaded = self._loaded, {}
@@ -388,7 +374,7 @@ class AccumulationScheduler(L.Callback):
 
     def _hook_optimizers(self, trainer: L.Trainer) -> None:
         for optimizer in trainer.optimizers:
-            inner = _torch_optimizer(optimizer)
+            inner = torch_optimizer(optimizer)
             if inner is None:
                 raise SpeedkitConfigError(
                     f"`lr_scaling={self.lr_scaling!r}` needs a torch.optim.Optimizer, got "
@@ -495,8 +481,9 @@ class AccumulationScheduler(L.Callback):
     # -- deciding the accumulation (at window starts only) ------------------------------------
 
     def _start_window(self, trainer: L.Trainer, batch: Any) -> None:
-        if self._micro is None:
-            self._micro = int(extract_batch_size(batch))
+        if self._micro is None:  # the loaders do not say: this batch does
+            parts = self._loaders.parts(batch) if self._loaders is not None else [batch]
+            self._micro = sum(int(extract_batch_size(part)) for part in parts)
         if self._policy is None:  # the fit's first window
             self._policy = self._make_policy()
         elif isinstance(self._policy, AdaptiveToCommunication):
@@ -647,23 +634,26 @@ class AccumulationScheduler(L.Callback):
             self._resumed_global_batch = state.get("global_batch")
 
 
-def _loader_batch_size(loader: Any) -> int | None:
-    """The micro-batch size a DataLoader (or the first of several) promises, if it says."""
-    if isinstance(loader, Mapping):
-        loader = next(iter(loader.values()), None)
-    elif isinstance(loader, (list, tuple)):
-        loader = loader[0] if loader else None
-    for source in (loader, getattr(loader, "batch_sampler", None)):
-        size = getattr(source, "batch_size", None)
-        if isinstance(size, int) and size > 0:
-            return size
-    return None
+def _micro_batch(loaders: _combined.TrainLoaders) -> int | None:
+    """Samples one step of the train loaders holds on one rank, if the loaders say: a
+    step of a dict or list of loaders holds a batch of each."""
+    sizes = [_combined.loader_batch_size(loader) for loader in loaders.flat()]
+    if not sizes or any(size is None for size in sizes):
+        return None
+    if not loaders.combined:  # one loader, or one loader's batch a step ("sequential")
+        return sizes[0] if len(set(sizes)) == 1 else None
+    return sum(size or 0 for size in sizes)
 
 
-def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer | None:
-    """The torch optimizer inside wrappers (Lightning's, DeepSpeed's ZeRO), or None."""
-    for _ in range(4):
-        if isinstance(optimizer, torch.optim.Optimizer):
-            return optimizer
-        optimizer = getattr(optimizer, "optimizer", None)
-    return None
+def _refuse_shrinking_batches(loaders: _combined.TrainLoaders) -> None:
+    """Refuse a CombinedLoader whose steps lose a loader's batch when it runs out."""
+    if loaders.mode != "max_size" or len(loaders.flat()) < 2:
+        return
+    raise SpeedkitConfigError(
+        "AccumulationScheduler got train loaders combined with `mode='max_size'`: once a "
+        "shorter loader runs out it gives None, so later micro-batches hold fewer samples "
+        "and the global batch would shrink with them. Combine them with "
+        '`CombinedLoader(loaders, mode="max_size_cycle")` (what `fit` does with a dict or '
+        'list of loaders: a shorter loader starts over) or `mode="min_size"` (the epoch ends '
+        "with the shortest), or train without AccumulationScheduler."
+    )

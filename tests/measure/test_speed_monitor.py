@@ -15,6 +15,7 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_speedkit import SpeedkitConfigError, SpeedMonitor
+from lightning_speedkit.measure import _clock
 from lightning_speedkit.measure import speed_monitor as sm
 from lightning_speedkit.measure.speed_monitor import SUMMARY_KEYS, _BatchInfo, _Counted, _FlopBook
 from tests.helpers.clock import VirtualClock
@@ -83,7 +84,7 @@ def test_step_time_and_throughput_are_measured() -> None:
 @pytest.fixture
 def virtual_clock(monkeypatch: pytest.MonkeyPatch) -> VirtualClock:
     clock = VirtualClock()
-    monkeypatch.setattr(sm, "_host_time", clock)
+    monkeypatch.setattr(_clock, "_host_time", clock)
     monkeypatch.setattr(models, "_sleep", clock.sleep)
     return clock
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import accumulation_ddp  # this directory is the script's first import path
 
-from lightning_speedkit.schedule import accumulation_scheduler
+from lightning_speedkit.measure import _clock
 
 
 class VirtualTime:
@@ -32,5 +32,5 @@ class VirtualTime:
 if __name__ == "__main__":
     clock = VirtualTime()
     accumulation_ddp.time = clock  # type: ignore[assignment]
-    accumulation_scheduler.time = clock  # type: ignore[assignment]
+    _clock._host_time = clock.perf_counter  # the clock AccumulationScheduler reads
     accumulation_ddp.main()
