@@ -24,9 +24,7 @@ a compiled block's first call with a cache warns.
 from __future__ import annotations
 
 import logging
-import time
 import weakref
-from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
@@ -37,7 +35,11 @@ from torch import nn
 
 from lightning_speedkit import _compat, _surgery, _validation
 from lightning_speedkit._blocks import CacheOff, block_instances, repeated_block_types
+from lightning_speedkit.compute._recompile_advice import recompile_advice
 from lightning_speedkit.errors import SpeedkitConfigError
+
+# CompileWatch is a measurement and lives in measure/; importable from here as it always was.
+from lightning_speedkit.measure._compile_watch import CompileWatch
 
 __all__ = ["CompileWatch", "RegionalCompile", "compile_blocks", "compiled_blocks"]
 
@@ -292,132 +294,6 @@ def _compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:
     _compat.set_compiled_call(module, call)
 
 
-# --- what dynamo compiles ----------------------------------------------------------------------
-
-
-def _frame_and_attempt(compile_id: str) -> tuple[str, int]:
-    """A dynamo compile id ``"F/N"`` (``"!F/N_k"`` and the like): the frame F and the
-    attempt N, 0 for its first compilation."""
-    frame, _, attempt = compile_id.lstrip("!").rpartition("/")
-    number = attempt.split("_")[0]
-    return frame, int(number) if number.isdigit() else 0
-
-
-#: What dynamo's guard failures say when a tensor's shape changed (``tensor 'x' size
-#: mismatch at index 1``; with symbolic sizes, a failed ``L['x'].size()[1]`` relation).
-_SHAPE_GUARDS = ("size mismatch", "stride mismatch", "rank mismatch", ".size()", ".stride()")
-
-
-def _is_shape_guard(reason: str) -> bool:
-    return any(marker in reason for marker in _SHAPE_GUARDS)
-
-
-def _one_line(reason: str) -> str:
-    """A guard failure on one line, cut at 200 characters."""
-    text = " ".join(reason.split())
-    return text if len(text) <= 200 else text[:197] + "..."
-
-
-class CompileWatch:
-    """Counts what dynamo compiles while it is installed: graphs, recompilations, seconds.
-
-    It listens to torch's compile callbacks (``torch._dynamo.callback_handler``), which
-    fire around every frame dynamo compiles and every backward graph compiled later.
-    A compile id ``"F/N"`` is the N-th compilation of frame F: N above 0 is a
-    recompilation (a guard, such as a tensor's shape, failed). Everything dynamo
-    compiles in the process while installed is counted, and the counts add up:
-    ``graphs`` is the frames compiled plus ``recompiles``. A frame first compiled
-    before the watch was installed (in an earlier fit in the same process) counts its
-    first compilation here as a graph, not as a recompilation; :attr:`by_frame` keeps
-    dynamo's own count, earlier compilations included, which its recompile limit
-    counts. Counters are plain Python; reading them costs nothing on the device.
-
-    Example::
-
-        >>> import torch
-        >>> watch = CompileWatch().install()
-        >>> f = torch.compile(lambda x: x * 2, backend="eager", dynamic=False)
-        >>> _ = f(torch.ones(2)), f(torch.ones(3))
-        >>> watch.remove()
-        >>> watch.graphs, watch.recompiles
-        (2, 1)
-    """
-
-    def __init__(self) -> None:
-        self.graphs = 0
-        """Frames compiled, recompilations included (backward graphs not counted apart)."""
-        self.recompiles = 0
-        """Compilations of a frame this watch had seen compiled before."""
-        self.seconds = 0.0
-        """Wall time spent compiling, forward and backward graphs."""
-        self.compilations = 0
-        """Compilations begun, backward graphs included."""
-        self.by_frame: Counter[str] = Counter()
-        """Recompilations per frame id, as dynamo counts them (against its recompile
-        limit): those before the watch was installed included."""
-        self._frames: set[str] = set()
-        self._latest: dict[str, str] = {}  # frame -> the id of its last compilation seen
-        self._started: float | None = None
-        self._installed = False
-
-    def install(self) -> CompileWatch:
-        if not self._installed:
-            handler = _compat.dynamo_callback_handler()
-            handler.register_start_callback(self._start)
-            handler.register_end_callback(self._end)
-            self._installed = True
-        return self
-
-    def remove(self) -> None:
-        if self._installed:
-            handler = _compat.dynamo_callback_handler()
-            handler.remove_start_callback(self._start)
-            handler.remove_end_callback(self._end)
-            self._installed = False
-
-    def _start(self, *args: Any) -> None:
-        self._started = time.perf_counter()
-        self.compilations += 1
-
-    def _end(self, *args: Any) -> None:
-        if self._started is not None:
-            self.seconds += time.perf_counter() - self._started
-            self._started = None
-        trigger = (
-            getattr(getattr(args[0], "callback_trigger", None), "name", "DYNAMO") if args else ""
-        )
-        if trigger != "DYNAMO":
-            return  # a backward graph compiled at its first use: time only
-        compile_id = str(getattr(args[0], "compile_id", "")) if args else ""
-        frame, number = _frame_and_attempt(compile_id)
-        self._latest[frame] = compile_id
-        self.graphs += 1
-        if number > 0:
-            self.by_frame[frame] = max(self.by_frame[frame], number)
-            if frame in self._frames:  # its first compilation was counted here too
-                self.recompiles += 1
-        self._frames.add(frame)
-
-    def snapshot(self) -> tuple[int, int, float]:
-        return self.graphs, self.recompiles, self.seconds
-
-    def last_reason(self) -> str | None:
-        """dynamo's reason for the last recompilation of the frame that recompiled most;
-        None when none is recorded (dynamo keeps its last 64 compilations)."""
-        if not self.by_frame:
-            return None
-        frame = max(self.by_frame, key=self.by_frame.__getitem__)
-        latest = self._latest.get(frame)
-        reasons = [why for compile_id, why in _compat.dynamo_recompile_reasons()
-                   if compile_id == latest]  # fmt: skip
-        return reasons[-1] if reasons else None
-
-    @property
-    def most_recompiled(self) -> int:
-        """Recompilations of the frame that recompiled most."""
-        return max(self.by_frame.values(), default=0)
-
-
 # --- the callback -------------------------------------------------------------------------------
 
 
@@ -549,51 +425,11 @@ class RegionalCompile(L.Callback):
 
     def _recompile_warning(self, pl_module: L.LightningModule) -> str:
         watch = self.watch
-        said = (
-            f"RegionalCompile: a compiled block recompiled {watch.most_recompiled} times "
-            f"({watch.recompiles} recompilations, {watch.seconds:.1f} s compiling so far)"
-        )
-        limit = "past dynamo's limit (8) it runs uncompiled"
-        reason = self.watch.last_reason()
-        quoted = "" if reason is None else f" (dynamo's last reason: `{_one_line(reason)}`)"
         blocks = [pl_module.get_submodule(name) for name in self.compiled]
-        if any(block in _CACHE_CALLED for block in blocks):
-            return (
-                f"{said}: its calls carry a KV cache (`past_key_values`), and each layer "
-                f"reads its own slot of it, so each layer compiles a graph of its own; "
-                f"{limit}. Training needs no cache: pass `use_cache=False` to the model, or "
-                f"set `model.config.use_cache = False` (changing shapes are not the cause, "
-                f"and `dynamic=True` would not help)."
-            )
-        if self.dynamic is True:
-            return (
-                f"{said}{quoted}, with `dynamic=True` already set, so not because a length "
-                f"changes; {limit}. Run with `TORCH_LOGS=recompiles` to see the guard that "
-                f"fails (a Python number, flag or module attribute that differs between calls; "
-                f"a dimension of size 0 or 1, which dynamo specializes)."
-            )
-        if reason is None:
-            return (
-                f"{said}; {limit}. dynamo's reason could not be read: `TORCH_LOGS=recompiles` "
-                f"shows the guard that fails. For a tensor's shape, compile with "
-                f"`RegionalCompile(dynamic=True)` or give batches fewer distinct shapes (length "
-                f"bucketing, sequence packing); for any other value (a Python number or flag, a "
-                f"module attribute, train/eval or grad mode), keep it fixed during training."
-            )
-        if not _is_shape_guard(reason):
-            return (
-                f"{said}, not because a shape changes: dynamo's last reason is "
-                f"`{_one_line(reason)}`; {limit}. That guard is on a value that differs between "
-                f"calls (a Python number, string or flag, a module attribute, train/eval or "
-                f"grad mode): keep it fixed during training, or pass it as a tensor. "
-                f"`TORCH_LOGS=recompiles` lists every guard that fails."
-            )
-        return (
-            f"{said}{quoted}: batch shapes keep changing; {limit}. Compile for "
-            f"symbolic shapes with `RegionalCompile(dynamic=True)`, or give batches fewer "
-            f"distinct shapes: length bucketing or sequence packing (SpeedDataModuleMixin's "
-            f"`lengths=` or PackingCollate). `TORCH_LOGS=recompiles` shows the guard that fails."
-        )
+        return recompile_advice(
+            watch.most_recompiled, watch.recompiles, watch.seconds, watch.last_reason(),
+            cache_called=any(block in _CACHE_CALLED for block in blocks), dynamic=self.dynamic,
+        )  # fmt: skip
 
     def on_train_batch_end(
         self,
