@@ -14,7 +14,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_speedkit import FusedOptimizer
-from lightning_speedkit.compute import OptimizerSwitch, fuse_optimizers, fused_optimizer
+from lightning_speedkit.compute import OptimizerSwitch, _fused_choice, _fused_probe, fuse_optimizers
 from lightning_speedkit.errors import SpeedkitConfigError
 
 from .models import Losses, Net, loader, trainer
@@ -302,7 +302,7 @@ def _forgets_momentum(kernel: Any) -> Any:
     ) -> None:
         kernel(params, grads, exp_avgs, *args, **kw)
         calls[0] += 1
-        if calls[0] % fused_optimizer._PROBE_STEPS == 0:
+        if calls[0] % _fused_probe._PROBE_STEPS == 0:
             with torch.no_grad():
                 for exp_avg in exp_avgs:
                     exp_avg.mul_(0.5)
@@ -458,7 +458,7 @@ def test_an_added_group_is_switched_before_its_first_step() -> None:
     assert [group["fused"] for group in optimizer.param_groups] == [True, True]
     # one fused call per group and step (the added group runs on the kernel too), plus the
     # added group's probe before its first step
-    assert ops.names.count("_fused_adam_.default") == 2 * 3 + fused_optimizer._PROBE_STEPS
+    assert ops.names.count("_fused_adam_.default") == 2 * 3 + _fused_probe._PROBE_STEPS
     assert optimizer.state_dict()["param_groups"] == plain.state_dict()["param_groups"]
     _close(model, twin)
     (again,) = fuse_optimizers([optimizer])
@@ -543,7 +543,7 @@ def test_an_added_group_gets_foreach_where_the_switch_chose_foreach(
 ) -> None:
     # RMSprop has no fused kernel: on an accelerator the switch chooses foreach. torch's
     # foreach ops also run on the CPU (one loop per tensor), standing in for one here.
-    monkeypatch.setattr(fused_optimizer._compat, "foreach_kernel_devices", lambda: ["cpu"])
+    monkeypatch.setattr(_fused_choice._compat, "foreach_kernel_devices", lambda: ["cpu"])
     model, twin = _model(), _model()
     optimizer = torch.optim.RMSprop(model[0].parameters(), lr=1e-2)
     plain = torch.optim.RMSprop(twin[0].parameters(), lr=1e-2)
