@@ -13,20 +13,30 @@ per-instance callable as ``forward``, a ``functools.partial`` included, dynamo g
 on its identity and compiles once per instance, and past its recompile limit of 8
 blocks not at all.)
 
+Two of the kit's forwards can share a module: a wrapper (activation checkpointing)
+and one that replaces its computation (an attention swap). The wrapper is always the
+outer one, whichever was applied first, and reads the forward it runs at each call,
+so a checkpoint recomputes in backward exactly what its forward ran (see
+:func:`replace_forward`).
+
 Pickle stores a bound method as ``getattr(module, "_call_replaced")``, which no module
 has, so a pickled model (or ``torch.save(model)``) saved but did not load. The kit's
-bound methods (and only those: any other is reduced exactly as pickle does) are
-registered with copyreg and multiprocessing's pickler to pickle as the module, which
-the loading side binds again. A model loaded from a pickle keeps the kit's forwards
-as they were (checkpointed blocks stay checkpointed, swapped attention stays swapped),
-as ``copy.deepcopy`` does.
+bound methods are registered with copyreg and multiprocessing's pickler to pickle as
+the module, which the loading side binds again; a module's class ``forward`` bound to
+it (a swap's reference to the module's own forward) pickles as that, where
+``getattr(module, "forward")`` would give the kit's; any other bound method is
+reduced exactly as pickle does. Everything else the kit puts on a module is made of
+module-level functions and plain objects, never lambdas or closures. A model loaded
+from a pickle keeps the kit's forwards as they were (checkpointed blocks stay
+checkpointed, swapped attention stays swapped), as ``copy.deepcopy`` does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copyreg
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -36,8 +46,10 @@ from lightning_speedkit.errors import SpeedkitConfigError
 
 #: Instance attribute holding a forward that the module had before ours (rare: another tool's).
 _PREVIOUS = "_speedkit_previous_forward"
-#: Instance attribute holding the kit's forward, which ``module.forward`` calls.
+#: Instance attribute holding the kit's outermost forward, which ``module.forward`` calls.
 _REPLACED = "_speedkit_forward"
+#: Instance attribute holding, under a wrapper, the kit's forward the wrapper runs.
+_WRAPPED = "_speedkit_wrapped_forward"
 
 
 def _call_replaced(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
@@ -50,10 +62,21 @@ def _bound(module: nn.Module) -> Callable[..., Any]:
     return types.MethodType(_call_replaced, module)
 
 
+def _class_forward(module: nn.Module) -> Callable[..., Any]:
+    """``module``'s class forward, bound to it (what a swap runs as the module's own)."""
+    bound: Callable[..., Any] = type(module).forward.__get__(module)
+    return bound
+
+
 def _reduce_method(method: types.MethodType) -> tuple[Any, ...]:
-    """Pickle a bound method: the kit's as its module, any other as pickle does."""
+    """Pickle a bound method: the kit's as its module, a module's class forward as that
+    (``getattr(module, "forward")`` gives the kit's once the module is loaded), any other
+    as pickle does."""
+    owner = method.__self__
     if method.__func__ is _call_replaced:
-        return _bound, (method.__self__,)
+        return _bound, (owner,)
+    if isinstance(owner, nn.Module) and method.__func__ is getattr(type(owner), "forward", None):
+        return _class_forward, (owner,)
     reduced = method.__reduce__()  # exactly what pickle does without this registration
     assert isinstance(reduced, tuple)  # a bound method reduces to (getattr, (self, name))
     return reduced
@@ -66,6 +89,39 @@ ForkingPickler.register(types.MethodType, _reduce_method)
 def _install(module: nn.Module, forward: Callable[..., Any]) -> None:
     module.__dict__[_REPLACED] = forward
     module.__dict__["forward"] = _bound(module)
+
+
+def _uninstall(module: nn.Module) -> None:
+    """The module's forward as it was before the kit (another tool's, or its class's)."""
+    module.__dict__.pop(_REPLACED, None)
+    module.__dict__.pop("forward", None)
+    if _PREVIOUS in module.__dict__:
+        module.__dict__["forward"] = module.__dict__.pop(_PREVIOUS)
+
+
+_CHANGING = [0]
+
+
+@contextlib.contextmanager
+def forwards_changing() -> Iterator[None]:
+    """Around a call at whose end the kit may replace forwards the call ran (attention found
+    by tracing that call). Wrappers run their module's forward unwrapped meanwhile
+    (:func:`wrappers_paused`): a checkpoint taken in it would recompute, in backward, the
+    forward installed at its end, not the one its forward ran."""
+    _CHANGING[0] += 1
+    try:
+        yield
+    finally:
+        _CHANGING[0] -= 1
+
+
+def wrappers_paused() -> bool:
+    """Whether wrappers run their module's forward as it is (see :func:`forwards_changing`)."""
+    return _CHANGING[0] > 0
+
+
+def _is_wrapper(forward: Any) -> bool:
+    return bool(getattr(forward, "_speedkit_wrapper", False))
 
 
 def refuse_wrapped(model: nn.Module, what: str) -> None:
@@ -95,36 +151,67 @@ def original_forward(module: nn.Module) -> Callable[..., Any]:
     if _PREVIOUS in module.__dict__:
         previous: Callable[..., Any] = module.__dict__[_PREVIOUS]
         return previous
-    instance: Callable[..., Any] | None = module.__dict__.get(
-        _REPLACED, module.__dict__.get("forward")
-    )
-    if instance is not None:
+    if _REPLACED not in module.__dict__ and "forward" in module.__dict__:
+        instance: Callable[..., Any] = module.__dict__["forward"]  # another tool's
         return instance
     bound: Callable[..., Any] = type(module).forward.__get__(module)
     return bound
 
 
 def replace_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
-    """Make ``module(...)`` call ``forward``; parameters and buffers untouched."""
-    current = module.__dict__.get(_REPLACED, module.__dict__.get("forward"))
-    if current is not None and _PREVIOUS not in module.__dict__:
-        module.__dict__[_PREVIOUS] = current
-    _install(module, forward)
+    """Make ``module(...)`` call ``forward``; parameters and buffers untouched.
+
+    Two of the kit's forwards can share a module: a *wrapper* (a callable marked
+    ``_speedkit_wrapper``, activation checkpointing) and one that replaces the module's
+    computation (an attention swap). The wrapper is always the outer one, whichever
+    came first: it runs :func:`wrapped_forward`, looked up at each call, so what it
+    recomputes in backward is what its forward ran. Any other of the kit's forwards
+    on ``module`` is replaced.
+    """
+    current = module.__dict__.get(_REPLACED)
+    if current is None:
+        if "forward" in module.__dict__ and _PREVIOUS not in module.__dict__:
+            module.__dict__[_PREVIOUS] = module.__dict__["forward"]  # another tool's
+        _install(module, forward)
+    elif _is_wrapper(forward):
+        if not _is_wrapper(current):
+            module.__dict__[_WRAPPED] = current  # the swap goes under the wrapper
+        _install(module, forward)
+    elif _is_wrapper(current):
+        module.__dict__[_WRAPPED] = forward
+    else:
+        _install(module, forward)
 
 
-def restore_forward(module: nn.Module) -> None:
-    """Undo :func:`replace_forward`."""
-    module.__dict__.pop(_REPLACED, None)
-    module.__dict__.pop("forward", None)
-    if _PREVIOUS in module.__dict__:
-        previous = module.__dict__.pop(_PREVIOUS)
-        if getattr(previous, "_speedkit", False):  # the kit's own, from before: as it was
-            _install(module, previous)
+def restore_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
+    """Undo :func:`replace_forward` of ``forward``; the kit's other forward on ``module`` stays."""
+    if module.__dict__.get(_WRAPPED) is forward:
+        del module.__dict__[_WRAPPED]
+    elif module.__dict__.get(_REPLACED) is forward:
+        wrapped = module.__dict__.pop(_WRAPPED, None)
+        if wrapped is not None:
+            _install(module, wrapped)
         else:
-            module.__dict__["forward"] = previous
+            _uninstall(module)
+
+
+def wrapped_forward(module: nn.Module) -> Callable[..., Any]:
+    """What the kit's wrapper on ``module`` runs now: the kit's forward under it, or the
+    module's own (read at each call: a swap installed later runs under the wrapper)."""
+    wrapped: Callable[..., Any] | None = module.__dict__.get(_WRAPPED)
+    return wrapped if wrapped is not None else original_forward(module)
+
+
+def wrapper(module: nn.Module) -> Any:
+    """The kit's wrapper on ``module`` (activation checkpointing), or ``None``."""
+    forward = module.__dict__.get(_REPLACED)
+    return forward if _is_wrapper(forward) else None
 
 
 def replaced_forward(module: nn.Module) -> Any:
-    """The forward the kit put on ``module`` (marked ``_speedkit``), or ``None``."""
+    """The kit's forward that replaces ``module``'s computation (marked ``_speedkit``),
+    under any wrapper; ``None`` if there is none."""
     forward = module.__dict__.get(_REPLACED)
+    if _is_wrapper(forward):
+        forward = module.__dict__.get(_WRAPPED)
     return forward if getattr(forward, "_speedkit", False) else None

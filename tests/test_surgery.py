@@ -5,12 +5,14 @@ from __future__ import annotations
 import io
 import pickle
 from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
 from torch import Tensor, nn
 
 from lightning_speedkit import _surgery, swap_attention
+from lightning_speedkit.attention._discovery import probed
 from lightning_speedkit.attention.swap import swapped_modules
 from lightning_speedkit.distributed import checkpoint_blocks, checkpointed_blocks
 
@@ -67,7 +69,7 @@ def test_a_checkpointed_model_loads_still_checkpointed(
     assert all(torch.equal(g, h) for g, h in zip(grads, loaded_grads, strict=True))
     for block in loaded:  # each loaded block's forward runs the loaded block, not the saved one
         assert block.forward.__self__ is block
-        assert _surgery.replaced_forward(block).args[0] is block
+        assert _surgery.wrapper(block).args[0] is block
     loaded.eval()
     model.eval()
     assert torch.equal(model(x), loaded(x))
@@ -98,3 +100,97 @@ def test_an_attention_swapped_model_loads_still_swapped(
     assert sorted(swaps) == sorted(swapped_modules(model))
     assert all(swap.module is loaded.get_submodule(name) for name, swap in swaps.items())
     assert torch.equal(model(*inputs), loaded(*inputs))
+
+
+def _gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=40, n_positions=16, n_embd=32, n_layer=2,
+                                     n_head=4, attn_implementation="eager")  # fmt: skip
+    return transformers.GPT2LMHeadModel(config)
+
+
+def _traced_model(block: str) -> nn.Module:
+    from tests.attention.test_swap_and_checkpoint import HoldingBlock, InlineBlock
+
+    return nn.Sequential(
+        *(InlineBlock() if block == "inline" else HoldingBlock() for _ in range(2))
+    )
+
+
+#: family -> (model, sample, the swapped modules, the blocks to checkpoint)
+FAMILIES: dict[str, tuple[Callable[[], nn.Module], Callable[[], Any], list[str], str]] = {
+    "traced_inline": (
+        lambda: _traced_model("inline"),
+        lambda: torch.randn(2, 8, 32),
+        ["0", "1"],
+        "InlineBlock",
+    ),
+    "traced_submodule": (
+        lambda: _traced_model("submodule"),
+        lambda: torch.randn(2, 8, 32),
+        ["0.attention", "1.attention"],
+        "HoldingBlock",
+    ),
+    "multihead_attention": (
+        lambda: nn.Sequential(
+            *(
+                nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+                for _ in range(2)
+            )
+        ),
+        lambda: torch.randn(2, 8, 32),
+        ["0.self_attn", "1.self_attn"],
+        "TransformerEncoderLayer",
+    ),
+    "huggingface": (_gpt2, lambda: torch.randint(0, 40, (2, 12)), [""], "GPT2Block"),
+}
+
+
+def _output(model: nn.Module, sample: Tensor) -> Tensor:
+    out = model(sample)
+    return out if isinstance(out, Tensor) else out.logits  # type: ignore[no-any-return]
+
+
+@ROUND_TRIPS
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["swapped", "swapped_checkpointed"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_family_swapped_loads_still_swapped(
+    family: str, checkpointed: bool, round_trip: Callable[[nn.Module], nn.Module]
+) -> None:
+    """The traced family's adapter held a lambda: ``torch.save(model)`` raised ``Can't
+    pickle <lambda>`` once a trace had swapped something."""
+    make, sample, names, block = FAMILIES[family]
+    torch.manual_seed(0)
+    model = make()
+    x = sample()
+    report = swap_attention(model, "sdpa")
+    if checkpointed:
+        assert checkpoint_blocks(model, blocks=[block])
+    _output(model, x)  # the first call: traced families are found and swapped here
+    assert report.swapped == names
+    model.eval()
+    loaded = round_trip(model)
+    swaps = swapped_modules(loaded)
+    assert sorted(swaps) == names
+    for name, swap in swaps.items():
+        module = loaded.get_submodule(name)
+        assert swap.module is module  # the loaded module's swap runs the loaded module
+        assert swap.original.__func__ is type(module).forward  # its own forward, not the kit's
+    assert checkpointed_blocks(loaded) == checkpointed_blocks(model)
+    assert torch.equal(_output(loaded, x), _output(model, x))
+
+
+@ROUND_TRIPS
+def test_a_model_saved_before_its_first_call_finds_its_attention_when_loaded(
+    round_trip: Callable[[nn.Module], nn.Module],
+) -> None:
+    torch.manual_seed(0)
+    model = _traced_model("submodule")
+    report = swap_attention(model, "sdpa")
+    loaded = round_trip(model)
+    assert probed(loaded[0].attention)  # a second swap_attention leaves it to this discovery
+    x = torch.randn(2, 8, 32)
+    torch.testing.assert_close(loaded(x), model(x), rtol=1e-5, atol=1e-6)
+    assert (
+        sorted(swapped_modules(loaded)) == sorted(report.swapped) == ["0.attention", "1.attention"]
+    )

@@ -16,6 +16,7 @@ imagen-pytorch's ``Attention`` are found like any other.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import weakref
@@ -28,7 +29,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from lightning_speedkit import _compat
+from lightning_speedkit import _compat, _surgery
 from lightning_speedkit.attention._traced import (
     _METADATA,
     _NESTING,
@@ -380,8 +381,8 @@ class Discovery:
         self.candidates = {_ById(module): name for module, name in candidates}
         self.installer = installer
         self.trace: _Trace | None = None
-        self.recorder: _Recorder | None = None
-        self.eager: Any = None
+        self.contexts: contextlib.ExitStack | None = None
+        """While a trace runs: its recorder, the eager stance, forwards changing."""
         self.probes: set[_ById] = set()
         self.hook_id: int | None = None
         for module, _ in candidates:
@@ -412,11 +413,22 @@ class Discovery:
             if key in self.probes
         }
         copied.installer = copy.deepcopy(self.installer, memo)
-        copied.trace = copied.recorder = copied.eager = None  # a trace runs in the original
+        copied.trace = copied.contexts = None  # a trace runs in the original
         copied.hook_id = self.hook_id  # the key under which the copied hooks sit
         for key in copied.probes:
             _PROBED[id(key.module)] = copied
         return copied
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        state["trace"] = state["contexts"] = None  # a trace runs in the original
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """A pickled model's discovery, loaded: it probes the loaded modules."""
+        self.__dict__.update(state)
+        for key in self.probes:
+            _PROBED[id(key.module)] = self
 
     @property
     def pending(self) -> bool:
@@ -446,20 +458,21 @@ class Discovery:
             if torch.compiler.is_compiling() or _ById(module) not in self.probes:
                 return
             self.trace = _Trace(module)
-            self.eager = torch.compiler.set_stance("force_eager")
-            self.eager.__enter__()
-            self.recorder = _Recorder(self.trace)
-            self.recorder.__enter__()
+            self.contexts = contextlib.ExitStack()
+            self.contexts.enter_context(_force_eager())
+            # Swaps installed at the trace's end must not be what a checkpoint taken in it
+            # recomputes: the kit's checkpoints run their blocks as they are meanwhile.
+            self.contexts.enter_context(_surgery.forwards_changing())
+            self.contexts.enter_context(_Recorder(self.trace))
         self.trace.enter(module, args, kwargs)
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         trace = self.trace
         if trace is None or not trace.exit(module):
             return
-        assert self.recorder is not None
-        self.recorder.__exit__(None, None, None)
-        self.eager.__exit__(None, None, None)
-        self.trace = self.recorder = self.eager = None
+        assert self.contexts is not None
+        self.contexts.close()
+        self.trace = self.contexts = None
         self._finish(trace)
 
     def _finish(self, trace: _Trace) -> None:
@@ -477,6 +490,18 @@ class Discovery:
         if not found:
             name = self.candidates.get(_ById(trace.root), type(trace.root).__name__)
             self.installer.nothing_found(name)
+
+
+def _force_eager() -> contextlib.AbstractContextManager[Any]:
+    """torch.compile's ``force_eager`` stance for a trace, so that it sees the calls of
+    compiled regions; nothing where the call already runs inside torch.compile's frame
+    evaluation without being compiled (a compiled ``training_step`` that dynamo runs
+    eagerly, as it does under a counting dispatch mode): dynamo refuses a stance change
+    there ("attempted to set_stance in a torch.compile region")."""
+    try:
+        return torch.compiler.set_stance("force_eager")
+    except RuntimeError:  # refused before changing anything
+        return contextlib.nullcontext()
 
 
 #: id(module) -> the discovery probing it (a module is probed once). Weak: a discovery

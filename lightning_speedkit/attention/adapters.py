@@ -415,8 +415,16 @@ _BUILTIN: tuple[AttentionAdapter, ...] = (
     AttentionAdapter("multihead_attention", _mha_match, _mha_forward, _mha_example),
     AttentionAdapter("structural", _structural_match, _structural_forward, _structural_example),
 )
-#: Modules found by :mod:`._traced`'s discovery, not by a ``match``.
-TRACED = AttentionAdapter("traced", lambda module: None, traced_forward)
+
+
+def _matched_by_discovery(module: nn.Module) -> None:
+    """The ``traced`` family matches no module by looking at it: discovery finds them."""
+    return None
+
+
+#: Modules found by :mod:`._traced`'s discovery, not by a ``match``. Every function of an
+#: adapter is a module-level one: a swap holds its adapter, and a model pickles with it.
+TRACED = AttentionAdapter("traced", _matched_by_discovery, traced_forward)
 _REGISTERED: list[AttentionAdapter] = []
 
 

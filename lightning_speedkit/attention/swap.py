@@ -655,7 +655,7 @@ class _SwappedForward:
             entry.speedup = decision.get("speedup")
 
     def _revert(self, reason: str) -> None:
-        restore_forward(self.module)
+        restore_forward(self.module, self)
         self.entry.status = "reverted"
         self.entry.reason = reason
         rank_zero_warn(

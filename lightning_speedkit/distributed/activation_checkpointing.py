@@ -29,9 +29,15 @@ __all__ = [
 BlockChoice = str | Sequence[type[nn.Module] | str]
 
 
-def _checkpointed(module: nn.Module, forward: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    if not (module.training and torch.is_grad_enabled()):
-        return forward(*args, **kwargs)  # nothing is kept for backward anyway
+def _checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    # What the block runs is read at each call: an attention swap installed in the block
+    # after it was wrapped (found by tracing at its first call) runs inside the checkpoint,
+    # and the recomputation runs the forward this call ran.
+    forward = _surgery.wrapped_forward(module)
+    if not (module.training and torch.is_grad_enabled()) or _surgery.wrappers_paused():
+        # Nothing is kept for backward anyway; or the call is traced for attention, which
+        # may be swapped at its end: its recomputation would run the swap.
+        return forward(*args, **kwargs)
     stats = [] if torch.compiler.is_compiling() else _running_stats(module)
     if not stats:
         # Compiled, the recomputation is part of the backward graph, and buffer updates are
@@ -181,7 +187,10 @@ def checkpoint_blocks(
     or under ``no_grad`` the blocks run as they are. A Hugging Face model's KV cache
     (``config.use_cache=True``) must be off for training: pass ``use_cache=False`` or
     set ``model.config.use_cache = False`` (the callback does so for the fit). A
-    pickled (or ``torch.save``-d) model loads with its blocks still checkpointed.
+    pickled (or ``torch.save``-d) model loads with its blocks still checkpointed. An
+    attention swap of a block (:func:`~lightning_speedkit.swap_attention`, before or
+    after) runs inside its checkpoint, so the recomputation runs the swapped forward;
+    the call that traces a model for attention runs its blocks unwrapped, that once.
 
     Args:
         model: the module, before DDP/FSDP/DeepSpeed wrap it.
@@ -215,8 +224,8 @@ def checkpoint_blocks(
     instances = block_instances(model, _resolve(model, _check_blocks(blocks)))
     chosen = _spread([(name, m) for name, m in instances if not _is_checkpointed(m)], fraction)
     for _, module in chosen:
-        forward = partial(_checkpointed, module, _surgery.original_forward(module))
-        forward._speedkit = True  # type: ignore[attr-defined]
+        forward = partial(_checkpointed, module)
+        forward._speedkit_wrapper = True  # type: ignore[attr-defined]
         _surgery.replace_forward(module, forward)
     return [name for name, _ in chosen]
 
@@ -256,7 +265,7 @@ def saved_tensor_bytes(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> int
 
 
 def _is_checkpointed(module: nn.Module) -> bool:
-    forward = _surgery.replaced_forward(module)
+    forward = _surgery.wrapper(module)
     return isinstance(forward, partial) and forward.func is _checkpointed
 
 
@@ -269,7 +278,8 @@ def uncheckpoint_blocks(model: nn.Module) -> list[str]:
     """Undo :func:`checkpoint_blocks`; returns the names restored."""
     restored = checkpointed_blocks(model)
     for name in restored:
-        _surgery.restore_forward(model.get_submodule(name))
+        module = model.get_submodule(name)
+        _surgery.restore_forward(module, _surgery.wrapper(module))
     return restored
 
 

@@ -142,7 +142,11 @@ class _TracedTask(L.LightningModule):
 
 
 def _fit_traced(
-    callbacks: list[Any], steps: int, ckpt_path: str | None = None, **kwargs: Any
+    callbacks: list[Any],
+    steps: int,
+    ckpt_path: str | None = None,
+    compile_backend: str | None = None,
+    **kwargs: Any,
 ) -> _TracedTask:
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(
@@ -161,7 +165,8 @@ def _fit_traced(
         **kwargs,
     )
     loader = DataLoader(data, batch_size=8)
-    trainer.fit(task, loader, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)
+    fitted = task if compile_backend is None else torch.compile(task, backend=compile_backend)
+    trainer.fit(fitted, loader, DataLoader(data, batch_size=8), ckpt_path=ckpt_path)  # type: ignore[arg-type]
     return task
 
 
@@ -188,6 +193,25 @@ def test_fit_finds_attention_by_tracing_and_trains_like_plain(tmp_path: Path) ->
     assert resumed.report is not None
     assert resumed.report.swapped == ["blocks.1.attention"]
     assert resumed.report.reverted[0][0] == "blocks.0.attention"
+
+
+def test_a_compiled_task_with_speed_monitor_finds_attention_in_its_eager_counted_step() -> None:
+    """SpeedMonitor counts FLOPs on the first step under a dispatch mode, so dynamo runs the
+    compiled ``training_step`` eagerly: discovery traced it and asked for the ``force_eager``
+    stance inside torch.compile's frame evaluation, which raised ``attempted to set_stance
+    in a torch.compile region``."""
+    from lightning_speedkit import SpeedMonitor
+
+    torch._dynamo.reset()
+    swap = AttentionSwap("sdpa", verbose=False)
+    monitor = SpeedMonitor(log_every_n_steps=1)
+    task = _fit_traced([swap, monitor], steps=3, compile_backend="eager")
+    plain = _fit_traced([], steps=3)
+    assert swap.report is not None
+    assert swap.report.swapped == ["blocks.0.attention", "blocks.1.attention"]
+    assert all(m.checked == "forward+backward" for m in swap.report.modules)
+    for (name, p), ref in zip(task.named_parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(p, ref, rtol=1e-5, atol=1e-6, msg=name)
 
 
 def test_an_averaged_copy_made_in_setup_finds_its_own_attention_apart_from_the_report() -> None:

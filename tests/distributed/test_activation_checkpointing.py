@@ -223,11 +223,11 @@ def test_a_later_fit_with_other_settings_checkpoints_its_own_choice() -> None:
     assert callback.checkpointed == checkpointed_blocks(task) == ["net.blocks.0"]
 
     # the same choice again (a new callback with the same settings): left as it is
-    forward = _surgery.replaced_forward(task.net.blocks[0])
+    forward = _surgery.wrapper(task.net.blocks[0])
     again = ActivationCheckpointing(blocks=["Block"], fraction=0.25, verbose=False)
     _fit(task, again)
     assert again.checkpointed == ["net.blocks.0"]
-    assert _surgery.replaced_forward(task.net.blocks[0]) is forward
+    assert _surgery.wrapper(task.net.blocks[0]) is forward
 
     # the blocks re-wrapped compute what the unwrapped model does, and each is wrapped once
     plain = Net(depth=4)
