@@ -59,10 +59,10 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_speedkit import _combined, _compat, _validation
 from lightning_speedkit._imports import NVML_AVAILABLE
-from lightning_speedkit.compute.regional_compile import CompileWatch
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure import peak as _peak
 from lightning_speedkit.measure._clock import StepClock
+from lightning_speedkit.measure._compile_watch import CompileWatch
 from lightning_speedkit.measure._host_memory import host_memory_bytes
 from lightning_speedkit.measure.flops import _Counter, _Owners, _tensors
 

@@ -16,7 +16,7 @@ import lightning as L
 import torch
 
 from lightning_speedkit import ProfilerSchedule, RegionalCompile, SpeedMonitor, _compat
-from lightning_speedkit.compute.regional_compile import CompileWatch
+from lightning_speedkit.measure._compile_watch import CompileWatch
 
 from ..helpers.models import MLP, loader
 
