@@ -11,7 +11,8 @@ is (64 image + 40 text tokens) and with 128-pixel images (256 image tokens).
     python benchmarks/attention.py                      # CPU
     python benchmarks/attention.py --device cuda --size base --dtype bfloat16
 
-Prints tables and writes JSON (``--out``) and a plot (``--plot``).
+Prints tables and writes JSON (``--out``) and a plot (``--plot``); the JSON keeps each
+swapped module's parity check (status, kernel, error against float32).
 """
 
 from __future__ import annotations
@@ -90,6 +91,7 @@ def end_to_end(
         "swapped_modules": len(report.swapped),
         "reverted_modules": len(report.reverted),
         "backends": sorted({m.backend or "" for m in report.modules}),
+        "parity": report.as_dict()["modules"],  # each module's check: status, kernel, error
     }
 
 

@@ -1,32 +1,59 @@
 #!/usr/bin/env bash
-# Every GPU measurement of docs/benchmarks.md and the CUDA tests, in stages sized to fit
-# in ten minutes each on one H100 (not yet run there), from anywhere in a checkout:
+# Every GPU measurement of docs/benchmarks.md and the CUDA tests, in stages, from anywhere
+# in a checkout. `quick` is the whole check in one call of under eight minutes, for a
+# short loan of one H100 or H200 (give the call a limit of 480 s; RESULTS=$OUT keeps the
+# records where the call returns them); the other stages are sized to fit in ten
+# minutes each on one H100 (not yet run there):
 #
+#   RESULTS=$OUT bash benchmarks/gpu_suite.sh quick  # device, hand, tests, parity, attention
 #   bash benchmarks/gpu_suite.sh tests      # the CUDA tests (-m "gpu or flash_attn")
 #   bash benchmarks/gpu_suite.sh hand       # plain, kit and hand-tuned: VLM base, bf16
 #   bash benchmarks/gpu_suite.sh seeds      # plain and kit at seeds 1 and 2 (the loss)
 #   bash benchmarks/gpu_suite.sh swap       # swapped attention: gradient error and loss
-#   bash benchmarks/gpu_suite.sh all        # the four, in that order
+#   bash benchmarks/gpu_suite.sh all        # tests, hand, seeds and swap, in that order
 #
-# It needs a Python with CUDA torch, Lightning and torchmetrics and no package index:
-# the package is imported from this checkout (PYTHON=... picks the interpreter). Results
-# go to RESULTS (default benchmarks/results/gpu_suite: the published results stay as
-# they are until compared), a log of each stage beside them; STEPS sets the demo runs'
-# length (default 300), SEEDS the seeds stage's seeds (default "1 2"), BATCH the
-# optimizer's batch of the hand stage (default 32, the demo's: MFU grows with it, the
-# plain baseline's loader cost with it). SIZE, PRECISION,
-# ACCELERATOR, DATA_DIR and WORK (defaults: base, bf16-mixed, gpu, the demo's corpus,
-# .gpu_suite for the runs' own output) let the tests run the stages on a CPU at a tiny
-# size, so that no GPU minute goes to a broken script.
+# quick's parts, in this order, each under `timeout` with its own limit, all within
+# QUICK_BUDGET seconds (default 450; a part left under 10 s is not run):
+#   device     45 s  nvidia-smi, then torch's view of the device and the package versions
+#   hand      230 s  plain, kit and hand-tuned, VLM base, bf16-mixed, 80 steps each
+#   tests     120 s  the test files with a gpu or flash_attn mark, each under its own
+#                    QUICK_TEST_TIMEOUT (default 60 s)
+#   parity     75 s  AttentionSwap's parity per module and kernel under bf16 autocast
+#                    (benchmarks/swap_training.py, 5 steps)
+#   attention  60 s  the kernels against eager attention at SEQ tokens (default 4096),
+#                    then the model end to end (benchmarks/attention.py)
+# Each record is written as soon as it exists (the hand runs' after each run, a test
+# file's as it ends) and quick_summary.json after each part, with its exit status and
+# seconds (124 or 137: its limit cut it off), so a limit loses only what it cuts off.
+# QUICK_PARTS picks parts (e.g. "tests attention", to rerun two), QUICK_TESTS the test
+# files.
+#
+# It needs a Python with CUDA torch, Lightning and torchmetrics (pytest for the tests)
+# and no package index: the package is imported from this checkout (PYTHON=... picks the
+# interpreter). Results go to RESULTS (default benchmarks/results/gpu_suite: the
+# published results stay as they are until compared), a log of each stage beside them;
+# STEPS sets the demo runs' length (default 300; 80 in quick), SEEDS the seeds stage's
+# seeds (default "1 2"), BATCH the optimizer's batch of the hand runs and the parity part
+# (default 32, the demo's: MFU grows with it, the plain baseline's loader cost with it),
+# RUNS the hand runs (default plain,kit,hand). SIZE, PRECISION, ACCELERATOR, DATA_DIR
+# and WORK (defaults: base, bf16-mixed, gpu, the demo's corpus, .gpu_suite for the runs'
+# own output) let the tests run the stages on a CPU at a tiny size, so that no GPU
+# minute goes to a broken script.
 set -uo pipefail
 
 PYTHON=${PYTHON:-python}
-STEPS=${STEPS:-300}
+STEPS=${STEPS:-}  # empty: each stage's own length
 BATCH=${BATCH:-32}
+RUNS=${RUNS:-plain,kit,hand}  # the hand stage's and part's runs, in this order
 SEEDS=${SEEDS:-1 2}  # the seeds stage's (seed 0 is the hand stage's)
 SIZE=${SIZE:-base}
 PRECISION=${PRECISION:-bf16-mixed}
 ACCELERATOR=${ACCELERATOR:-gpu}
+QUICK_BUDGET=${QUICK_BUDGET:-450}
+QUICK_PARTS=${QUICK_PARTS:-device hand tests parity attention}
+QUICK_TESTS=${QUICK_TESTS:-}  # empty: every test file with a gpu or flash_attn mark
+QUICK_TEST_TIMEOUT=${QUICK_TEST_TIMEOUT:-60}
+SEQ=${SEQ:-4096}
 DATA=()
 if [ -n "${DATA_DIR:-}" ]; then DATA=(--data-dir "$DATA_DIR"); fi
 case "$ACCELERATOR" in gpu | cuda) DEVICE=cuda ;; *) DEVICE=$ACCELERATOR ;; esac
@@ -36,29 +63,34 @@ cd "$ROOT" || exit 2
 RESULTS=${RESULTS:-benchmarks/results/gpu_suite}
 WORK=${WORK:-$ROOT/.gpu_suite}  # the runs' own output (traces, reports, checkpoints)
 mkdir -p "$RESULTS" "$WORK/path"
+RESULTS=$(cd "$RESULTS" && pwd)
 # The example package is installed as `speedkit_examples`; from a checkout it is a link.
 ln -sfn "$ROOT/examples" "$WORK/path/speedkit_examples"
 export PYTHONPATH="$ROOT:$WORK/path${PYTHONPATH:+:$PYTHONPATH}"
 SPEEDKIT=("$PYTHON" -c "import sys; from lightning_speedkit.cli import main; sys.exit(main())")
+RECORD=("$PYTHON" benchmarks/quick_record.py)
+
+# No pytest plugins may be installed there, and the project's pytest config asks for
+# pytest-timeout: the config is left out (-c /dev/null) and the GPU marks selected.
+GPU_PYTEST=("$PYTHON" -m pytest -c /dev/null --rootdir "$ROOT" -p no:cacheprovider -q -rs
+    -m "gpu or flash_attn")
 
 stage_tests() {
-    # No pytest plugins may be installed there: the project's pytest config asks for
-    # pytest-timeout, so it is left out (-c /dev/null) and the GPU markers selected.
-    "$PYTHON" -m pytest -c /dev/null --rootdir "$ROOT" -p no:cacheprovider -q -rs \
-        --continue-on-collection-errors -m "gpu or flash_attn" tests
+    "${GPU_PYTEST[@]}" --continue-on-collection-errors tests
 }
 
-stage_hand() {
+stage_hand() {  # [steps] [record] [the runs' output]
     "$PYTHON" benchmarks/hand_tuned.py --size "$SIZE" --precision "$PRECISION" \
-        --accelerator "$ACCELERATOR" --steps "$STEPS" --batch-size "$BATCH" --num-workers 8 \
-        "${DATA[@]}" --output-dir "$WORK/hand" --out "$RESULTS/hand_tuned_$DEVICE.json"
+        --accelerator "$ACCELERATOR" --steps "${1:-${STEPS:-300}}" --batch-size "$BATCH" \
+        --runs "$RUNS" --num-workers 8 "${DATA[@]}" --output-dir "${3:-$WORK/hand}" \
+        --out "${2:-$RESULTS/hand_tuned_$DEVICE.json}"
 }
 
 stage_seeds() {
     local seed
     for seed in $SEEDS; do
         "${SPEEDKIT[@]}" demo --accelerator "$ACCELERATOR" --precision "$PRECISION" \
-            --size "$SIZE" --steps "$STEPS" --seed "$seed" "${DATA[@]}" \
+            --size "$SIZE" --steps "${STEPS:-300}" --seed "$seed" "${DATA[@]}" \
             --output-dir "$WORK/demo_seed$seed" || return
         cp "$WORK/demo_seed$seed/demo.json" "$RESULTS/demo_${DEVICE/cuda/gpu}_seed$seed.json"
     done
@@ -79,15 +111,144 @@ run_stage() {
     return "$status"
 }
 
+# ---------------------------------------------------------------- quick: its parts
+
+# Each part's limit (s) and the records it writes into RESULTS.
+quick_part_plan() {
+    case "$1" in
+        device) echo "45 quick_device.txt,quick_device.json" ;;
+        hand) echo "230 quick_hand_tuned_$DEVICE.json" ;;
+        tests) echo "120 quick_tests.json" ;;
+        parity) echo "75 quick_swap_training_$DEVICE.json" ;;
+        attention) echo "60 quick_attention_$DEVICE.json" ;;
+        *) return 1 ;;
+    esac
+}
+
+part_device() {
+    # nvidia-smi first: it answers where torch may not (a driver without its library).
+    { nvidia-smi && nvidia-smi --format=csv \
+        --query-gpu=name,driver_version,memory.total,clocks.max.sm,power.limit,mig.mode.current
+    } >"$RESULTS/quick_device.txt" 2>&1 || echo "(nvidia-smi failed or is missing)" \
+        >>"$RESULTS/quick_device.txt"
+    cat "$RESULTS/quick_device.txt"
+    "${RECORD[@]}" device "$RESULTS"
+}
+
+part_hand() {
+    # 80 steps: plain, kit and hand-tuned of VLM base at bf16-mixed in about 200 s on an
+    # H100 (sized in docs/benchmarks.md: "How the GPU check runs").
+    stage_hand "${STEPS:-80}" "$RESULTS/quick_hand_tuned_$DEVICE.json" "$WORK/quick_hand"
+}
+
+part_tests() {
+    # Each file under its own `timeout`, all within the part's deadline; one record line
+    # per file as it ends.
+    local files file junit left limit start status failed=0
+    local deadline=${QUICK_PART_DEADLINE:-$(($(date +%s) + 120))}
+    files=${QUICK_TESTS:-$(grep -rlE 'mark\.(gpu|flash_attn)' tests --include='test_*.py' | sort)}
+    mkdir -p "$RESULTS/quick_tests"
+    for file in $files; do
+        junit=quick_tests/$(basename "$(dirname "$file")")_$(basename "$file" .py).xml
+        left=$((deadline - $(date +%s) - 5))  # 5 s: timeout's grace before it kills
+        if ((left < 5)); then
+            printf '%s\t\t\t\t\n' "$file" >>"$RESULTS/quick_tests.tsv"
+            echo "-- $file: not run, the part's time is spent"
+            failed=1
+            continue
+        fi
+        limit=$((QUICK_TEST_TIMEOUT < left ? QUICK_TEST_TIMEOUT : left))
+        start=$(date +%s)
+        timeout -k 5 "$limit" "${GPU_PYTEST[@]}" --junitxml "$RESULTS/$junit" "$file"
+        status=$?
+        printf '%s\t%s\t%s\t%s\t%s\n' "$file" "$status" "$(($(date +%s) - start))" "$limit" \
+            "$junit" >>"$RESULTS/quick_tests.tsv"
+        "${RECORD[@]}" tests "$RESULTS"
+        echo "-- $file: exit $status after $(($(date +%s) - start)) s (limit $limit s)"
+        [ "$status" = 0 ] || failed=1
+    done
+    return "$failed"
+}
+
+part_parity() {
+    # AttentionSwap's parity on the example's decoder (and vision blocks) with each of
+    # the device's kernels, under bf16 autocast on CUDA; then a few training steps each.
+    "$PYTHON" benchmarks/swap_training.py --accelerator "$DEVICE" --size "$SIZE" \
+        --batch-size "$BATCH" --batches 2 --steps 5 --val-batches 1 "${DATA[@]}" \
+        --out "$RESULTS/quick_swap_training_$DEVICE.json"
+}
+
+part_attention() {
+    # The kernels against eager attention at SEQ tokens, then the model end to end.
+    # shellcheck disable=SC2086  # SEQ: one length or several
+    "$PYTHON" benchmarks/attention.py --device "$DEVICE" --size "$SIZE" --seq $SEQ \
+        --head-dims 64 128 --repeats 3 --batch 16 --rounds 2 --steps 3 \
+        --out "$RESULTS/quick_attention_$DEVICE.json" --plot "$RESULTS/quick_attention_$DEVICE.png"
+}
+
+quick_summary() {
+    local setting settings=()
+    for setting in "STEPS=${STEPS:-80}" "BATCH=$BATCH" "RUNS=$RUNS" "SIZE=$SIZE" \
+        "PRECISION=$PRECISION" "ACCELERATOR=$ACCELERATOR" "SEQ=$SEQ" \
+        "QUICK_BUDGET=$QUICK_BUDGET" "QUICK_TEST_TIMEOUT=$QUICK_TEST_TIMEOUT"; do
+        settings+=(--setting "$setting")
+    done
+    "${RECORD[@]}" summary "$RESULTS" "${settings[@]}"
+}
+
+stage_quick() {
+    local name plan limit left start status seconds failed=0 deadline
+    local parts=${QUICK_PARTS//,/ }
+    for name in $parts; do
+        quick_part_plan "$name" >/dev/null || {
+            echo "QUICK_PARTS: unknown part '$name'; choose from device hand tests parity attention"
+            return 2
+        }
+    done
+    deadline=$(($(date +%s) + QUICK_BUDGET))
+    # This stage's own records of an earlier run go: a record is this run's or absent.
+    rm -rf "$RESULTS"/quick_*
+    for name in $parts; do
+        plan=$(quick_part_plan "$name")
+        left=$((deadline - $(date +%s)))
+        limit=$((${plan%% *} < left ? ${plan%% *} : left))
+        if ((limit < 10)); then
+            printf '%s\t\t\t%s\t%s\n' "$name" "$limit" "${plan#* }" >>"$RESULTS/quick_parts.tsv"
+            quick_summary
+            echo "== quick $name: not run, $left s of QUICK_BUDGET left"
+            failed=1
+            continue
+        fi
+        start=$(date +%s)
+        echo "== quick $name: $(date -u +%FT%TZ), limit $limit s"
+        QUICK_PART_DEADLINE=$((start + limit)) timeout -k 10 "$limit" \
+            bash "$SELF" _quick "$name" 2>&1 | tee "$RESULTS/quick_$name.log"
+        status=${PIPESTATUS[0]}
+        seconds=$(($(date +%s) - start))
+        printf '%s\t%s\t%s\t%s\t%s\n' "$name" "$status" "$seconds" "$limit" "${plan#* }" \
+            >>"$RESULTS/quick_parts.tsv"
+        quick_summary
+        echo "== quick $name: exit $status after $seconds s (limit $limit s)"
+        [ "$status" = 0 ] || failed=1
+    done
+    echo "== quick, every part (exit, seconds, limit; 124 or 137: cut off by its limit):"
+    while IFS=$'\t' read -r name status seconds limit _; do
+        echo "   $name: exit ${status:-(not run)} after ${seconds:-0} s (limit $limit s)"
+    done < <(cat "$RESULTS/quick_parts.tsv" 2>/dev/null)
+    echo "== records in $RESULTS, quick_summary.json the index"
+    return "$failed"
+}
+
 case "${1:-}" in
-    tests | hand | seeds | swap) run_stage "$1" ;;
+    tests | hand | seeds | swap | quick) run_stage "$1" ;;
+    _quick) "part_$2" ;;  # one part of quick, as stage_quick runs it under `timeout`
     all)
         failed=0
         for name in tests hand seeds swap; do run_stage "$name" || failed=1; done
         exit "$failed"
         ;;
     *)
-        sed -n '2,20p' "$SELF"
+        sed -n '2,/^[^#]/{/^#/p}' "$SELF"
         exit 2
         ;;
 esac

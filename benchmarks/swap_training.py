@@ -19,7 +19,10 @@ does to this run.
     python benchmarks/swap_training.py --accelerator cuda     # bf16 autocast, VLM base
     python benchmarks/swap_training.py                        # CPU, tiny VLM, fp32
 
-Prints a table and writes JSON (``--out``).
+Prints a table and writes JSON (``--out``), after each variant as well as at the end
+(``"complete": false`` until the last): a time limit loses only the variants it cuts off.
+Each swapped variant's row lists every attention module's parity check (status, kernel,
+error against float32), the decoder's included.
 """
 
 from __future__ import annotations
@@ -144,6 +147,16 @@ def _cudnn_sdp(enabled: bool) -> Iterator[None]:
         torch.backends.cuda.enable_cudnn_sdp(before)
 
 
+def _write(
+    out: Path, header: dict[str, Any], rows: list[dict[str, Any]], *, complete: bool
+) -> None:
+    """The record of the variants done so far; ``complete`` once every variant has run."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".tmp")
+    partial.write_text(json.dumps({**header, "complete": complete, "rows": rows}, indent=2))
+    partial.replace(out)  # a reader never sees half a file
+
+
 def _fmt(value: float | None, spec: str, width: int) -> str:
     return format(value, spec) if value is not None else "-".rjust(width)
 
@@ -209,6 +222,17 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.steps} AdamW steps, {device.type} ({name or platform.machine()})"
     )
 
+    header = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": name,
+        "torch": torch.__version__,
+        "size": size,
+        "precision": precision,
+        "batch_size": args.batch_size,
+        "batches": args.batches,
+        "steps": args.steps,
+        "seed": args.seed,
+    }
     reference = _first_grad(copy.deepcopy(initial), train[0], device, None)  # fp32, no autocast
     rows: list[dict[str, Any]] = []
     for variant in ["own", *args.backends]:
@@ -217,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
         with _cudnn_sdp(not variant.endswith("-no-cudnn")):
             picked: dict[str, int] = {}
             reverted = 0
+            parity: list[dict[str, Any]] = []
             if variant != "own":
                 with _autocast(device, dtype):
                     report = swap_attention(
@@ -232,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                     Counter(m.backend or "?" for m in report.modules if m.status != "reverted")
                 )
                 reverted = len(report.reverted)
+                parity = report.as_dict()["modules"]  # each module's check, the decoder's too
             grad = _first_grad(task, train[0], device, dtype)
             grad_error = ((grad - reference).norm() / reference.norm()).item()
             result = _train(task, train, val, args.steps, device, dtype)
@@ -239,10 +265,12 @@ def main(argv: list[str] | None = None) -> int:
             "variant": variant,
             "kernels": picked,
             "reverted": reverted,
+            "parity": parity,
             "grad_rel_error": grad_error,
             **result,
         }
         rows.append(row)
+        _write(out, header, rows, complete=False)  # a time limit loses only the variants after
         kernels = ", ".join(f"{k} x{v}" for k, v in sorted(picked.items())) or "-"
         print(
             f"  {variant:<14} grad error {grad_error:.2e}  train {row['train_loss_end']:.3f}  "
@@ -268,24 +296,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['held_out_loss']:>10.3f}{row['held_out_loss'] - own['held_out_loss']:>+8.3f}"
             f"  {kernels}"
         )
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(
-        json.dumps(
-            {
-                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "device": name,
-                "torch": torch.__version__,
-                "size": size,
-                "precision": precision,
-                "batch_size": args.batch_size,
-                "batches": args.batches,
-                "steps": args.steps,
-                "seed": args.seed,
-                "rows": rows,
-            },
-            indent=2,
-        )
-    )
+    _write(out, header, rows, complete=True)
     print(f"\nwrote {out}")
     return 0
 

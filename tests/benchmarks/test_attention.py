@@ -34,5 +34,14 @@ def test_attention_benchmark_runs_and_writes_its_tables(tmp_path: Path) -> None:
     assert (small["image_size"], large["image_size"]) == (32, 64)
     assert small["swapped_modules"] == 4
     assert small["reverted_modules"] == 0
+    # each module's parity check, the decoder's included, is in the record
+    assert [m["name"] for m in small["parity"]] == [
+        "vision.blocks.0.attn",
+        "vision.blocks.1.attn",
+        "language_model.blocks.0.attn",
+        "language_model.blocks.1.attn",
+    ]
+    assert {m["status"] for m in small["parity"]} == {"active"}
+    assert all(0.0 <= m["parity_error"] < 1e-5 for m in small["parity"])  # fp32 on CPU
     assert large["tokens"] > small["tokens"]
     assert plot.stat().st_size > 10_000

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu_suite.sh"
 
@@ -24,7 +25,7 @@ def suite(stage: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess
 def test_without_a_stage_it_says_its_stages_and_fails(tmp_path: Path) -> None:
     done = suite("", tmp_path)
     assert done.returncode == 2
-    for stage in ("tests", "hand", "seeds", "swap", "all"):
+    for stage in ("quick", "tests", "hand", "seeds", "swap", "all"):
         assert f"gpu_suite.sh {stage}" in done.stdout
     assert "set -uo" not in done.stdout  # the header only
 
@@ -55,3 +56,130 @@ def test_the_hand_and_seeds_stages_write_their_results(demo_corpus: Path, tmp_pa
     assert plain["loss_start"] != hand["rounds"][0]["plain"]["loss_start"]
     assert sorted(p.name for p in (tmp_path / "work").iterdir()) == ["demo_seed1", "hand", "path"]
     assert not (results / "demo_cpu_seed2.json").exists()  # SEEDS chose seed 1 only
+
+
+MARKED = """
+import pytest
+
+@pytest.mark.gpu
+def test_passes():
+    pass
+
+@pytest.mark.gpu
+def test_fails():
+    assert 1 == 2, "one is not two"
+
+@pytest.mark.flash_attn
+def test_skips():
+    pytest.skip("no flash-attn here")
+
+def test_unmarked_is_deselected():
+    raise AssertionError("a CPU test: not selected")
+"""
+
+HANGS = """
+import time
+import pytest
+
+@pytest.mark.gpu
+def test_hangs():
+    time.sleep(600)
+"""
+
+
+def test_quick_refuses_an_unknown_part_before_running_any(tmp_path: Path) -> None:
+    done = suite("quick", tmp_path, QUICK_PARTS="device,benchmark")
+    assert done.returncode == 2
+    assert "QUICK_PARTS: unknown part 'benchmark'; choose from device hand tests" in done.stdout
+    assert not (tmp_path / "results" / "quick_parts.tsv").exists()
+
+
+def test_quick_parts_without_time_left_are_listed_as_not_run(tmp_path: Path) -> None:
+    done = suite("quick", tmp_path, QUICK_PARTS="device hand", QUICK_BUDGET="9")
+    assert done.returncode == 1
+    assert "== quick device: not run" in done.stdout
+    summary = json.loads((tmp_path / "results" / "quick_summary.json").read_text())
+    assert [(p["name"], p["exit"], p["ran"]) for p in summary["parts"]] == [
+        ("device", None, False),
+        ("hand", None, False),
+    ]
+    assert summary["not_run"] == ["device", "hand"]
+    assert summary["passed"] == summary["failed"] == []
+
+
+@pytest.mark.slow
+def test_quick_runs_each_test_file_under_its_own_limit(tmp_path: Path) -> None:
+    files = tmp_path / "marked" / "test_marked.py", tmp_path / "hangs" / "test_hangs.py"
+    for file, text in zip(files, (MARKED, HANGS), strict=True):
+        file.parent.mkdir()
+        file.write_text(text)
+    done = suite("quick", tmp_path, QUICK_PARTS="tests", QUICK_TEST_TIMEOUT="6",
+                 QUICK_TESTS=" ".join(map(str, files)))  # fmt: skip
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    results = tmp_path / "results"
+    marked, hangs = json.loads((results / "quick_tests.json").read_text())["files"]
+    assert (marked["exit"], marked["timed_out"], marked["limit_s"]) == (1, False, 6)
+    counts = {k: marked[k] for k in ("tests", "passed", "failed", "errors", "skipped")}
+    assert counts == {"tests": 3, "passed": 1, "failed": 1, "errors": 0, "skipped": 1}
+    assert [p["test"].rsplit("::", 1)[-1] for p in marked["problems"]] == ["test_fails"]
+    assert marked["problems"][0]["message"] == "AssertionError: one is not two"
+    # The hanging file is stopped at its limit; the part goes on and says so.
+    assert (hangs["exit"], hangs["timed_out"], hangs["limit_s"]) == (124, True, 6)
+    assert hangs["tests"] is None  # pytest was stopped before it wrote its report
+    assert f"-- {files[1]}: exit 124" in done.stdout
+    (part,) = json.loads((results / "quick_summary.json").read_text())["parts"]
+    assert (part["name"], part["exit"], part["missing"]) == ("tests", 1, [])
+
+
+@pytest.mark.slow
+def test_the_quick_stage_writes_every_parts_record(demo_corpus: Path, tmp_path: Path) -> None:
+    """The whole quick stage on a CPU at the tiny size: every part, its record, the summary."""
+    marked = tmp_path / "gpu_tests" / "test_marked.py"
+    marked.parent.mkdir()
+    marked.write_text(MARKED.replace("assert 1 == 2", "assert 2 == 2"))
+    tiny = {"SIZE": "tiny", "PRECISION": "32-true", "ACCELERATOR": "cpu", "STEPS": "12",
+            "BATCH": "8", "RUNS": "plain", "SEQ": "128", "DATA_DIR": str(demo_corpus),
+            "QUICK_TESTS": str(marked)}  # fmt: skip
+    done = suite("quick", tmp_path, **tiny)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = tmp_path / "results"
+    parts = ["device", "hand", "tests", "parity", "attention"]
+    for name in parts:
+        assert f"== quick {name}: exit 0 after" in done.stdout
+        assert (results / f"quick_{name}.log").stat().st_size > 0
+
+    summary = json.loads((results / "quick_summary.json").read_text())
+    assert [p["name"] for p in summary["parts"]] == summary["passed"] == parts
+    assert all(p["missing"] == [] and p["timed_out"] is False for p in summary["parts"])
+    assert summary["settings"]["STEPS"] == "12"
+    assert summary["settings"]["SEQ"] == "128"
+
+    device = json.loads((results / "quick_device.json").read_text())
+    assert (device["cuda_available"], device["devices"]) == (False, [])
+    assert device["torch"] == torch.__version__
+    assert (results / "quick_device.txt").exists()  # nvidia-smi's answer, or its absence
+
+    hand = json.loads((results / "quick_hand_tuned_cpu.json").read_text())
+    assert hand["complete"] is True
+    assert (hand["config"]["size"], hand["config"]["precision"]) == ("tiny", "32-true")
+    assert (hand["config"]["steps"], hand["config"]["batch_size"]) == (12, 8)
+    assert list(hand["rounds"][0]) == ["plain"]
+    assert hand["rounds"][0]["plain"]["steps"] == 12
+
+    tests = json.loads((results / "quick_tests.json").read_text())
+    assert tests["totals"] == {"tests": 3, "passed": 2, "failed": 0, "errors": 0, "skipped": 1,
+                               "files_timed_out": 0, "files_not_run": 0}  # fmt: skip
+
+    swap = json.loads((results / "quick_swap_training_cpu.json").read_text())
+    assert swap["complete"] is True
+    assert (swap["size"], swap["steps"], swap["batches"], swap["batch_size"]) == ("tiny", 5, 2, 8)
+    assert [row["variant"] for row in swap["rows"]] == ["own", "math", "sdpa", "auto"]
+    for row in swap["rows"][1:]:
+        assert len(row["parity"]) == 4  # two vision blocks, two decoder blocks
+        assert row["reverted"] == 0
+
+    attention = json.loads((results / "quick_attention_cpu.json").read_text())
+    assert {row["seq_len"] for row in attention["attention"]} == {128}
+    assert {row["head_dim"] for row in attention["attention"]} == {64, 128}
+    assert [run["image_size"] for run in attention["end_to_end"]] == [32, 64]
+    assert all(len(run["parity"]) == 4 for run in attention["end_to_end"])

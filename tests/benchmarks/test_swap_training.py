@@ -23,6 +23,21 @@ def test_swap_training_compares_each_backend_with_the_models_own(tmp_path: Path)
     assert own["kernels"] == {}
     assert math["kernels"] == {"math": 4}
     assert sdpa["kernels"] == {"sdpa": 4}
+    assert saved["complete"] is True
+    # Each module's parity check is in the record, the decoder's as well as the vision's.
+    assert own["parity"] == []
+    for row in (math, sdpa):
+        checks = {m["name"]: m for m in row["parity"]}
+        assert sorted(checks) == [
+            "model.language_model.blocks.0.attn",
+            "model.language_model.blocks.1.attn",
+            "model.vision.blocks.0.attn",
+            "model.vision.blocks.1.attn",
+        ]
+        for check in checks.values():
+            assert (check["status"], check["backend"]) == ("active", row["variant"])
+            assert check["checked"] == "forward+backward"
+            assert 0.0 <= check["parity_error"] < 1e-5  # float32 rounding on CPU
     # In float32 on CPU the model's own gradient is the reference itself, and the fused
     # kernels compute the same function to float32 rounding.
     assert own["grad_rel_error"] == 0.0
