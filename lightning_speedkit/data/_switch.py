@@ -20,7 +20,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from lightning_speedkit import _compat
 from lightning_speedkit.data._fork import garbage_kept_from_children
-from lightning_speedkit.data.worker_search import _TAKES_IN_ORDER, rebuild_dataloader
+from lightning_speedkit.data.rebuild import _TAKES_IN_ORDER, rebuild_dataloader
 
 
 def why_not_switched(loader: Any, iterator: Any) -> str | None:
@@ -78,7 +78,7 @@ def switch_loader(
     loader: DataLoader[Any], iterator: Iterator[Any], settings: dict[str, Any]
 ) -> tuple[DataLoader[Any], Iterator[Any]]:
     """``loader`` rebuilt with ``settings`` (worker settings, as
-    :func:`~lightning_speedkit.data.worker_search.rebuild_dataloader` takes), and the rest
+    :func:`~lightning_speedkit.data.rebuild.rebuild_dataloader` takes), and the rest
     of the epoch that ``iterator``, a running iterator of ``loader``, is in, loaded with them.
 
     Iterate the second instead of ``iterator`` (which gives nothing new after this) for the

@@ -19,7 +19,7 @@ from lightning_speedkit.data._switch import switch_loader, why_not_switched
 from lightning_speedkit.data.mixin import SpeedDataModuleMixin
 from lightning_speedkit.data.worker_search import (
     TuneResult,
-    check_tune_arguments,
+    _check_worker_arguments,
     cpu_budget,
     rebuild_dataloader,
     spare_cores,
@@ -46,7 +46,7 @@ class NumWorkersTuner(L.Callback):
 
     Training on CPU, the search at ``fit`` start leaves torch's threads their
     cores. When the verdict is that data loading holds the model back so far that
-    the compute leaves cores idle (:func:`~lightning_speedkit.data.worker_search.spare_cores`),
+    the compute leaves cores idle (:func:`~lightning_speedkit.data.worker_cores.spare_cores`),
     it measures the loader again with workers on those cores, pausing training for
     the search (not when ``max_workers`` is given: that is the most it tries). The
     train loader switches to the best at once, in the middle of the epoch: the samples
@@ -112,7 +112,7 @@ class NumWorkersTuner(L.Callback):
             min_gain=min_gain, time_budget=time_budget, timeout=timeout, cache=cache,
             cache_dir=cache_dir, force=force, progress=progress,
         )  # fmt: skip
-        check_tune_arguments(**self.tune_kwargs)
+        _check_worker_arguments(**self.tune_kwargs)
         _validation.optional(_validation.positive_int, "compute_threads", compute_threads)
         self.verdict_steps = verdict_steps
         self.compute_threads = compute_threads
