@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import importlib
-import math
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
 
 from lightning_speedkit import _validation
+from lightning_speedkit.distributed._memory_estimates import (
+    OPTIMIZERS,
+    MemoryEstimate,
+    ParamBytes,
+    estimate_strategies,
+)
+from lightning_speedkit.distributed._memory_estimates import PAPER as PAPER
+from lightning_speedkit.distributed._memory_estimates import PRESETS as PRESETS
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["MemoryEstimate", "MemoryPlan", "count_parameters", "plan_memory"]
@@ -17,71 +24,14 @@ __all__ = ["MemoryEstimate", "MemoryPlan", "count_parameters", "plan_memory"]
 OptimizerName = Literal["adam", "adamw", "sgd"]
 PrecisionName = Literal["mixed", "fp32"]
 DeviceName = Literal["cuda", "cpu"]
-_STATES = {"adam": 2, "adamw": 2, "sgd": 1}  # fp32 tensors per parameter (SGD: momentum)
 _PRECISIONS = ("mixed", "fp32")
 _DEVICES = ("cuda", "cpu")
 _GIB = 2**30
 
-#: The ZeRO paper's stages (Rajbhandari et al. 2020, Figure 1), then what the presets
-#: really allocate. The order is also the order of preference when several fit:
-#: less communication and no offload first.
-PAPER = ("ddp", "zero1", "zero2", "zero3")
-PRESETS = ("fsdp_zero2", "fsdp2_zero2", "deepspeed_zero2", "deepspeed_zero2_offload")
+#: The order of preference when several strategies fit: less communication and no
+#: offload first.
 _PREFERENCE = ("ddp", "fsdp_zero2", "fsdp2_zero2", "deepspeed_zero2", "zero1",
                "deepspeed_zero2_offload", "zero3")  # fmt: skip
-
-
-@dataclass(frozen=True)
-class MemoryEstimate:
-    """Bytes one device holds; ``host`` is the host memory offload needs (DeepSpeed's estimate).
-
-    A training step has two peaks that never meet: forward and backward, while the
-    activations are alive, and the optimizer step, after they are freed. Some model
-    states live in only one of them (``step_only``, ``compute_only``), and each has
-    its own temporaries (``transient`` in the step, ``compute_transient`` with the
-    activations). ``total`` is the higher of the two.
-    """
-
-    params: int
-    grads: int
-    optimizer: int
-    activations: int
-    host: int = 0
-    transient: int = 0
-    """Temporaries of the optimizer step (foreach Adam's ``sqrt(exp_avg_sq)``)."""
-    compute_transient: int = 0
-    """Temporaries alive with the activations (DDP's gradient buckets, rebuilt at the
-    second step while the first ones are still referenced)."""
-    step_only: int = 0
-    """Model states that exist only during the optimizer step (the fp32 copy of the
-    gradient partition DeepSpeed's step makes)."""
-    compute_only: int = 0
-    """Model states that exist only from forward to the end of backward (the unsharded
-    weights FSDP's ``SHARD_GRAD_OP`` and FSDP2's ``reshard_after_forward=False`` keep)."""
-    buckets: int = 0
-    """DDP's gradient buckets beside the gradients (``gradient_as_bucket_view=False``):
-    a second copy of them, alive in both phases."""
-
-    @property
-    def model_states(self) -> int:
-        """Parameters, gradients and optimizer state: what ZeRO partitions."""
-        return self.params + self.grads + self.optimizer
-
-    @property
-    def compute_peak(self) -> int:
-        """Forward and backward: model states, activations, their temporaries."""
-        return (self.model_states - self.step_only + self.activations + self.compute_transient
-                + self.buckets)  # fmt: skip
-
-    @property
-    def step_peak(self) -> int:
-        """The optimizer step: model states and the step's temporaries."""
-        return self.model_states - self.compute_only + self.transient + self.buckets
-
-    @property
-    def total(self) -> int:
-        """The peak: the higher of :attr:`compute_peak` and :attr:`step_peak`."""
-        return max(self.compute_peak, self.step_peak)
 
 
 @dataclass(frozen=True)
@@ -340,116 +290,23 @@ def plan_memory(
         >>> round((lightning - kit) / 7e9)  # bytes per parameter
         4
     """
-    total = int(_validation.number("n_params", n_params, low=1, example=7e9))
-    devices = _validation.positive_int("n_devices", n_devices, example=8)
-    trainable = total
-    if trainable_params is not None:
-        trainable = int(_validation.number(
-            "trainable_params", trainable_params, low=0, high=total, example=total,
-            hint=f"all parameters that train, at most `n_params` ({total:,})",
-        ))  # fmt: skip
-    _validation.choice("optimizer", optimizer, tuple(_STATES))
+    total, trainable, devices = _counts(n_params, n_devices, trainable_params)
+    _validation.choice("optimizer", optimizer, OPTIMIZERS)
     _validation.choice("precision", precision, _PRECISIONS)
-    shape = {"batch_size": batch_size, "seq_len": seq_len, "hidden_size": hidden_size,
-             "n_layers": n_layers}  # fmt: skip
-    given = {k: v for k, v in shape.items() if v is not None}
-    if given and len(given) < len(shape):
-        missing = ", ".join(f"`{k}`" for k in shape if k not in given)
-        raise SpeedkitConfigError(
-            f"Activations need all of the model's shape; also give {missing}."
-        )
-    for name, value in given.items():
-        _validation.positive_int(name, value)
+    shape = _model_shape(batch_size=batch_size, seq_len=seq_len, hidden_size=hidden_size,
+                         n_layers=n_layers)  # fmt: skip
     _validation.optional(_validation.positive_int, "n_heads", n_heads)
     _validation.boolean("fused_attention", fused_attention)
     _validation.choice("device", device, _DEVICES, hint="where the optimizer steps")
     bucket_view = _validation.boolean("gradient_as_bucket_view", gradient_as_bucket_view)
     static = _validation.boolean("static_graph", static_graph)
-    states = _STATES[optimizer]
-    mixed = precision == "mixed"
-    weight = 2 if mixed else 4  # bytes of the weights (and gradients) compute uses
-    master = 4 if mixed else 0  # the fp32 copy of the trainable weights mixed precision keeps
-    moments = 4 * states  # fp32 optimizer state
-    # The optimizer step's temporaries, per parameter it updates. Foreach Adam/AdamW
-    # (accelerators) allocates sqrt(exp_avg_sq) for the whole group at once; the
-    # single-tensor path (CPU) sqrt(v) / bias_correction, two temporaries of one tensor
-    # at a time: only a flat partition (DeepSpeed, the zero* rows) makes that large.
-    foreach = device != "cpu"
-    step_temp = (4 if foreach else 0) if states == 2 else 0
-    flat_step_temp = (4 if foreach else 8) if states == 2 else 0
-    n = devices
-
-    def stage(level: int) -> MemoryEstimate:
-        k = master + moments  # the paper's K (12 for mixed-precision Adam)
-        step = _div(flat_step_temp * trainable, n) if level >= 1 else step_temp * trainable
-        return MemoryEstimate(
-            params=_div(weight * total, n) if level >= 3 else weight * total,
-            grads=_div(weight * trainable, n) if level >= 2 else weight * trainable,
-            optimizer=_div(k * trainable, n) if level >= 1 else k * trainable,
-            activations=0,
-            transient=step,
-        )
-
-    estimates = {name: stage(level) for level, name in enumerate(PAPER)}
-    # DDP's buckets: fp32 in either precision (torch autocast, Lightning's "*-mixed", keeps
-    # fp32 weights and gradients, the same 16 bytes as the paper's split of 2 + 2 + 12).
-    # Beside the gradients for good, unless the gradients are views into them; then the
-    # kit's strategies free the first buckets before DDP lays out the second ones. The
-    # static graph moves that rebuild one iteration later and changes no byte.
-    if not bucket_view:
-        estimates["ddp"] = replace(estimates["ddp"], buckets=4 * trainable)
-    # DeepSpeed ZeRO-2 keeps a 16-bit and an fp32 gradient partition in mixed precision,
-    # and an fp32 copy of its weight partition in any precision (a clone even in fp32).
-    # In fp32 its step still flattens the reduced partition into a new tensor beside it
-    # (the cast to fp32 that makes the second partition in mixed precision is then a
-    # no-op, the flattening is not): two fp32 gradient partitions. The fp32 one exists
-    # only in the step.
-    estimates["deepspeed_zero2"] = MemoryEstimate(
-        params=weight * total + _div(4 * trainable, n),
-        grads=_div((2 + 4 if mixed else 4 + 4) * trainable, n),
-        optimizer=_div(moments * trainable, n),
-        activations=0,
-        transient=_div(flat_step_temp * trainable, n),
-        step_only=_div(4 * trainable, n),
-    )
-    estimates["deepspeed_zero2_offload"] = MemoryEstimate(
-        params=weight * total,
-        grads=0,
-        optimizer=0,
-        activations=0,
-        host=int(trainable * max(4 * n, 16) * 1.5),  # DeepSpeed's estimate, buffers included
-    )
-    # FSDP's sharded flat parameter is fp32; SHARD_GRAD_OP keeps the unsharded compute copy
-    # from forward to the end of backward. (One fp32 rank needs no separate copy; counted
-    # anyway, so that the plan never grows with the device count.)
-    estimates["fsdp_zero2"] = MemoryEstimate(
-        params=weight * total + _div(4 * total, n),
-        grads=_div(4 * trainable, n),
-        optimizer=_div(moments * trainable, n),
-        activations=0,
-        transient=_div(step_temp * trainable, n),
-        compute_only=weight * total,
-    )
-    # FSDP2 keeps fp32 parameter shards (DTensors), gradient shards and moments: 16 / N
-    # between steps. With reshard_after_forward=False each unit's parameters, gathered in
-    # fp32 under the Trainer's "32-true" and "bf16-mixed" (autocast casts per operation),
-    # stay whole from its forward to the end of its backward: all of them at once when
-    # backward begins, 4 + 16 / N. (Its MixedPrecisionPolicy with bf16 parameters gathers
-    # 2 bytes instead; one unit's unsharded gradient lives briefly before its
-    # reduce-scatter, as the unit frees its parameters.)
-    estimates["fsdp2_zero2"] = MemoryEstimate(
-        params=_div(4 * total, n) + 4 * total,
-        grads=_div(4 * trainable, n),
-        optimizer=_div(moments * trainable, n),
-        activations=0,
-        transient=_div(step_temp * trainable, n),
-        compute_only=4 * total,
-    )
-
+    size = ParamBytes.of(optimizer, precision, device)
+    estimates = estimate_strategies(total, trainable, devices, size, bucket_view)
     activations = checkpointed = None
-    if batch_size and seq_len and hidden_size and n_layers:
-        heads = n_heads or max(1, hidden_size // 64)
-        shape_args = (batch_size, seq_len, hidden_size, n_layers, heads)
+    if shape is not None:
+        batch, seq, hidden, layers = shape
+        heads = n_heads or max(1, hidden // 64)
+        shape_args = (batch, seq, hidden, layers, heads)
         act_bytes = 4 if precision == "fp32" else 2
         activations = activation_bytes(
             *shape_args, bytes_per_value=act_bytes, fused_attention=fused_attention
@@ -460,8 +317,36 @@ def plan_memory(
                       checkpointed, estimates, device, bucket_view, static)  # fmt: skip
 
 
-def _div(value: int, n: int) -> int:
-    return math.ceil(value / n)
+def _counts(
+    n_params: float, n_devices: int, trainable_params: float | None
+) -> tuple[int, int, int]:
+    """``(all, trainable, devices)``, checked: at most ``n_params`` parameters train."""
+    total = int(_validation.number("n_params", n_params, low=1, example=7e9))
+    devices = _validation.positive_int("n_devices", n_devices, example=8)
+    trainable = total
+    if trainable_params is not None:
+        trainable = int(_validation.number(
+            "trainable_params", trainable_params, low=0, high=total, example=total,
+            hint=f"all parameters that train, at most `n_params` ({total:,})",
+        ))  # fmt: skip
+    return total, trainable, devices
+
+
+def _model_shape(**shape: int | None) -> tuple[int, int, int, int] | None:
+    """The four sizes activations need, in the order given, or None when none is given;
+    some but not all of them is refused."""
+    given = {k: v for k, v in shape.items() if v is not None}
+    if given and len(given) < len(shape):
+        missing = ", ".join(f"`{k}`" for k in shape if k not in given)
+        raise SpeedkitConfigError(
+            f"Activations need all of the model's shape; also give {missing}."
+        )
+    for name, value in given.items():
+        _validation.positive_int(name, value)
+    if not given:
+        return None
+    batch, seq, hidden, layers = given.values()
+    return batch, seq, hidden, layers
 
 
 def count_parameters(factory: str) -> tuple[int, int]:
