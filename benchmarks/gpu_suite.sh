@@ -26,7 +26,7 @@
 # file's as it ends) and quick_summary.json after each part, with its exit status and
 # seconds (124 or 137: its limit cut it off), so a limit loses only what it cuts off.
 # QUICK_PARTS picks parts (e.g. "tests attention", to rerun two), QUICK_TESTS the test
-# files.
+# files, QUICK_SLACK multiplies every part's limit (for a slow machine).
 #
 # It needs a Python with CUDA torch, Lightning and torchmetrics (pytest for the tests)
 # and no package index: the package is imported from this checkout (PYTHON=... picks the
@@ -41,7 +41,7 @@
 # minute goes to a broken script.
 set -uo pipefail
 
-PYTHON=${PYTHON:-python}
+PYTHON=${PYTHON:-$(command -v python || command -v python3)}
 STEPS=${STEPS:-}  # empty: each stage's own length
 BATCH=${BATCH:-32}
 RUNS=${RUNS:-plain,kit,hand}  # the hand stage's and part's runs, in this order
@@ -53,6 +53,7 @@ QUICK_BUDGET=${QUICK_BUDGET:-450}
 QUICK_PARTS=${QUICK_PARTS:-device hand tests parity attention}
 QUICK_TESTS=${QUICK_TESTS:-}  # empty: every test file with a gpu or flash_attn mark
 QUICK_TEST_TIMEOUT=${QUICK_TEST_TIMEOUT:-60}
+QUICK_SLACK=${QUICK_SLACK:-1}  # every part's limit times this (a slow, shared CPU: more)
 SEQ=${SEQ:-4096}
 DATA=()
 if [ -n "${DATA_DIR:-}" ]; then DATA=(--data-dir "$DATA_DIR"); fi
@@ -150,7 +151,7 @@ part_tests() {
     mkdir -p "$RESULTS/quick_tests"
     for file in $files; do
         junit=quick_tests/$(basename "$(dirname "$file")")_$(basename "$file" .py).xml
-        left=$((deadline - $(date +%s) - 5))  # 5 s: timeout's grace before it kills
+        left=$((deadline - $(date +%s) - 10))  # timeout's 5 s of grace, then the record
         if ((left < 5)); then
             printf '%s\t\t\t\t\n' "$file" >>"$RESULTS/quick_tests.tsv"
             echo "-- $file: not run, the part's time is spent"
@@ -190,14 +191,15 @@ quick_summary() {
     local setting settings=()
     for setting in "STEPS=${STEPS:-80}" "BATCH=$BATCH" "RUNS=$RUNS" "SIZE=$SIZE" \
         "PRECISION=$PRECISION" "ACCELERATOR=$ACCELERATOR" "SEQ=$SEQ" \
-        "QUICK_BUDGET=$QUICK_BUDGET" "QUICK_TEST_TIMEOUT=$QUICK_TEST_TIMEOUT"; do
+        "QUICK_BUDGET=$QUICK_BUDGET" "QUICK_TEST_TIMEOUT=$QUICK_TEST_TIMEOUT" \
+        "QUICK_SLACK=$QUICK_SLACK"; do
         settings+=(--setting "$setting")
     done
     "${RECORD[@]}" summary "$RESULTS" "${settings[@]}"
 }
 
 stage_quick() {
-    local name plan limit left start status seconds failed=0 deadline
+    local name plan cap limit left start status seconds failed=0 deadline
     local parts=${QUICK_PARTS//,/ }
     for name in $parts; do
         quick_part_plan "$name" >/dev/null || {
@@ -211,7 +213,8 @@ stage_quick() {
     for name in $parts; do
         plan=$(quick_part_plan "$name")
         left=$((deadline - $(date +%s)))
-        limit=$((${plan%% *} < left ? ${plan%% *} : left))
+        cap=$((${plan%% *} * QUICK_SLACK))
+        limit=$((cap < left ? cap : left))
         if ((limit < 10)); then
             printf '%s\t\t\t%s\t%s\n' "$name" "$limit" "${plan#* }" >>"$RESULTS/quick_parts.tsv"
             quick_summary

@@ -139,7 +139,7 @@ def test_the_quick_stage_writes_every_parts_record(demo_corpus: Path, tmp_path: 
     marked.write_text(MARKED.replace("assert 1 == 2", "assert 2 == 2"))
     tiny = {"SIZE": "tiny", "PRECISION": "32-true", "ACCELERATOR": "cpu", "STEPS": "12",
             "BATCH": "8", "RUNS": "plain", "SEQ": "128", "DATA_DIR": str(demo_corpus),
-            "QUICK_TESTS": str(marked)}  # fmt: skip
+            "QUICK_TESTS": str(marked), "QUICK_SLACK": "6", "QUICK_BUDGET": "3000"}  # fmt: skip
     done = suite("quick", tmp_path, **tiny)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     results = tmp_path / "results"
@@ -153,6 +153,7 @@ def test_the_quick_stage_writes_every_parts_record(demo_corpus: Path, tmp_path: 
     assert all(p["missing"] == [] and p["timed_out"] is False for p in summary["parts"])
     assert summary["settings"]["STEPS"] == "12"
     assert summary["settings"]["SEQ"] == "128"
+    assert [p["limit_s"] for p in summary["parts"]] == [6 * 45, 6 * 230, 6 * 120, 6 * 75, 6 * 60]
 
     device = json.loads((results / "quick_device.json").read_text())
     assert (device["cuda_available"], device["devices"]) == (False, [])
