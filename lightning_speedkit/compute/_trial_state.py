@@ -1,0 +1,101 @@
+"""A micro-batch trial leaves no trace: what it touches is kept and put back.
+
+Gradients, buffers (batch-norm statistics), train/eval modes, the counters a step
+keeps outside tensors, torchmetrics' states, and every random state (torch's, CUDA's,
+Python's, NumPy's, the loader's generators). Compiled code is set aside while the
+trials run, and a LightningModule's ``self.log`` does nothing in them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader
+
+from lightning_speedkit import _compat
+from lightning_speedkit.data.worker_search import _generators
+
+__all__ = ["eager", "no_logging", "preserved"]
+
+
+@contextlib.contextmanager
+def preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
+    """Gradients, buffers, modes and random states of ``model`` and ``loader``, put back after."""
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    # By name: a forward may assign a new tensor (``self.count = self.count + 1``).
+    buffers = [(m, name, b, b.detach().clone()) for m in model.modules()
+               for name, b in m.named_buffers(recurse=False)]  # fmt: skip
+    modes = [(m, m.training) for m in model.modules()]
+    # What a training step counts outside tensors (``self.seen += n``), and torchmetrics'
+    # states (not buffers): a trial's updates would show in the first epoch's metrics.
+    scalars = [(m, {k: v for k, v in vars(m).items() if type(v) in (int, float, bool)})
+               for m in model.modules()]  # fmt: skip
+    metrics = [(m, copy.deepcopy(_compat.metric_state(m))) for m in model.modules()
+               if _is_metric(m)]  # fmt: skip
+    torch_state = torch.get_rng_state()
+    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+    python_state = random.getstate()
+    numpy = sys.modules.get("numpy")
+    numpy_state = numpy.random.get_state() if numpy is not None else None
+    generators = _generators(loader)
+    generator_states = [g.get_state() for g in generators]
+    try:
+        for p in params:
+            p.grad = None
+        model.train()
+        yield
+    finally:
+        for p, grad in zip(params, grads, strict=True):
+            p.grad = grad
+        with torch.no_grad():
+            for m, name, buffer, saved in buffers:
+                buffer.copy_(saved)
+                setattr(m, name, buffer)  # the buffer object it had, should it hold another
+        for m, training in modes:
+            m.training = training
+        for m, values in scalars:
+            vars(m).update(values)
+        for m, kept in metrics:
+            for name, value in kept.items():
+                setattr(m, name, value)
+        torch.set_rng_state(torch_state)
+        if cuda_states is not None:
+            torch.cuda.set_rng_state_all(cuda_states)
+        random.setstate(python_state)
+        if numpy is not None and numpy_state is not None:
+            numpy.random.set_state(numpy_state)
+        for generator, state in zip(generators, generator_states, strict=True):
+            generator.set_state(state)
+
+
+def _is_metric(module: nn.Module) -> bool:
+    metric = getattr(sys.modules.get("torchmetrics"), "Metric", None)
+    return metric is not None and isinstance(module, metric)
+
+
+def eager() -> contextlib.AbstractContextManager[Any]:
+    """Compiled code set aside: every trial shape would otherwise compile (and count) anew."""
+    set_stance = getattr(torch.compiler, "set_stance", None)  # torch >= 2.6
+    return set_stance("force_eager") if set_stance is not None else contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def no_logging(module: L.LightningModule) -> Iterator[None]:
+    """``self.log`` is for the fit loop's steps: in a trial step it does nothing."""
+    had = {name: name in module.__dict__ for name in ("log", "log_dict")}
+    module.__dict__["log"] = module.__dict__["log_dict"] = lambda *args, **kwargs: None
+    try:
+        yield
+    finally:
+        for name, own in had.items():
+            if not own:
+                module.__dict__.pop(name, None)
