@@ -17,12 +17,9 @@ from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics.classification import MulticlassAccuracy
 
 from lightning_speedkit import ProfilerSchedule, SpeedkitConfigError
-from lightning_speedkit.measure.profiler_schedule import (
-    _first_profiled,
-    _marked_modules,
-    _top_level,
-    _why_not_written,
-)
+from lightning_speedkit.measure._profiler_cycle import _first_profiled
+from lightning_speedkit.measure._profiler_marks import _marked_modules, _top_level
+from lightning_speedkit.measure._profiler_traces import _why_not_written
 from tests.helpers.clock import VirtualClock
 from tests.helpers.models import MLP, loader
 
@@ -569,7 +566,7 @@ def test_a_full_disk_is_named_and_partial_files_removed(
 ) -> None:
     import errno
 
-    import lightning_speedkit.measure.profiler_schedule as module
+    import lightning_speedkit.measure._profiler_traces as module
 
     def full_disk(path: Any, mode: str = "rb", **kwargs: Any) -> Any:
         Path(path).write_bytes(b"partial")  # what a write cut short leaves
@@ -742,7 +739,7 @@ def test_no_profiler_and_no_range_outside_the_windows(
 ) -> None:
     import torch.autograd.profiler as autograd_profiler
 
-    import lightning_speedkit.measure.profiler_schedule as module
+    import lightning_speedkit.measure._profiler_marks as module
 
     made: list[int] = []
     entered: list[tuple[str, int]] = []
