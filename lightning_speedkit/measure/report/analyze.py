@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from lightning_speedkit.measure.report.kernels import (
     _COMM,
@@ -34,7 +36,7 @@ from lightning_speedkit.measure.report.timeline import (
     _steps,
     _Timeline,
 )
-from lightning_speedkit.measure.report.trace import _events, _memory, load_trace
+from lightning_speedkit.measure.report.trace import _Event, _events, _memory, load_trace
 
 
 def analyze_trace(
@@ -64,129 +66,212 @@ def analyze_trace(
     """
     data = load_trace(trace)
     source = source or (str(trace) if not isinstance(trace, Mapping) else "trace")
-    events = sorted(_events(data), key=lambda e: e.start)
-    steps, main = _steps(events)
-    device_events = [e for e in events if e.cat in ("kernel", "gpu_memcpy", "gpu_memset")]
-    on_device = bool(device_events)
-    # A CUDA run whose kernels the trace lacks still shows its launches (CUDA runtime
-    # calls): its fixes are a GPU's. A listed GPU alone says nothing of the run (torch
-    # lists the machine's GPUs in a CPU run's trace too): a note, not the advice.
-    cuda_run = on_device or any(e.cat in ("cuda_runtime", "cuda_driver") for e in events)
-    gpu_listed = bool(data.get("deviceProperties"))
-    host = [
-        e
-        for e in events
-        if e.tid == main and e.cat in ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
-    ]
-    host_starts = [e.start for e in host]
-    comm_other = [
-        e
-        for e in events
-        if e.tid != main and e.cat in ("cpu_op", "user_annotation") and _has(e.name, _COMM)
-    ]
-    launches = {e.args.get("correlation"): e for e in events if e.cat == "cuda_runtime"}
-    ops_by_external = {e.args.get("External id"): e for e in host if e.cat == "cpu_op"}
-
-    # Each kernel's category, once: the breakdown and the top-operators table share it.
-    kinds = {id(k): _kernel_category(k, ops_by_external) for k in device_events}
-    totals = np.zeros(len(CATEGORIES))
-    op_self: dict[str, float] = defaultdict(float)
-    op_category: dict[str, str] = {}
-    step_time = 0.0
-    for step in steps:
-        timeline = _Timeline(step.start, step.end)
-        step_time += step.dur
-        mine = _inside(host, host_starts, step.start, step.end)
-        if on_device:
-            _paint_device(timeline, device_events, mine, kinds)
-        else:
-            _paint_host(timeline, mine, comm_other)
-        for region in mine:
-            if region.name.startswith(_DATA_REGIONS) or "train_dataloader_next" in region.name:
-                if on_device:  # data wait is the device idle while the host fetches
-                    timeline.paint(region.start, region.end, "data", only=(-1,))
-                else:
-                    timeline.paint(region.start, region.end, "data")
-        labels = timeline.labels
-        labels[labels == -1] = CATEGORIES.index("overhead")
-        totals += np.bincount(labels, minlength=len(CATEGORIES))[: len(CATEGORIES)] * (
-            timeline.width
-        )
-        for name, seconds, category in _self_times(mine, device_events, step, on_device, kinds):
-            op_self[name] += seconds
-            op_category[name] = category
-
-    total = totals.sum() or 1.0
-    breakdown = {name: float(totals[i] / total) for i, name in enumerate(CATEGORIES)}
-    notes = []
-    if cuda_run and not on_device:
-        notes.append(
-            "a CUDA run profiled without the device's activity (no kernels in the trace): "
-            "the shares are the host's, whose kernel launches return at once, so compute "
-            "looks cheaper and the loop dearer than they are; profile with "
-            "ProfilerActivity.CUDA (ProfilerSchedule does) for where the device's time goes"
-        )
-    elif gpu_listed and not on_device:
-        notes.append(
-            "the trace lists a GPU but recorded no device activity: read as a CPU run. If "
-            "this run trained on the GPU, profile with ProfilerActivity.CUDA (ProfilerSchedule "
-            "does): without it the shares are the host's and the fixes a CPU's"
-        )
-    if unprofiled_data_share is not None and not on_device:
-        traced, true = breakdown["data"], min(max(unprofiled_data_share, 0.0), 1.0)
-        scale = (1.0 - true) / (1.0 - traced) if traced < 1.0 else 0.0
-        breakdown = {k: (true if k == "data" else v * scale) for k, v in breakdown.items()}
-        notes.append(
-            f"data wait is {true:.1%} of the step as measured on unprofiled steps "
-            f"({traced:.1%} in the trace, where the profiler slows the Python loader); "
-            "the other shares are scaled to fit"
-        )
-    n = len(steps)
-    step_ms = step_time / n / 1e3
-    if unprofiled_step_ms is not None and on_device and 0 < unprofiled_step_ms < step_ms:
-        # Kernels run as fast under the profiler; the host does not, and the device idles
-        # for it. Keep the kernels' time and let the idle be what the real step leaves.
-        spent = {k: v * step_ms for k, v in breakdown.items()}
-        busy = sum(v for k, v in spent.items() if k != "overhead")
-        spent["overhead"] = max(unprofiled_step_ms - busy, 0.0)
-        total = sum(spent.values())
-        notes.append(
-            f"profiled steps took {step_ms:.1f} ms, un-profiled ones {unprofiled_step_ms:.1f} "
-            f"ms: the profiler slows the host, so the device's idle time is taken as what "
-            f"the un-profiled step leaves ({spent['overhead']:.1f} ms)"
-        )
-        breakdown = {k: v / total for k, v in spent.items()}
-        step_ms = total
-    top = sorted(op_self.items(), key=lambda kv: -kv[1])[:10]
-    top_ops = [
-        {
-            "name": name,
-            "category": op_category[name],
-            "ms_per_step": us / n / 1e3,
-            "share": us / n / 1e3 / step_ms,
-        }
-        for name, us in top
-    ]
-    modules = _module_shares(host, device_events, launches, on_device)
-    sites = _sync_sites(events, host, n, step_time, on_device)
-    memory_info = _memory(data, events, memory)
-    unfused = any(_has(e.name, ("softmax",)) for e in host) and not any(
-        _has(e.name, _FUSED_ATTENTION) for e in host + device_events
-    )
-    evidence = Evidence(
-        breakdown, modules, sites, memory_info, unfused, step_ms, top_ops, on_device, cuda_run
-    )
-    findings = _diagnose(evidence)
+    run = _sort_events(data)
+    spent = _spend_steps(run)
+    breakdown = _breakdown(spent.totals)
+    notes = _device_notes(run)
+    if unprofiled_data_share is not None and not run.on_device:
+        breakdown, note = _with_unprofiled_data_share(breakdown, unprofiled_data_share)
+        notes.append(note)
+    n = len(run.steps)
+    step_ms = spent.step_time / n / 1e3
+    if unprofiled_step_ms is not None and run.on_device and 0 < unprofiled_step_ms < step_ms:
+        breakdown, step_ms, note = _with_unprofiled_step(breakdown, step_ms, unprofiled_step_ms)
+        notes.append(note)
+    top_ops = _top_ops(spent, n, step_ms)
+    modules = _module_shares(run.host, run.device_events, run.launches, run.on_device)
+    sites = _sync_sites(run.events, run.host, n, spent.step_time, run.on_device)
+    memory_info = _memory(data, run.events, memory)
+    evidence = Evidence(breakdown, modules, sites, memory_info, _unfused_attention(run),
+                        step_ms, top_ops, run.on_device, run.cuda_run)  # fmt: skip
     return Report(
         source=source,
-        device="cuda" if cuda_run else "cpu",
+        device="cuda" if run.cuda_run else "cpu",
         steps=n,
         step_ms=step_ms,
         breakdown=breakdown,
         modules=modules,
         top_ops=top_ops,
         sync_sites=sites,
-        findings=findings,
+        findings=_diagnose(evidence),
         memory=memory_info,
         notes=notes,
+    )
+
+
+@dataclass
+class _Run:
+    """A trace's events sorted by what the analysis reads them for."""
+
+    events: list[_Event]
+    """All of them, by start time."""
+    steps: list[_Event]
+    """The profiler's step ranges (``ProfilerStep#N``)."""
+    device_events: list[_Event]
+    """Kernels, copies and memsets on the device."""
+    host: list[_Event]
+    """The main thread's operators, regions and CUDA calls."""
+    comm_other: list[_Event]
+    """Collectives on other threads (a CPU run's communication)."""
+    launches: dict[Any, _Event]
+    """CUDA runtime calls by correlation id."""
+    on_device: bool
+    """Whether the trace holds the device's activity: the device is then the timeline."""
+    cuda_run: bool
+    """Whether the run used CUDA (its kernels, or at least its launches, are there)."""
+    gpu_listed: bool
+    """Whether the trace lists a GPU (torch lists the machine's GPUs in a CPU run too)."""
+
+
+def _sort_events(data: Mapping[str, Any]) -> _Run:
+    """Which events are the steps, the device's, the main thread's, other threads'
+    collectives; and whether the device's activity is in the trace at all."""
+    events = sorted(_events(data), key=lambda e: e.start)
+    steps, main = _steps(events)
+    device_events = [e for e in events if e.cat in ("kernel", "gpu_memcpy", "gpu_memset")]
+    on_device = bool(device_events)
+    host_cats = ("cpu_op", "user_annotation", "cuda_runtime", "cuda_driver")
+    return _Run(
+        events=events,
+        steps=steps,
+        device_events=device_events,
+        host=[e for e in events if e.tid == main and e.cat in host_cats],
+        comm_other=[
+            e
+            for e in events
+            if e.tid != main and e.cat in ("cpu_op", "user_annotation") and _has(e.name, _COMM)
+        ],
+        launches={e.args.get("correlation"): e for e in events if e.cat == "cuda_runtime"},
+        on_device=on_device,
+        # A CUDA run whose kernels the trace lacks still shows its launches (CUDA runtime
+        # calls): its fixes are a GPU's. A listed GPU alone says nothing of the run (torch
+        # lists the machine's GPUs in a CPU run's trace too): a note, not the advice.
+        cuda_run=on_device or any(e.cat in ("cuda_runtime", "cuda_driver") for e in events),
+        gpu_listed=bool(data.get("deviceProperties")),
+    )
+
+
+@dataclass
+class _Spent:
+    """Where the steps' time went: per category, and per operator (self time)."""
+
+    totals: npt.NDArray[np.float64]
+    """Seconds per category, in the order of CATEGORIES."""
+    op_self: dict[str, float]
+    op_category: dict[str, str]
+    step_time: float
+
+
+def _spend_steps(run: _Run) -> _Spent:
+    """Lay each step on a timeline (the device's when the trace holds it, else the main
+    thread's), data wait painted over it, and add up each category's bins and each
+    operator's self time over the steps."""
+    ops_by_external = {e.args.get("External id"): e for e in run.host if e.cat == "cpu_op"}
+    # Each kernel's category, once: the breakdown and the top-operators table share it.
+    kinds = {id(k): _kernel_category(k, ops_by_external) for k in run.device_events}
+    host_starts = [e.start for e in run.host]
+    spent = _Spent(np.zeros(len(CATEGORIES)), defaultdict(float), {}, 0.0)
+    for step in run.steps:
+        timeline = _Timeline(step.start, step.end)
+        spent.step_time += step.dur
+        mine = _inside(run.host, host_starts, step.start, step.end)
+        if run.on_device:
+            _paint_device(timeline, run.device_events, mine, kinds)
+        else:
+            _paint_host(timeline, mine, run.comm_other)
+        for region in mine:
+            if region.name.startswith(_DATA_REGIONS) or "train_dataloader_next" in region.name:
+                if run.on_device:  # data wait is the device idle while the host fetches
+                    timeline.paint(region.start, region.end, "data", only=(-1,))
+                else:
+                    timeline.paint(region.start, region.end, "data")
+        labels = timeline.labels
+        labels[labels == -1] = CATEGORIES.index("overhead")
+        spent.totals += np.bincount(labels, minlength=len(CATEGORIES))[: len(CATEGORIES)] * (
+            timeline.width
+        )
+        selves = _self_times(mine, run.device_events, step, run.on_device, kinds)
+        for name, seconds, category in selves:
+            spent.op_self[name] += seconds
+            spent.op_category[name] = category
+    return spent
+
+
+def _breakdown(totals: npt.NDArray[np.float64]) -> dict[str, float]:
+    """Each category's share of the steps' time."""
+    total = totals.sum() or 1.0
+    return {name: float(totals[i] / total) for i, name in enumerate(CATEGORIES)}
+
+
+def _device_notes(run: _Run) -> list[str]:
+    """A note when the trace lacks the device's activity of a run that had one (or may
+    have had: a GPU listed), since the shares are then the host's."""
+    if run.cuda_run and not run.on_device:
+        return [
+            "a CUDA run profiled without the device's activity (no kernels in the trace): "
+            "the shares are the host's, whose kernel launches return at once, so compute "
+            "looks cheaper and the loop dearer than they are; profile with "
+            "ProfilerActivity.CUDA (ProfilerSchedule does) for where the device's time goes"
+        ]
+    if run.gpu_listed and not run.on_device:
+        return [
+            "the trace lists a GPU but recorded no device activity: read as a CPU run. If "
+            "this run trained on the GPU, profile with ProfilerActivity.CUDA (ProfilerSchedule "
+            "does): without it the shares are the host's and the fixes a CPU's"
+        ]
+    return []
+
+
+def _with_unprofiled_data_share(
+    breakdown: dict[str, float], unprofiled: float
+) -> tuple[dict[str, float], str]:
+    """A CPU trace's breakdown with ``data`` the share measured on un-profiled steps (the
+    profiler slows a Python loader more than the model) and the rest scaled to fit."""
+    traced, true = breakdown["data"], min(max(unprofiled, 0.0), 1.0)
+    scale = (1.0 - true) / (1.0 - traced) if traced < 1.0 else 0.0
+    breakdown = {k: (true if k == "data" else v * scale) for k, v in breakdown.items()}
+    note = (
+        f"data wait is {true:.1%} of the step as measured on unprofiled steps "
+        f"({traced:.1%} in the trace, where the profiler slows the Python loader); "
+        "the other shares are scaled to fit"
+    )
+    return breakdown, note
+
+
+def _with_unprofiled_step(
+    breakdown: dict[str, float], step_ms: float, unprofiled_step_ms: float
+) -> tuple[dict[str, float], float, str]:
+    """A device trace's breakdown and step time with the device's idle time taken as what
+    the un-profiled step leaves. Kernels run as fast under the profiler; the host does
+    not, and the device idles for it: the kernels' time is kept."""
+    spent = {k: v * step_ms for k, v in breakdown.items()}
+    busy = sum(v for k, v in spent.items() if k != "overhead")
+    spent["overhead"] = max(unprofiled_step_ms - busy, 0.0)
+    total = sum(spent.values())
+    note = (
+        f"profiled steps took {step_ms:.1f} ms, un-profiled ones {unprofiled_step_ms:.1f} "
+        f"ms: the profiler slows the host, so the device's idle time is taken as what "
+        f"the un-profiled step leaves ({spent['overhead']:.1f} ms)"
+    )
+    return {k: v / total for k, v in spent.items()}, total, note
+
+
+def _top_ops(spent: _Spent, n: int, step_ms: float) -> list[dict[str, Any]]:
+    """The ten operators with the most self time, per step and as a share of it."""
+    top = sorted(spent.op_self.items(), key=lambda kv: -kv[1])[:10]
+    return [
+        {
+            "name": name,
+            "category": spent.op_category[name],
+            "ms_per_step": us / n / 1e3,
+            "share": us / n / 1e3 / step_ms,
+        }
+        for name, us in top
+    ]
+
+
+def _unfused_attention(run: _Run) -> bool:
+    """Whether attention ran unfused: a softmax on the host, no fused attention anywhere."""
+    return any(_has(e.name, ("softmax",)) for e in run.host) and not any(
+        _has(e.name, _FUSED_ATTENTION) for e in run.host + run.device_events
     )
