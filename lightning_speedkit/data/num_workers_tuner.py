@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import statistics
 import time
-from collections.abc import Callable
 from dataclasses import replace
-from functools import partial
 from typing import Any
 
 import lightning as L
@@ -15,16 +12,17 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat, _validation
-from lightning_speedkit.data._switch import switch_loader, why_not_switched
-from lightning_speedkit.data.mixin import SpeedDataModuleMixin
-from lightning_speedkit.data.worker_search import (
-    TuneResult,
-    _check_worker_arguments,
-    cpu_budget,
-    rebuild_dataloader,
-    spare_cores,
-    tune_num_workers,
+from lightning_speedkit.data import _verdict
+from lightning_speedkit.data._compute_threads import ComputeThreads
+from lightning_speedkit.data._train_loader import (
+    OWNER,
+    NextEpochSwitch,
+    switch_running_epoch,
+    use_settings,
 )
+from lightning_speedkit.data.tune_result import TuneResult
+from lightning_speedkit.data.worker_cores import cpu_budget
+from lightning_speedkit.data.worker_search import _check_worker_arguments, tune_num_workers
 
 __all__ = ["NumWorkersTuner"]
 
@@ -116,34 +114,31 @@ class NumWorkersTuner(L.Callback):
         _validation.optional(_validation.positive_int, "compute_threads", compute_threads)
         self.verdict_steps = verdict_steps
         self.compute_threads = compute_threads
-        self._threads_before: int | None = None
+        self._threads = ComputeThreads()  # torch's, while `compute_threads` holds
         self.result: TuneResult | None = None
-        self.bottleneck: dict[str, Any] | None = None
         self._best: dict[str, Any] = {}
-        self._step_times: list[float] = []
         self._t = 0.0
-        self._batches = 0
+        self._next_epoch = NextEpochSwitch()  # a loader chosen after the verdict, waiting
+        self._forget_fit()
+
+    def _forget_fit(self) -> None:
+        """What one fit measured and waits for, cleared before the next."""
+        self.bottleneck: dict[str, Any] | None = None
+        self._pace = _verdict.StepPace(self.verdict_steps)
         self._loader: DataLoader[Any] | None = None  # the train loader as tuned at setup
         self._searched = 0  # the most workers the search at setup tried
-        self._reload = False  # a loader chosen after the verdict waits for the next epoch
-        self._pending: TuneResult | None = None  # ... and what measured it
-        self._restore: Callable[[], None] | None = None  # the Trainer's reload setting
+        self._next_epoch.forget()
 
     # -- tuning, before Lightning builds the loader --------------------------------------------
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        self._step_times, self._batches, self.bottleneck = [], 0, None
-        self._loader, self._reload, self._pending = None, False, None
-        _compat.drop_train_loader_change(trainer, "NumWorkersTuner")  # a fit that raised
-        source = _compat.train_loader_source(trainer)
-        loader = source.dataloader()
+        self._forget_fit()
+        _compat.drop_train_loader_change(trainer, OWNER)  # a fit that raised
+        loader = _compat.train_loader_source(trainer).dataloader()
         if not isinstance(loader, DataLoader):
-            rank_zero_warn(
-                f"NumWorkersTuner tunes a single torch DataLoader; the train loader is a "
-                f"{type(loader).__name__}, so it is left as it is."
-            )
+            rank_zero_warn(_verdict.not_tuned_message(loader))
             return
         kwargs = dict(self.tune_kwargs)
         if kwargs["max_workers"] is None:
@@ -152,68 +147,28 @@ class NumWorkersTuner(L.Callback):
         self.result = tune_num_workers(loader, local_world_size=trainer.num_devices, **kwargs)
         self._loader, self._searched = loader, kwargs["max_workers"]
         best = trainer.strategy.broadcast(self.result.best, src=0)
-        self._use(trainer, loader, best)
-        r = self.result
-        gain = ""
-        if r.given_batches_per_sec:
-            gain = f", {r.best_batches_per_sec / r.given_batches_per_sec:.2f}x the loader as given"
-        how = "cached" if r.cached else f"tuned in {r.seconds:.1f} s"
-        rank_zero_info(
-            f"NumWorkersTuner: {_describe(best)}: {r.best_batches_per_sec:.1f} batches/s"
-            f"{gain} ({how})."
-        )
-
-    def _use(
-        self, trainer: L.Trainer, loader: DataLoader[Any] | None, best: dict[str, Any]
-    ) -> None:
-        """Make ``best`` the settings the fit loop's next train loader is built with:
-        ``loader`` rebuilt, or (None) the next loader the user's hook or ``fit`` gives."""
-        datamodule = _compat.datamodule(trainer)
-        if isinstance(datamodule, SpeedDataModuleMixin):
-            datamodule.speed_loader_kwargs = dict(best)
-        else:
-            # Loaders the fit loop requests later (`reload_dataloaders_every_n_epochs`, or
-            # the switch after the verdict) come from the user's hook: they get it too.
-            change = partial(_with_settings, settings=dict(best))
-            first = None if loader is None else change(loader)
-            _compat.change_train_loader(trainer, "NumWorkersTuner", change, first)
+        use_settings(trainer, loader, best)
         self._best = dict(best)
+        rank_zero_info(_verdict.tuned_message(self.result, best))
 
     def _worker_budget(self, trainer: L.Trainer) -> int:
         """Cores this rank can give to loader workers without starving the training process."""
         cores = cpu_budget(trainer.num_devices)
-        if trainer.strategy.root_device.type != "cpu":
-            return max(0, cores - 1)  # one core drives the device
-        if self.compute_threads is not None and self.compute_threads != torch.get_num_threads():
-            self._threads_before = torch.get_num_threads()
-            torch.set_num_threads(min(self.compute_threads, cores))
-            rank_zero_info(
-                f"NumWorkersTuner: torch now computes with {torch.get_num_threads()} of this "
-                f"rank's {cores} cores (was {self._threads_before}), leaving the rest to loader "
-                f"workers."
-            )
-        budget = max(0, cores - torch.get_num_threads())
-        if budget == 0 and cores == 1:
-            rank_zero_info(
-                "NumWorkersTuner: training on CPU with one core for this rank, which torch "
-                "computes on: a loader worker would only take turns with the model."
-            )
-        elif budget == 0:
-            rank_zero_info(
-                f"NumWorkersTuner: training on CPU, torch's {torch.get_num_threads()} threads use "
-                f"all {cores} of this rank's cores, so no loader worker would get a core of its "
-                f"own, unless the verdict finds the model leaving cores idle; pass "
-                f"`compute_threads` (fewer than {cores}) to leave some to workers from the start."
-            )
+        on_cpu = trainer.strategy.root_device.type == "cpu"
+        said = None
+        if on_cpu and self.compute_threads is not None:
+            said = self._threads.give(self.compute_threads, cores)
+        budget, why_none = _verdict.worker_budget(cores, on_cpu, torch.get_num_threads())
+        for message in (said, why_none):
+            if message is not None:
+                rank_zero_info(message)
         return budget
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._restore_reload_setting()
+        self._next_epoch.restore()
         if stage == "fit":  # the next fit requests the user's loaders as they are
-            _compat.drop_train_loader_change(trainer, "NumWorkersTuner")
-        if self._threads_before is not None:
-            torch.set_num_threads(self._threads_before)
-            self._threads_before = None
+            _compat.drop_train_loader_change(trainer, OWNER)
+        self._threads.restore()
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
@@ -221,13 +176,8 @@ class NumWorkersTuner(L.Callback):
         self.teardown(trainer, pl_module, "fit")  # Lightning calls no teardown after a raise
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if not self._best:
-            return
-        metrics = {"data/num_workers": float(self._best.get("num_workers", 0))}
-        if self.result is not None:
-            metrics["data/loader_batches_per_sec"] = self.result.best_batches_per_sec
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        if self._best:
+            _log(trainer, _verdict.start_metrics(self._best, self.result))
 
     # -- the verdict: loader rate against the model's consumption rate -------------------------
 
@@ -237,62 +187,22 @@ class NumWorkersTuner(L.Callback):
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         if self.verdict_steps == 0 or self.bottleneck is not None or self.result is None:
             return
-        self._batches += 1
-        if self._batches > 3:  # host time of the step; on CUDA, the pace the host keeps
-            self._step_times.append(_clock() - self._t)
-        if len(self._step_times) >= self.verdict_steps:
-            model_rate = 1.0 / statistics.median(self._step_times)
-            loader_rate = self.result.best_batches_per_sec
-            bound = loader_rate < model_rate
-            self.bottleneck = {
-                "data_bound": bound,
-                "loader_batches_per_sec": loader_rate,
-                "model_batches_per_sec": model_rate,
-            }
-            margin = f" ({model_rate / loader_rate:.1f}x)" if bound and loader_rate > 0 else ""
-            rank_zero_info(
-                "NumWorkersTuner: data loading "
-                + ("IS the bottleneck" if bound else "is not the bottleneck")
-                + f": the loader delivers {loader_rate:.1f} batches/s, the model consumes "
-                f"{model_rate:.1f}{margin}." + (_ADVICE if bound else "")
-            )
-            for logger in trainer.loggers:
-                logger.log_metrics(
-                    {"data/model_batches_per_sec": model_rate}, step=trainer.global_step
-                )
-            found = self._spare_cores_search(trainer, model_rate) if bound else None
-            faster = None if found is None else found.to_json()
-            if trainer.world_size > 1:
-                # One collective, once per fit, on every rank at the same batch: rank 0's
-                # result (or None) for all, as at setup.
-                faster = trainer.strategy.broadcast(faster, src=0)
-            if faster is not None and self._loader is not None:
-                self._switch(trainer, self.result, TuneResult(**faster))
-
-    def _switch(self, trainer: L.Trainer, in_use: TuneResult, found: TuneResult) -> None:
-        """Train on ``found.best`` from the next batch on: the rest of this epoch loaded
-        with it, or, where the epoch cannot change loaders, from the next epoch."""
-        self._use(trainer, None, found.best)  # the loaders the loop requests later get it too
-        running = _compat.train_loader_running(trainer)
-        why = "the fit loop trains on several loaders" if running is None else None
-        if running is not None:
-            why = why_not_switched(*running)
-        if running is not None and why is None:
-            loader, rest = switch_loader(running[0], running[1], found.best)
-            _compat.continue_train_epoch(trainer, loader, rest)
-            self.result = found
-            when = "now, for the samples this epoch has not seen yet"
-        else:
-            # `result` stays the loader in use; the faster one waits, and says why.
-            self._pending = found
-            self.result = replace(in_use, pending=dict(found.best), pending_reason=why)
-            self._reload = True
-            when = f"at the next epoch ({why})"
-        rank_zero_info(f"NumWorkersTuner: the train loader switches to it {when}.")
-        for logger in trainer.loggers:
-            logger.log_metrics(
-                {"data/num_workers": float(found.best["num_workers"])}, step=trainer.global_step
-            )
+        # Host time of the step; on CUDA, the pace the host keeps.
+        if not self._pace.add(_clock() - self._t if self._pace.timing() else None):
+            return
+        self.bottleneck = _verdict.verdict(self._pace.times, self.result.best_batches_per_sec)
+        rank_zero_info(_verdict.verdict_message(self.bottleneck))
+        model_rate = self.bottleneck["model_batches_per_sec"]
+        _log(trainer, {"data/model_batches_per_sec": model_rate})
+        bound = self.bottleneck["data_bound"]
+        found = self._spare_cores_search(trainer, model_rate) if bound else None
+        faster = None if found is None else found.to_json()
+        if trainer.world_size > 1:
+            # One collective, once per fit, on every rank at the same batch: rank 0's
+            # result (or None) for all, as at setup.
+            faster = trainer.strategy.broadcast(faster, src=0)
+        if faster is not None and self._loader is not None:
+            self._switch(trainer, self.result, TuneResult(**faster))
 
     def _spare_cores_search(self, trainer: L.Trainer, model_rate: float) -> TuneResult | None:
         """Measure workers on the cores the compute leaves idle; the new result, or None.
@@ -309,63 +219,44 @@ class NumWorkersTuner(L.Callback):
             or trainer.strategy.root_device.type != "cpu"
         ):
             return None
-        cores = cpu_budget(trainer.num_devices)
-        threads = torch.get_num_threads()
-        per_process = self.result.best_batches_per_sec / max(1, self._best.get("num_workers", 0))
-        spare = spare_cores(cores, threads, model_rate, per_process)
-        if spare <= self._searched:
-            return None
-        rank_zero_info(
-            f"NumWorkersTuner: at the loader's pace the model needs about "
-            f"{threads * min(1.0, cores * per_process / model_rate):.2g} of this rank's {cores} "
-            f"cores, not the {min(threads, cores)} its threads were left; measuring loader "
-            f"workers on {spare} cores (training waits)."
-        )
-        kwargs = {**self.tune_kwargs, "max_workers": spare}
-        result = tune_num_workers(self._loader, local_world_size=trainer.num_devices, **kwargs)
-        if result.best == self._best or result.best_batches_per_sec <= 0:
-            rank_zero_info(
-                f"NumWorkersTuner: no setting beat {_describe(self._best)}; the loader stays."
-            )
-            return None
-        gain = f"{result.best_batches_per_sec / self.result.best_batches_per_sec:.2f}x"
-        rank_zero_info(
-            f"NumWorkersTuner: {_describe(result.best)}: {result.best_batches_per_sec:.1f} "
-            f"batches/s, {gain} the loader in use."
-        )
-        return result
+        return _verdict.search_spare_cores(
+            self._loader, replace(self.result, best=self._best), model_rate,
+            cores=cpu_budget(trainer.num_devices), threads=torch.get_num_threads(),
+            searched=self._searched,
+            tune_kwargs={**self.tune_kwargs, "local_world_size": trainer.num_devices},
+        )  # fmt: skip
+
+    def _switch(self, trainer: L.Trainer, in_use: TuneResult, found: TuneResult) -> None:
+        """Train on ``found.best`` from the next batch on: the rest of this epoch loaded
+        with it, or, where the epoch cannot change loaders, from the next epoch."""
+        use_settings(trainer, None, found.best)  # the loaders the loop requests later get it
+        self._best = dict(found.best)
+        why = switch_running_epoch(trainer, found.best)
+        if why is None:
+            self.result = found
+            when = "now, for the samples this epoch has not seen yet"
+        else:
+            # `result` stays the loader in use; the faster one waits, and says why.
+            self._next_epoch.wait(found)
+            self.result = replace(in_use, pending=dict(found.best), pending_reason=why)
+            when = f"at the next epoch ({why})"
+        rank_zero_info(f"NumWorkersTuner: the train loader switches to it {when}.")
+        _log(trainer, {"data/num_workers": float(found.best["num_workers"])})
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._reload:  # after the epoch's validation, so only the train loader reloads
-            self._reload = False
-            self._restore = _compat.reload_train_loader_next_epoch(trainer)
+        self._next_epoch.epoch_ended(trainer)  # after the epoch's validation
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._restore is not None and self._pending is not None:
-            self.result, self._pending = self._pending, None  # the loader in use now
-        self._restore_reload_setting()  # the loop has built this epoch's loader
-
-    def _restore_reload_setting(self) -> None:
-        if self._restore is not None:
-            self._restore()
-            self._restore = None
+        found = self._next_epoch.epoch_started()
+        if found is not None:
+            self.result = found  # the loader in use now
 
 
-def _with_settings(loader: Any, settings: dict[str, Any]) -> Any:
-    """A train loader with the tuned settings: rebuilt, unless it has them already."""
-    if not isinstance(loader, DataLoader):
-        return loader  # as at setup: only a single torch DataLoader is tuned
-    if all(getattr(loader, key) == value for key, value in settings.items()):
-        return loader  # its own settings: kept as it is (a stateful subclass stays one)
-    return rebuild_dataloader(loader, **settings)
+def _log(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    """Hand ``metrics`` to every logger at the Trainer's step."""
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
 
 
 #: The clock the verdict times training steps with (a test can set its own).
 _clock = time.perf_counter
-
-
-_ADVICE = " Consider more CPU for decoding, lighter transforms, or pre-decoded data."
-
-
-def _describe(settings: dict[str, Any]) -> str:
-    return ", ".join(f"{k}={v}" for k, v in settings.items() if v is not None)

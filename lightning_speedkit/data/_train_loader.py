@@ -1,0 +1,102 @@
+"""Giving the fit loop's train loader other worker settings: the loader built at setup,
+the loaders the loop requests later, and the rest of an epoch under way. NumWorkersTuner
+decides when; this module does it, through the few private Trainer names in ``_compat``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import lightning as L
+from torch.utils.data import DataLoader
+
+from lightning_speedkit import _compat
+from lightning_speedkit.data._switch import switch_loader, why_not_switched
+from lightning_speedkit.data.mixin import SpeedDataModuleMixin
+from lightning_speedkit.data.rebuild import rebuild_dataloader
+from lightning_speedkit.data.tune_result import TuneResult
+
+#: The name the tuner's change of the train loader goes by in the fit loop's source.
+OWNER = "NumWorkersTuner"
+
+
+def with_settings(loader: Any, settings: dict[str, Any]) -> Any:
+    """A train loader with the tuned settings: rebuilt, unless it has them already."""
+    if not isinstance(loader, DataLoader):
+        return loader  # as at setup: only a single torch DataLoader is tuned
+    if all(getattr(loader, key) == value for key, value in settings.items()):
+        return loader  # its own settings: kept as it is (a stateful subclass stays one)
+    return rebuild_dataloader(loader, **settings)
+
+
+def use_settings(trainer: L.Trainer, loader: DataLoader[Any] | None, best: dict[str, Any]) -> None:
+    """Make ``best`` the settings the fit loop's next train loader is built with:
+    ``loader`` rebuilt, or (None) the next loader the user's hook or ``fit`` gives."""
+    datamodule = _compat.datamodule(trainer)
+    if isinstance(datamodule, SpeedDataModuleMixin):
+        datamodule.speed_loader_kwargs = dict(best)
+        return
+    # Loaders the fit loop requests later (`reload_dataloaders_every_n_epochs`, or
+    # the switch after the verdict) come from the user's hook: they get it too.
+    change = partial(with_settings, settings=dict(best))
+    first = None if loader is None else change(loader)
+    _compat.change_train_loader(trainer, OWNER, change, first)
+
+
+def switch_running_epoch(trainer: L.Trainer, settings: dict[str, Any]) -> str | None:
+    """Load the rest of the epoch under way with ``settings`` (and later epochs from the
+    loader rebuilt with them); None once done, else why the epoch cannot change loaders."""
+    running = _compat.train_loader_running(trainer)
+    if running is None:
+        return "the fit loop trains on several loaders"
+    why = why_not_switched(*running)
+    if why is not None:
+        return why
+    loader, rest = switch_loader(running[0], running[1], settings)
+    _compat.continue_train_epoch(trainer, loader, rest)
+    return None
+
+
+class NextEpochSwitch:
+    """A faster loader that the epoch under way cannot take, waiting for the next epoch.
+
+    :meth:`wait` holds it; at the end of the epoch (after its validation, so only the train
+    loader reloads) the fit loop is told to request its train loader again, which the
+    settings given to :func:`use_settings` then build; once the next epoch has started,
+    the Trainer's reload setting is put back and the waiting result is handed over.
+    """
+
+    def __init__(self) -> None:
+        self.waiting: TuneResult | None = None
+        self._armed = False
+        self._restore: Callable[[], None] | None = None  # the Trainer's reload setting
+
+    def forget(self) -> None:
+        """Drop what waits (a new fit starts)."""
+        self.waiting, self._armed = None, False
+
+    def wait(self, found: TuneResult) -> None:
+        """Use ``found`` from the next epoch on."""
+        self.waiting, self._armed = found, True
+
+    def epoch_ended(self, trainer: L.Trainer) -> None:
+        """Have the fit loop build its train loader again for the next epoch, if one waits."""
+        if self._armed:
+            self._armed = False
+            self._restore = _compat.reload_train_loader_next_epoch(trainer)
+
+    def epoch_started(self) -> TuneResult | None:
+        """The result the epoch now starting trains with, if it was waiting; the Trainer's
+        reload setting is put back (the loop has built this epoch's loader)."""
+        found = self.waiting if self._restore is not None else None
+        if found is not None:
+            self.waiting = None
+        self.restore()
+        return found
+
+    def restore(self) -> None:
+        """Put the Trainer's reload setting back, if it was changed."""
+        if self._restore is not None:
+            self._restore()
+            self._restore = None
