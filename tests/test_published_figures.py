@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from lightning_speedkit._demo import DemoResult, comparison_table, time_per_sample
+from lightning_speedkit._demo_results import DemoResult, comparison_table, time_per_sample
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = json.loads((REPO / "benchmarks" / "results" / "demo_cpu.json").read_text())

@@ -166,7 +166,8 @@ def run(args: argparse.Namespace) -> int:
             )
     output_dir(args.output_dir, "--output-dir")
 
-    from lightning_speedkit._demo import DemoConfig, comparison_table, run_demo
+    from lightning_speedkit._demo import run_demo
+    from lightning_speedkit._demo_results import DemoConfig, comparison_table
     from speedkit_examples.vlm import DataDirectoryError
 
     config = DemoConfig(
