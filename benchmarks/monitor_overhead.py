@@ -96,7 +96,7 @@ class TimedSpeedMonitor(SpeedMonitor):
         self._t = time.perf_counter() - start
 
     def on_train_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        counting = self._session is not None
+        counting = self._counts.counting
         start = time.perf_counter()
         super().on_train_batch_end(*args, **kwargs)
         if not counting:

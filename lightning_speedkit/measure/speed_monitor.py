@@ -42,15 +42,7 @@ than float32.
 
 from __future__ import annotations
 
-import math
-import platform
-import statistics
-import sys
-from collections import deque
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass
-from functools import cached_property
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Literal
 
 import lightning as L
@@ -59,12 +51,14 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_speedkit import _combined, _compat, _validation
 from lightning_speedkit._imports import NVML_AVAILABLE
-from lightning_speedkit.errors import SpeedkitConfigError
+from lightning_speedkit.measure import _cpu_bf16
 from lightning_speedkit.measure import peak as _peak
+from lightning_speedkit.measure._batch_info import BatchInfo, BatchReader
 from lightning_speedkit.measure._clock import StepClock
 from lightning_speedkit.measure._compile_watch import CompileWatch
+from lightning_speedkit.measure._flop_book import CountSchedule, FlopBook, step_flops
 from lightning_speedkit.measure._host_memory import host_memory_bytes
-from lightning_speedkit.measure.flops import _Counter, _Owners, _tensors
+from lightning_speedkit.measure._throughput import Throughput
 
 __all__ = ["SUMMARY_KEYS", "SpeedMonitor"]
 
@@ -85,201 +79,7 @@ SUMMARY_KEYS = (
     "flops_per_sample",
 )
 
-# Per-rank raw sums, gathered across ranks at log time. Order of the gathered vector.
-_FIELDS = ("samples", "tokens", "time", "steps", "model_flops", "hw_flops", "wait", "mem_gib")
 _GIB = 2**30
-#: Steps per fit a FLOP count waits for torch's profiler to be off (a ProfilerSchedule
-#: window); past them it counts under the profiler (a profiler open for the whole fit).
-_PROFILED_SKIPS = 16
-
-
-# --- batch inspection (host metadata only: shapes and dtypes, never values) ----------------
-
-
-@dataclass(frozen=True)
-class _BatchInfo:
-    signature: tuple[tuple[tuple[int, ...], str], ...]
-    samples: int
-    tokens: int | None
-
-    @cached_property
-    def key(self) -> str:
-        """The signature as a checkpoint-friendly string (computed once per batch)."""
-        return repr(self.signature)
-
-
-def _number(value: Any, argument: str) -> float:
-    if isinstance(value, torch.Tensor) and value.numel() == 1 and value.device.type == "cpu":
-        value = value.item()
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise SpeedkitConfigError(
-            f"`{argument}` must return a finite number for each batch, got {value!r} "
-            f"({type(value).__name__}). Return a Python int or float, e.g. "
-            f"`lambda batch: batch['input_ids'].numel()`."
-        )
-    if value < 0:
-        raise SpeedkitConfigError(f"`{argument}` returned {value}; it must be 0 or more.")
-    return float(value)
-
-
-# --- FLOPs per batch shape -----------------------------------------------------------------
-
-
-@dataclass
-class _Counted:
-    samples: int
-    tokens: int | None
-    model: float
-    hardware: float
-
-
-class _FlopBook:
-    """Counted FLOPs per batch signature, and estimates for signatures not counted."""
-
-    def __init__(self) -> None:
-        self.counted: dict[str, _Counted] = {}
-        self._estimates: dict[str, tuple[float, float] | None] = {}
-
-    def add(self, key: str, counted: _Counted) -> None:
-        self.counted[key] = counted
-        self._estimates.clear()  # a new point changes the fit
-
-    def for_batch(self, info: _BatchInfo) -> tuple[float, float] | None:
-        """(model, hardware) FLOPs of a batch: counted, or estimated once per shape."""
-        counted = self.counted.get(info.key)
-        if counted is not None:
-            return counted.model, counted.hardware
-        if info.key not in self._estimates:
-            self._estimates[info.key] = self.estimate(info)
-        return self._estimates[info.key]
-
-    def estimate(self, info: _BatchInfo) -> tuple[float, float] | None:
-        if not self.counted:
-            return None
-        same = [c for c in self.counted.values() if c.samples == info.samples and c.tokens]
-        if info.tokens is not None and len({c.tokens for c in same}) >= 2:
-            # Least squares of FLOPs on tokens among batches of this many samples.
-            xs = [float(c.tokens or 0) for c in same]
-            mean_x = statistics.fmean(xs)
-            var = sum((x - mean_x) ** 2 for x in xs)
-            out = []
-            for ys in ([c.model for c in same], [c.hardware for c in same]):
-                mean_y = statistics.fmean(ys)
-                slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys, strict=True)) / var
-                out.append(max(0.0, mean_y + slope * (info.tokens - mean_x)))
-            return out[0], out[1]
-        # Otherwise scale the closest counted batch by samples (and tokens when known).
-        ref = min(
-            self.counted.values(),
-            key=lambda c: (
-                abs(c.samples - info.samples),
-                abs((c.tokens or 0) - (info.tokens or 0)),
-            ),
-        )
-        scale = info.samples / ref.samples
-        if info.tokens and ref.tokens:
-            scale = info.tokens / ref.tokens
-        return ref.model * scale, ref.hardware * scale
-
-
-class _FlopSession:
-    """A FLOP count spanning two hooks (batch start to batch end).
-
-    While open it holds a dispatch mode and global module hooks, so every operator in
-    the process goes through Python: :meth:`close` must run whatever the loop does.
-    """
-
-    def __init__(self) -> None:
-        self.tracker = _Owners()
-        self.counter = _Counter(self.tracker)
-        self.tracker.__enter__()
-        try:
-            self.counter.__enter__()
-        except BaseException:
-            self.tracker.__exit__()
-            raise
-
-    def close(self) -> tuple[float, float]:
-        try:
-            self.counter.__exit__(None, None, None)
-        finally:
-            self.tracker.__exit__()
-        total = float(self.counter.total)
-        return total - self.counter.recomputed, total
-
-
-def _tokens(tensors: list[torch.Tensor]) -> int | None:
-    """Tokens of one loader's batch: its largest 2-D integer tensor (``input_ids``)."""
-    ids = [t for t in tensors if t.ndim == 2 and not t.is_floating_point() and not t.is_complex()]
-    return max((t.numel() for t in ids), default=None)
-
-
-# --- bf16 on a CPU without native bf16 -------------------------------------------------------
-
-#: The x86 instructions that compute bf16 natively; with neither, oneDNN emulates bf16.
-_NATIVE_BF16_X86 = ("avx512_bf16", "amx_bf16")
-
-
-def _native_bf16(platform: str, capabilities: Mapping[str, Any] | None) -> bool | None:
-    """Whether a CPU computes bf16 natively, from its platform (``sys.platform``) and the
-    capabilities torch reports (``torch.cpu.get_capabilities()``).
-
-    True or False on Linux x86-64, where bf16 autocast was measured both ways; None
-    (unknown, so no warning) on another platform or architecture, or when the
-    capabilities do not mention the instructions.
-    """
-    if not platform.startswith("linux") or capabilities is None:
-        return None
-    if capabilities.get("architecture") != "x86_64":
-        return None
-    if not any(flag in capabilities for flag in _NATIVE_BF16_X86):
-        return None
-    return any(bool(capabilities.get(flag)) for flag in _NATIVE_BF16_X86)
-
-
-def _cpuinfo_capabilities(cpuinfo: str, machine: str) -> dict[str, Any] | None:
-    """What ``torch.cpu.get_capabilities()`` says of bf16, from Linux's ``/proc/cpuinfo``
-    text and ``platform.machine()``: for a torch without that function. None when the
-    text has no ``flags`` line."""
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() == "flags":
-            flags = set(value.split())
-            return {"architecture": machine, **{f: f in flags for f in _NATIVE_BF16_X86}}
-    return None
-
-
-def _cpu_native_bf16() -> bool | None:
-    """:func:`_native_bf16` for this machine, from torch's public
-    ``torch.cpu.get_capabilities()`` (read once by torch, then cached), or, on a torch
-    without it, from ``/proc/cpuinfo``. Tests replace this function to take either branch
-    on any machine."""
-    query = getattr(torch.cpu, "get_capabilities", None)
-    if query is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text(encoding="ascii", errors="replace")
-        except OSError:
-            return None
-        return _native_bf16(sys.platform, _cpuinfo_capabilities(text, platform.machine()))
-    try:
-        capabilities = query()
-    except RuntimeError:  # a CPU torch's cpuinfo could not read
-        return None
-    return _native_bf16(sys.platform, capabilities)
-
-
-def _bf16_on_cpu_message(precision: str) -> str:
-    return (
-        f"SpeedMonitor: this run trains in {precision} on a CPU without native bf16 "
-        f"instructions (no AVX512_BF16 or AMX_BF16), where bf16 is emulated and slower than "
-        f"float32: on such a CPU (2 AVX2 cores), a training step of the kit's tiny example "
-        f"VLM took 312 ms in bf16 autocast against 41 ms in float32, 8x slower "
-        f"(benchmarks/cpu_step.py). Train in float32 on this CPU: "
-        f"`Trainer(precision='32-true')`."
-    )
-
-
-# --- the callback ----------------------------------------------------------------------------
 
 PeakSetting = float | Literal["auto", "measure"] | None
 
@@ -331,24 +131,8 @@ class SpeedMonitor(L.Callback):
         peak_flops: PeakSetting = "auto",
         max_flop_counts: int = 8,
     ) -> None:
-        _validation.optional(_validation.positive_int, "log_every_n_steps", log_every_n_steps,
-                             example=50)  # fmt: skip
-        _validation.positive_int("window", window, example=200)
-        _validation.non_negative_int("warmup_steps", warmup_steps, example=2)
-        _validation.positive_int("max_flop_counts", max_flop_counts, example=8)
-        for name, fn in (
-            ("flops_per_batch", flops_per_batch),
-            ("tokens_per_batch", tokens_per_batch),
-            ("samples_per_batch", samples_per_batch),
-        ):
-            _validation.optional(_validation.function, name, fn,
-                                 fix=f"for a constant, pass `lambda batch: {fn!r}`")  # fmt: skip
-        if isinstance(peak_flops, str) and _validation.parse_number(peak_flops) is None:
-            _validation.choice("peak_flops", peak_flops, ("auto", "measure"),
-                               hint="or None, or a FLOP/s figure")  # fmt: skip
-        elif peak_flops is not None:
-            _validation.positive_number("peak_flops", peak_flops, example=989.4e12,
-                                        hint="dense FLOP/s of one device")  # fmt: skip
+        _check_arguments(log_every_n_steps, window, warmup_steps, max_flop_counts, peak_flops,
+                         flops_per_batch, tokens_per_batch, samples_per_batch)  # fmt: skip
         self.log_every_n_steps = log_every_n_steps
         self.window = window
         self.warmup_steps = warmup_steps
@@ -358,188 +142,77 @@ class SpeedMonitor(L.Callback):
         self.peak_flops = peak_flops
         self.max_flop_counts = max_flop_counts
 
-        self.flops = _FlopBook()
+        self.flops = FlopBook()
         self.last_metrics: dict[str, float] = {}
-        self._run: list[list[float]] = []  # per rank, _FIELDS sums over the whole run
-        self._run_steps: list[float] = []  # this rank's step times (s), whole run
-        self._recent: deque[float] = deque(maxlen=window)
+        self._throughput = Throughput(window)
         self._peak: float | None = None
         self._peak_warned = False
         self._bf16_warned = False
         self._device = torch.device("cpu")
         self._reset_fit_state()
 
-    # -- state -------------------------------------------------------------------------------
-
     def _reset_fit_state(self) -> None:
         self._batches = 0
-        self._said_samples = False
-        self._interval = dict.fromkeys(_FIELDS, 0.0)
-        self._info: _BatchInfo | None = None
-        self._session: _FlopSession | None = None
+        self._reader = BatchReader(self.samples_per_batch, self.tokens_per_batch)
+        self._info: BatchInfo | None = None
+        max_counts = 0 if self.flops_per_batch is not None else self.max_flop_counts
+        self._counts = CountSchedule(self.flops, max_counts)
         self._clock = StepClock(torch.device("cpu"))
         self._loaders: _combined.TrainLoaders | None = None  # None: one loader
-        # Compiled parts: a count waits for a step that ran them compiled, compiling nothing.
-        self._compiles: CompileWatch | None = None
-        self._compiled_before = 0
-        self._settled = True
-        self._profiled_skips = 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {
-            "run": [list(r) for r in self._run],
-            "run_steps": list(self._run_steps),
-            "flops": {k: vars(v) for k, v in self.flops.counted.items()},
-        }
+        return {**self._throughput.state_dict(), "flops": self.flops.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._run = [list(r) for r in state_dict.get("run", [])]
-        self._run_steps = list(state_dict.get("run_steps", []))
-        self.flops = _FlopBook()
-        for key, counted in state_dict.get("flops", {}).items():
-            self.flops.add(key, _Counted(**counted))
-
-    # -- set-up ------------------------------------------------------------------------------
+        self._throughput.load_state_dict(state_dict)
+        self.flops.load_state_dict(state_dict.get("flops", {}))
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":  # before Lightning restores a checkpoint's callback state
-            self._run, self._run_steps = [], []
-            self._recent.clear()
+            self._throughput.reset()
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._stop_compile_watch()
+        self._counts.close()
         self._reset_fit_state()
         self._device = device = trainer.strategy.root_device
         self._clock = StepClock(device)
-        self._peak = self._resolve_peak(device, _compute_dtype(str(trainer.precision)))
-        self._warn_bf16_on_cpu(device, str(trainer.precision))
+        precision = str(trainer.precision)
+        self._peak = _resolve_peak(self.peak_flops, device, _compute_dtype(precision))
+        if self._peak is None and self.peak_flops == "auto" and not self._peak_warned:
+            self._peak_warned = _warn(_no_peak_message(device, _compute_dtype(precision)))
+        if not self._bf16_warned and _cpu_bf16.emulated_bf16(device, precision):
+            self._bf16_warned = _warn(_cpu_bf16.bf16_on_cpu_message(precision))
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if _compat.has_compiled_parts(pl_module):  # RegionalCompile's blocks, torch.compile
-            self._compiles = CompileWatch().install()
-            self._settled = False
-
-    def _stop_compile_watch(self) -> None:
-        if self._compiles is not None:
-            self._compiles.remove()
-            self._compiles = None
-
-    def _warn_bf16_on_cpu(self, device: torch.device, precision: str) -> None:
-        """Once per callback: bf16 (mixed or true) on a CPU known to lack native bf16."""
-        if self._bf16_warned or device.type != "cpu" or not precision.startswith("bf16"):
-            return
-        if _cpu_native_bf16() is not False:  # native, or unknown: nothing to say
-            return
-        self._bf16_warned = True
-        rank_zero_warn(_bf16_on_cpu_message(precision))
-
-    def _resolve_peak(self, device: torch.device, dtype: torch.dtype) -> float | None:
-        setting = self.peak_flops
-        if setting is None:
-            return None
-        if isinstance(setting, (int, float)):
-            return float(setting)
-        if setting == "measure":
-            return _peak.measure_matmul_peak(device, dtype)
-        # "auto": the table; a CPU has no datasheet peak, so time a matmul there.
-        found = _peak.peak_flops(device, dtype, measure=device.type == "cpu")
-        if found is None and not self._peak_warned:
-            self._peak_warned = True
-            name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
-            rank_zero_warn(
-                f"SpeedMonitor: no peak FLOP/s is known for {name!r} at {dtype}, so `speed/mfu` "
-                f"and `speed/hfu` are not logged. Pass `SpeedMonitor(peak_flops=<FLOP/s>)`, or "
-                f"`peak_flops='measure'` to time a matmul."
-            )
-        return found
-
-    # -- per batch: host metadata and events only ---------------------------------------------
-
-    def _describe(self, batch: Any) -> _BatchInfo:
-        # Several train loaders (a dict or list of them): the step trains each one's batch.
-        parts = self._loaders.parts(batch) if self._loaders is not None else [batch]
-        tensors = [list(_tensors(part)) for part in parts]
-        signature = tuple((tuple(t.shape), str(t.dtype)) for each in tensors for t in each)
-        if self.samples_per_batch is not None:
-            samples = int(_number(self.samples_per_batch(batch), "samples_per_batch"))
-        else:
-            samples = sum(
-                self._samples(part, found) for part, found in zip(parts, tensors, strict=True)
-            )
-        tokens: int | None
-        if self.tokens_per_batch is not None:
-            tokens = int(_number(self.tokens_per_batch(batch), "tokens_per_batch"))
-        else:
-            counts = [n for found in tensors if (n := _tokens(found)) is not None]
-            tokens = sum(counts) if counts else None
-        return _BatchInfo(signature, samples, tokens)
-
-    def _samples(self, batch: Any, tensors: list[torch.Tensor]) -> int:
-        """Samples of one loader's batch: the first dimension of its first tensor."""
-        if tensors and tensors[0].ndim:
-            return int(tensors[0].shape[0])
-        if not self._said_samples:
-            self._said_samples = True
-            found = "holds no tensor" if not tensors else "starts with a 0-d tensor"
-            rank_zero_warn(
-                f"SpeedMonitor cannot tell how many samples a batch of type "
-                f"`{type(batch).__name__}` holds (it {found}), so it counts one per batch: "
-                f"samples/s and FLOPs per sample are off by the batch size. Pass "
-                f"`SpeedMonitor(samples_per_batch=lambda batch: ...)`."
-            )
-        return 1
-
-    def _drop_session(self) -> None:
-        """Close a FLOP count whose batch never reached ``on_train_batch_end`` (the
-        LightningModule's ``on_train_batch_start`` returned -1, or the loop stopped or
-        failed mid-batch) and forget it: a count cut off is no count of that shape."""
-        session, self._session = self._session, None
-        if session is not None:  # never leave the dispatch mode and module hooks behind
-            session.close()
+            self._counts.watch(CompileWatch().install())
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._drop_session()
+        self._counts.drop()
         self._clock.gap()
         loaders = _combined.of_trainer(trainer)  # built (or reloaded) by now
         self._loaders = loaders if loaders is not None and loaders.combined else None
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._drop_session()
+        self._counts.drop()
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._drop_session()  # validation is not part of the training step counted
+        self._counts.drop()  # validation is not part of the training step counted
         self._clock.gap()
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._drop_session()  # the previous batch's, if its end hook never ran
+        self._counts.drop()  # the previous batch's, if its end hook never ran
         self._batches += 1
         self._info = info = self._describe(batch)
-        if self._compiles is not None:
-            self._compiled_before = self._compiles.compilations
-        if self._counts(info.key):
-            self._session = _FlopSession()
+        self._counts.step_start(info)
         self._clock.batch_start()
 
-    def _counts(self, key: str) -> bool:
-        """Whether this batch's step is the one to count FLOPs on."""
-        if (
-            self.flops_per_batch is not None
-            or key in self.flops.counted
-            or len(self.flops.counted) >= self.max_flop_counts
-        ):
-            return False
-        if not self._settled:
-            # Under the count, compiled blocks run eagerly: a step that would compile them
-            # would compile nothing, and the compile would move to the next step, where
-            # ProfilerSchedule (which waits for a step that compiles nothing) now profiles.
-            return False
-        if self._profiled_skips < _PROFILED_SKIPS and _compat.torch_profiler_enabled():
-            # A profiled step would record every operator passing through the counter.
-            self._profiled_skips += 1
-            return False
-        return True
+    def _describe(self, batch: Any) -> BatchInfo:
+        """Several train loaders (a dict or list of them): the step trains each one's batch."""
+        parts = self._loaders.parts(batch) if self._loaders is not None else [batch]
+        return self._reader.read(batch, parts)
 
     def on_train_batch_end(
         self,
@@ -549,27 +222,22 @@ class SpeedMonitor(L.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        """Samples and FLOPs count only with a timed step: the first batch after a gap
+        (a new epoch, validation) has no step time, and counting its samples would
+        overstate throughput by one batch per gap. Steps before the first FLOP count
+        (still compiling, or profiled) are start-up too: they would add samples and no
+        FLOPs. A counted step is slower, so it is not timed either."""
         info = self._info
-        counted_now = self._session is not None
-        # Samples and FLOPs count only with a timed step: the first batch after a gap
-        # (a new epoch, validation) has no step time, and counting its samples would
-        # overstate throughput by one batch per gap. Steps before the first FLOP count
-        # (still compiling, or profiled) are start-up too: they would add samples and no FLOPs.
+        counted_now = self._counts.counting
         priced = self.flops_per_batch is not None or bool(self.flops.counted)
         keep = self._clock.batch_end(
             not counted_now and priced and self._batches > self.warmup_steps
         )
-        if self._session is not None and info is not None:
-            model, hardware = self._session.close()
-            self._session = None
-            self.flops.add(info.key, _Counted(info.samples, info.tokens, model, hardware))
+        if info is not None:
+            self._counts.step_end(info)
         if keep and info is not None:
-            self._accumulate(info, batch)
-        if self._compiles is not None and not counted_now:
-            # Settled: a whole step ran the compiled parts and compiled nothing.
-            self._settled = self._compiles.compilations == self._compiled_before
-            if self._settled:
-                self._stop_compile_watch()
+            flops = step_flops(info, batch, self.flops, self.flops_per_batch)
+            self._throughput.update(samples=info.samples, tokens=info.tokens, flops=flops)
         every = self.log_every_n_steps or _compat.log_every_n_steps(trainer)
         if self._batches % every == 0:
             self._flush(trainer)
@@ -577,113 +245,97 @@ class SpeedMonitor(L.Callback):
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
-        self._drop_session()
-        self._stop_compile_watch()
+        self._counts.close()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._drop_session()
+        self._counts.drop()
         self._flush(trainer)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        self._drop_session()
-        self._stop_compile_watch()
-
-    def _accumulate(self, info: _BatchInfo, batch: Any) -> None:
-        acc = self._interval
-        acc["samples"] += info.samples
-        acc["tokens"] += info.tokens or 0
-        acc["steps"] += 1
-        if self.flops_per_batch is not None:
-            flops = _number(self.flops_per_batch(batch), "flops_per_batch")
-            acc["model_flops"] += flops
-            acc["hw_flops"] += flops
-            return
-        estimate = self.flops.for_batch(info)
-        if estimate is not None:
-            acc["model_flops"] += estimate[0]
-            acc["hw_flops"] += estimate[1]
+        self._counts.close()
 
     # -- log time: the only place that waits for the device or talks to other ranks ------------
 
     def _flush(self, trainer: L.Trainer) -> None:
         steps, waits = self._clock.drain()
-        acc, self._interval = self._interval, dict.fromkeys(_FIELDS, 0.0)
-        acc["time"] = sum(steps)
-        acc["wait"] = sum(waits)
-        acc["mem_gib"] = _memory_peak_gib(trainer.strategy.root_device)
-        self._recent.extend(steps)
-        self._run_steps.extend(steps)
-
-        rows = self._gather(trainer, [acc[f] for f in _FIELDS])
-        if len(self._run) != len(rows):
-            self._run = [[0.0] * len(_FIELDS) for _ in rows]
-        for run, row in zip(self._run, rows, strict=True):
-            for i, field in enumerate(_FIELDS):
-                run[i] = max(run[i], row[i]) if field == "mem_gib" else run[i] + row[i]
-        metrics = self._figures(rows, list(self._recent))
+        memory = _memory_peak_gib(trainer.strategy.root_device)
+        row = self._throughput.close(step_times=steps, waits=waits, mem_gib=memory)
+        rows = _gather(trainer, row)
+        self._throughput.add(rows)
+        metrics = self._throughput.compute(rows, self._peak, lambda: _gpu_util(self._device))
         if metrics:
             self.last_metrics = metrics
             logged = {f"speed/{k}": v for k, v in metrics.items() if k != "flops_per_sample"}
             for logger in trainer.loggers:
                 logger.log_metrics(logged, step=trainer.global_step)
 
-    def _gather(self, trainer: L.Trainer, row: list[float]) -> list[list[float]]:
-        if trainer.world_size == 1:
-            return [row]
-        local = torch.tensor(row, dtype=torch.float64, device=trainer.strategy.root_device)
-        gathered = trainer.strategy.all_gather(local)  # collective: once per log interval
-        return [list(map(float, r)) for r in gathered.reshape(trainer.world_size, -1).tolist()]
-
-    def _figures(self, rows: list[list[float]], step_times: list[float]) -> dict[str, float]:
-        col = {f: [r[i] for r in rows] for i, f in enumerate(_FIELDS)}
-        if not all(t > 0 for t in col["time"]):
-            return {}
-        figures: dict[str, float] = {
-            "samples_per_sec": sum(s / t for s, t in zip(col["samples"], col["time"], strict=True)),
-            "data_wait_frac": statistics.fmean(
-                w / t for w, t in zip(col["wait"], col["time"], strict=True)
-            ),
-        }
-        if any(col["tokens"]):
-            figures["tokens_per_sec"] = sum(
-                k / t for k, t in zip(col["tokens"], col["time"], strict=True)
-            )
-        if any(col["model_flops"]):
-            model_rate = statistics.fmean(
-                f / t for f, t in zip(col["model_flops"], col["time"], strict=True)
-            )
-            hw_rate = statistics.fmean(
-                f / t for f, t in zip(col["hw_flops"], col["time"], strict=True)
-            )
-            figures["tflops_per_device"] = model_rate / 1e12
-            if self._peak:
-                figures["mfu"] = model_rate / self._peak
-                figures["hfu"] = hw_rate / self._peak
-            if sum(col["samples"]):
-                figures["flops_per_sample"] = sum(col["model_flops"]) / sum(col["samples"])
-        if step_times:
-            for q in (50, 90, 99):
-                figures[f"step_ms_p{q}"] = 1e3 * _percentile(step_times, q)
-        if any(col["mem_gib"]):
-            figures["mem_peak_gib"] = max(col["mem_gib"])
-        util = _gpu_util(self._device)
-        if util is not None:
-            figures["gpu_util"] = util
-        if len(rows) > 1 and all(col["steps"]):
-            means = [t / n for t, n in zip(col["time"], col["steps"], strict=True)]
-            figures["straggler_ratio"] = max(means) / statistics.median(means)
-        return figures
-
     @property
     def summary(self) -> dict[str, float | None]:
         """Figures for the whole run (the whole of the last fit, resumed parts included)."""
-        figures = self._figures(self._run, self._run_steps) if self._run else {}
+        figures = self._throughput.summary(self._peak, lambda: _gpu_util(self._device))
         return {key: figures.get(key) for key in SUMMARY_KEYS}
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+def _check_arguments(
+    log_every_n_steps: int | None,
+    window: int,
+    warmup_steps: int,
+    max_flop_counts: int,
+    peak_flops: PeakSetting,
+    *functions: Callable[[Any], float] | None,
+) -> None:
+    """SpeedMonitor's arguments, each checked (``functions``: the three per-batch ones)."""
+    _validation.optional(_validation.positive_int, "log_every_n_steps", log_every_n_steps,
+                         example=50)  # fmt: skip
+    _validation.positive_int("window", window, example=200)
+    _validation.non_negative_int("warmup_steps", warmup_steps, example=2)
+    _validation.positive_int("max_flop_counts", max_flop_counts, example=8)
+    names = ("flops_per_batch", "tokens_per_batch", "samples_per_batch")
+    for name, fn in zip(names, functions, strict=True):
+        _validation.optional(_validation.function, name, fn,
+                             fix=f"for a constant, pass `lambda batch: {fn!r}`")  # fmt: skip
+    if isinstance(peak_flops, str) and _validation.parse_number(peak_flops) is None:
+        _validation.choice("peak_flops", peak_flops, ("auto", "measure"),
+                           hint="or None, or a FLOP/s figure")  # fmt: skip
+    elif peak_flops is not None:
+        _validation.positive_number("peak_flops", peak_flops, example=989.4e12,
+                                    hint="dense FLOP/s of one device")  # fmt: skip
+
+
+def _warn(message: str) -> bool:
+    """Warn (rank 0) and say so: ``self._warned = _warn(...)``."""
+    rank_zero_warn(message)
+    return True
+
+
+def _resolve_peak(setting: PeakSetting, device: torch.device, dtype: torch.dtype) -> float | None:
+    """The peak FLOP/s ``SpeedMonitor(peak_flops=setting)`` uses on ``device`` at ``dtype``."""
+    if setting is None:
+        return None
+    if isinstance(setting, (int, float)):
+        return float(setting)
+    if setting == "measure":
+        return _peak.measure_matmul_peak(device, dtype)
+    # "auto": the table; a CPU has no datasheet peak, so time a matmul there.
+    return _peak.peak_flops(device, dtype, measure=device.type == "cpu")
+
+
+def _no_peak_message(device: torch.device, dtype: torch.dtype) -> str:
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else str(device)
+    return (
+        f"SpeedMonitor: no peak FLOP/s is known for {name!r} at {dtype}, so `speed/mfu` "
+        f"and `speed/hfu` are not logged. Pass `SpeedMonitor(peak_flops=<FLOP/s>)`, or "
+        f"`peak_flops='measure'` to time a matmul."
+    )
+
+
+def _gather(trainer: L.Trainer, row: list[float]) -> list[list[float]]:
+    """Every rank's row, in rank order (one small collective per log interval)."""
+    if trainer.world_size == 1:
+        return [row]
+    local = torch.tensor(row, dtype=torch.float64, device=trainer.strategy.root_device)
+    gathered = trainer.strategy.all_gather(local)  # collective: once per log interval
+    return [list(map(float, r)) for r in gathered.reshape(trainer.world_size, -1).tolist()]
 
 
 def _compute_dtype(precision: str) -> torch.dtype:

@@ -15,9 +15,12 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lightning_speedkit import SpeedkitConfigError, SpeedMonitor
-from lightning_speedkit.measure import _clock
+from lightning_speedkit.measure import _clock, _cpu_bf16, _flop_book
 from lightning_speedkit.measure import speed_monitor as sm
-from lightning_speedkit.measure.speed_monitor import SUMMARY_KEYS, _BatchInfo, _Counted, _FlopBook
+from lightning_speedkit.measure._batch_info import BatchInfo as _BatchInfo
+from lightning_speedkit.measure._flop_book import Counted as _Counted
+from lightning_speedkit.measure._flop_book import FlopBook as _FlopBook
+from lightning_speedkit.measure.speed_monitor import SUMMARY_KEYS
 from tests.helpers.clock import VirtualClock
 
 from ..helpers import models
@@ -197,7 +200,7 @@ def test_resume_continues_the_run_and_reuses_counts(tmp_path: Path) -> None:
 
     first = SpeedMonitor(peak_flops=None)
     trainer(16, first).fit(MLP(), loader(n=64))
-    steps_first = sum(r[3] for r in first._run)
+    steps_first = sum(r[3] for r in first._throughput.run)
     state = torch.load(tmp_path / "last.ckpt", weights_only=True)["callbacks"]
     assert any("SpeedMonitor" in key for key in state)
 
@@ -208,9 +211,9 @@ def test_resume_continues_the_run_and_reuses_counts(tmp_path: Path) -> None:
             raise AssertionError("FLOPs counted again after a resume")
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(sm, "_FlopSession", NoCounting)  # the restored counts must be used
+        patch.setattr(_flop_book, "FlopSession", NoCounting)  # the restored counts must be used
         trainer(32, resumed).fit(MLP(), loader(n=64), ckpt_path=tmp_path / "last.ckpt")
-    assert sum(r[3] for r in resumed._run) > steps_first  # the summary spans both parts
+    assert sum(r[3] for r in resumed._throughput.run) > steps_first  # the summary spans both parts
     assert resumed.flops.counted.keys() == first.flops.counted.keys()
     assert resumed.summary["flops_per_sample"] == first.summary["flops_per_sample"]
 
@@ -343,7 +346,7 @@ def _fit_in(precision: str, monitor: SpeedMonitor, steps: int = 12) -> None:
 def test_bf16_on_a_cpu_without_native_bf16_warns_once_with_the_fix(
     precision: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sm, "_cpu_native_bf16", lambda: False)
+    monkeypatch.setattr(_cpu_bf16, "cpu_native_bf16", lambda: False)
     monitor = SpeedMonitor(peak_flops=None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -369,7 +372,7 @@ def test_bf16_on_a_cpu_without_native_bf16_warns_once_with_the_fix(
 def test_no_bf16_warning_with_native_bf16_unknown_support_or_float32(
     precision: str, native: bool | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(sm, "_cpu_native_bf16", lambda: native)
+    monkeypatch.setattr(_cpu_bf16, "cpu_native_bf16", lambda: native)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _fit_in(precision, SpeedMonitor(peak_flops=None))
@@ -380,7 +383,7 @@ def test_no_bf16_warning_with_native_bf16_unknown_support_or_float32(
 def test_no_bf16_warning_on_cuda(device: str, warned: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The same fit start on a CPU (it warns: the stand-in trainer reaches the check) and
     on a GPU, where bf16 is native and the CPU's instructions do not matter."""
-    monkeypatch.setattr(sm, "_cpu_native_bf16", lambda: False)
+    monkeypatch.setattr(_cpu_bf16, "cpu_native_bf16", lambda: False)
     trainer: Any = types.SimpleNamespace(
         strategy=types.SimpleNamespace(root_device=torch.device(device)), precision="bf16-mixed"
     )
@@ -408,7 +411,7 @@ _NO_BF16 = {"architecture": "x86_64", "avx2": True, "avx512_bf16": False, "amx_b
 def test_native_bf16_is_read_from_torch_capabilities(
     system: str, capabilities: dict[str, Any] | None, native: bool | None
 ) -> None:
-    assert sm._native_bf16(system, capabilities) is native
+    assert _cpu_bf16.native_bf16(system, capabilities) is native
 
 
 def test_this_machine_native_bf16_agrees_with_proc_cpuinfo() -> None:
@@ -421,7 +424,7 @@ def test_this_machine_native_bf16_agrees_with_proc_cpuinfo() -> None:
     for line in cpuinfo.read_text().splitlines():
         if line.startswith("flags"):
             flags |= set(line.split(":", 1)[1].split())
-    assert sm._cpu_native_bf16() is bool(flags & {"avx512_bf16", "amx_bf16"})
+    assert _cpu_bf16.cpu_native_bf16() is bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
 _CPUINFO = """processor\t: 0
@@ -439,15 +442,17 @@ def test_without_torchs_capabilities_the_flags_come_from_proc_cpuinfo(
     extra: str, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A torch without ``torch.cpu.get_capabilities`` (older ones): /proc/cpuinfo's flags."""
-    capabilities = sm._cpuinfo_capabilities(_CPUINFO.format(extra=extra), "x86_64")
-    assert sm._native_bf16("linux", capabilities) is native
-    assert sm._native_bf16("linux", sm._cpuinfo_capabilities(_CPUINFO, "aarch64")) is None
-    assert sm._cpuinfo_capabilities("processor\t: 0\n", "x86_64") is None
+    capabilities = _cpu_bf16.cpuinfo_capabilities(_CPUINFO.format(extra=extra), "x86_64")
+    assert _cpu_bf16.native_bf16("linux", capabilities) is native
+    assert (
+        _cpu_bf16.native_bf16("linux", _cpu_bf16.cpuinfo_capabilities(_CPUINFO, "aarch64")) is None
+    )
+    assert _cpu_bf16.cpuinfo_capabilities("processor\t: 0\n", "x86_64") is None
     # and on this machine, with torch's query gone, the same answer as with it
     if sys.platform.startswith("linux") and Path("/proc/cpuinfo").exists():
-        with_query = sm._cpu_native_bf16()
+        with_query = _cpu_bf16.cpu_native_bf16()
         monkeypatch.delattr(torch.cpu, "get_capabilities", raising=False)
-        assert sm._cpu_native_bf16() is with_query
+        assert _cpu_bf16.cpu_native_bf16() is with_query
 
 
 class _StopsEpochOnTheLastBatch(MLP):

@@ -1,0 +1,199 @@
+"""FLOP formulas for operators torch's ``flop_counter`` does not price, and the
+recomputation inside fused attention backward kernels.
+
+torch prices matrix products and its own attention kernels; this adds its CPU
+flash-attention kernel (which torch counts as 0), flash-attn's kernels (fixed and
+variable length) and xformers' cutlass kernels, each in the layout its kernel takes.
+:func:`formula_for` looks an operator up in torch's registry, then here.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch.utils import flop_counter as _torch_flops
+
+from lightning_speedkit import _compat
+
+if TYPE_CHECKING:
+    from lightning_speedkit._compat import OpOverload
+
+_Formula = Callable[..., int]
+
+
+def _shape(x: Any) -> tuple[int, ...]:
+    return tuple(x.shape)
+
+
+# --- formulas torch lacks ---------------------------------------------------------------
+
+
+def _cpu_flash_forward(query: Any, key: Any, value: Any, *args: Any, **kwargs: Any) -> int:
+    # (B, H, S, D) layout, as the CUDA flash kernel torch already prices.
+    return int(_torch_flops.sdpa_flop_count(_shape(query), _shape(key), _shape(value)))
+
+
+def _cpu_flash_backward(
+    grad_out: Any, query: Any, key: Any, value: Any, *args: Any, **kw: Any
+) -> int:
+    return int(
+        _torch_flops.sdpa_backward_flop_count(
+            _shape(grad_out), _shape(query), _shape(key), _shape(value)
+        )
+    )
+
+
+def _bshd_to_bhsd(shape: tuple[int, ...]) -> tuple[int, ...]:
+    b, s, h, d = shape
+    return (b, h, s, d)
+
+
+def _flash_attn_forward(q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+    # flash-attn keeps (batch, seq, heads, head_dim).
+    return int(
+        _torch_flops.sdpa_flop_count(
+            _bshd_to_bhsd(_shape(q)), _bshd_to_bhsd(_shape(k)), _bshd_to_bhsd(_shape(v))
+        )
+    )
+
+
+def _flash_attn_backward(dout: Any, q: Any, k: Any, v: Any, *args: Any, **kwargs: Any) -> int:
+    return int(
+        _torch_flops.sdpa_backward_flop_count(
+            _bshd_to_bhsd(_shape(dout)),
+            _bshd_to_bhsd(_shape(q)),
+            _bshd_to_bhsd(_shape(k)),
+            _bshd_to_bhsd(_shape(v)),
+        )
+    )
+
+
+def _varlen_lengths(cu_seqlens: torch.Tensor) -> list[int]:
+    # SYNC: reads sequence offsets back to the host; only ever runs inside a counted step.
+    offsets = cu_seqlens.tolist()
+    return [b - a for a, b in itertools.pairwise(offsets)]
+
+
+def _pairs(cu_q: torch.Tensor, cu_k: torch.Tensor) -> int:
+    """Query-key pairs of a variable-length batch: the sum over documents of s_q * s_k."""
+    return sum(a * b for a, b in zip(_varlen_lengths(cu_q), _varlen_lengths(cu_k), strict=True))
+
+
+def _varlen_flops(q: Any, v: Any, cu_q: torch.Tensor, cu_k: torch.Tensor, passes: int) -> int:
+    # (total_tokens, heads, head_dim); each document attends within itself.
+    _, heads, d_qk = _shape(q)
+    d_v = _shape(v)[-1]
+    return passes * heads * _pairs(cu_q, cu_k) * (d_qk + d_v)
+
+
+def _flash_attn_varlen_forward(
+    q: Any, k: Any, v: Any, cu_q: Any, cu_k: Any, *a: Any, **kw: Any
+) -> int:
+    return _varlen_flops(q, v, cu_q, cu_k, passes=2)  # QK^T and PV: 2 FLOPs per MAC each
+
+
+def _flash_attn_varlen_backward(
+    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any, dv: Any,
+    cu_q: Any, cu_k: Any, *a: Any, **kw: Any,
+) -> int:  # fmt: skip
+    return _varlen_flops(q, v, cu_q, cu_k, passes=4)  # dV, dP, dQ, dK: as torch prices SDPA
+
+
+def _offsets(rest: tuple[Any, ...]) -> tuple[Any, Any] | None:
+    """The first two 1-D integer tensors: sequence offsets of a variable-length call.
+
+    xformers' schemas moved these arguments between releases; their type does not move.
+    """
+    found = [
+        a for a in rest
+        if isinstance(a, torch.Tensor) and a.ndim == 1 and not a.is_floating_point()
+    ]  # fmt: skip
+    return (found[0], found[1]) if len(found) >= 2 else None
+
+
+def _xformers_forward(q: Any, k: Any, v: Any, *rest: Any, **kwargs: Any) -> int:
+    # (batch, seq, heads, head_dim), like flash-attn; variable length when offsets are given.
+    offsets = _offsets(rest)
+    if offsets is None:
+        return _flash_attn_forward(q, k, v)
+    _, _, heads, d = _shape(q)
+    pairs = _pairs(*offsets)
+    return 2 * heads * pairs * (d + _shape(v)[-1])
+
+
+def _xformers_backward(grad: Any, q: Any, k: Any, v: Any, *rest: Any, **kwargs: Any) -> int:
+    offsets = _offsets(rest)
+    if offsets is None:
+        return _flash_attn_backward(grad, q, k, v)
+    _, _, heads, d = _shape(q)
+    pairs = _pairs(*offsets)
+    return 2 * heads * pairs * (3 * d + 2 * _shape(v)[-1])  # QK^T again, dP, dV, dQ, dK
+
+
+def _xformers_rescore(grad: Any, q: Any, k: Any, *rest: Any, **kwargs: Any) -> int:
+    offsets = _offsets(rest[1:])  # after v
+    if offsets is None:
+        return _scores_bshd(grad, q, k)
+    _, _, heads, d = _shape(q)
+    pairs = _pairs(*offsets)
+    return 2 * heads * pairs * d
+
+
+#: Formulas by operator name, for operators torch does not price.
+EXTRA_FORMULAS: dict[str, _Formula] = {
+    "aten::_scaled_dot_product_flash_attention_for_cpu": _cpu_flash_forward,
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _cpu_flash_backward,
+    "flash_attn::_flash_attn_forward": _flash_attn_forward,
+    "flash_attn::_flash_attn_backward": _flash_attn_backward,
+    "flash_attn::_flash_attn_varlen_forward": _flash_attn_varlen_forward,
+    "flash_attn::_flash_attn_varlen_backward": _flash_attn_varlen_backward,
+    "xformers::efficient_attention_forward_cutlass": _xformers_forward,
+    "xformers::efficient_attention_backward_cutlass": _xformers_backward,
+}
+
+
+# Fused attention backward kernels recompute the scores QK^T (flash-style), and torch's
+# formula includes that matmul. It is recomputation, so it counts for HFU, not for MFU:
+# the model's backward is 2x its forward (PaLM's 12·L·H·Q·T), whatever the kernel.
+def _scores_bhsd(grad: Any, q: Any, k: Any, *args: Any, **kwargs: Any) -> int:
+    b, h, s_q, d = _shape(q)
+    return 2 * b * h * s_q * _shape(k)[2] * d
+
+
+def _scores_bshd(grad: Any, q: Any, k: Any, *args: Any, **kwargs: Any) -> int:
+    b, s_q, h, d = _shape(q)
+    return 2 * b * h * s_q * _shape(k)[1] * d
+
+
+def _scores_varlen(
+    dout: Any, q: Any, k: Any, v: Any, out: Any, lse: Any, dq: Any, dk: Any, dv: Any,
+    cu_q: Any, cu_k: Any, *a: Any, **kw: Any,
+) -> int:  # fmt: skip
+    _, heads, d = _shape(q)
+    return 2 * heads * _pairs(cu_q, cu_k) * d
+
+
+#: Recomputed FLOPs inside a fused attention backward, by operator name.
+RECOMPUTED_IN_BACKWARD: dict[str, _Formula] = {
+    "aten::_scaled_dot_product_flash_attention_backward": _scores_bhsd,
+    "aten::_scaled_dot_product_efficient_attention_backward": _scores_bhsd,
+    "aten::_scaled_dot_product_cudnn_attention_backward": _scores_bhsd,
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward": _scores_bhsd,
+    "aten::_flash_attention_backward": _scores_bshd,
+    "aten::_efficient_attention_backward": _scores_bshd,
+    "flash_attn::_flash_attn_backward": _scores_bshd,
+    "flash_attn::_flash_attn_varlen_backward": _scores_varlen,
+    "xformers::efficient_attention_backward_cutlass": _xformers_rescore,
+}
+
+
+def formula_for(func: OpOverload) -> _Formula | None:
+    """torch's formula for ``func``, else this module's; None for an unpriced operator."""
+    packet = func.overloadpacket
+    formula = _torch_flops.flop_registry.get(packet)
+    if formula is not None:
+        return formula
+    return EXTRA_FORMULAS.get(_compat.qualified_op_name(packet))

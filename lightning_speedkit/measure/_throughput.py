@@ -1,0 +1,173 @@
+"""Throughput arithmetic: samples/s, tokens/s, MFU/HFU, step-time percentiles, data wait.
+
+Trainer-free and clock-free, as Lightning's ``fabric/utilities/throughput.py``: the
+caller passes each timed step's samples, tokens and FLOPs (:meth:`Throughput.update`)
+and, once per log interval, the step times and data waits its clock measured
+(:meth:`Throughput.close`), so tests give exact numbers. Across ranks, the caller
+gathers each rank's :meth:`~Throughput.close` row and hands the rows back
+(:meth:`Throughput.add`); :func:`figures` turns rows into the logged figures.
+
+MFU is model FLOPs per second over the device's peak FLOP/s, HFU the same with
+hardware FLOPs (recomputation included): PaLM (Chowdhery et al. 2022), appendix B.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+#: Per-rank raw sums of a log interval, in the order of a gathered row.
+FIELDS = ("samples", "tokens", "time", "steps", "model_flops", "hw_flops", "wait", "mem_gib")
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q``-th percentile (the smallest value at or above ``q`` percent).
+
+    Example::
+
+        >>> percentile([4.0, 1.0, 3.0, 2.0], 50), percentile([4.0, 1.0, 3.0, 2.0], 99)
+        (2.0, 4.0)
+    """
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def figures(
+    rows: list[list[float]],
+    step_times: list[float],
+    peak: float | None,
+    gpu_util: Callable[[], float | None] = lambda: None,
+) -> dict[str, float]:
+    """The figures of per-rank rows (:data:`FIELDS` sums): rates are summed over ranks
+    (samples/s, tokens/s) or averaged (FLOP/s per device, data wait); a figure that
+    cannot be known is left out. Empty when a rank timed no step.
+
+    Example::
+
+        >>> row = [8, 0, 0.5, 2, 4e12, 5e12, 0.1, 0.0]  # 2 steps of 4 samples in 0.5 s
+        >>> figures([row], [0.25, 0.25], peak=1e13)
+        ... # doctest: +NORMALIZE_WHITESPACE
+        {'samples_per_sec': 16.0, 'data_wait_frac': 0.2, 'tflops_per_device': 8.0,
+         'mfu': 0.8, 'hfu': 1.0, 'flops_per_sample': 500000000000.0,
+         'step_ms_p50': 250.0, 'step_ms_p90': 250.0, 'step_ms_p99': 250.0}
+    """
+    col = {f: [r[i] for r in rows] for i, f in enumerate(FIELDS)}
+    if not all(t > 0 for t in col["time"]):
+        return {}
+    out: dict[str, float] = {
+        "samples_per_sec": sum(s / t for s, t in zip(col["samples"], col["time"], strict=True)),
+        "data_wait_frac": statistics.fmean(
+            w / t for w, t in zip(col["wait"], col["time"], strict=True)
+        ),
+    }
+    if any(col["tokens"]):
+        out["tokens_per_sec"] = sum(k / t for k, t in zip(col["tokens"], col["time"], strict=True))
+    if any(col["model_flops"]):
+        model_rate = statistics.fmean(
+            f / t for f, t in zip(col["model_flops"], col["time"], strict=True)
+        )
+        hw_rate = statistics.fmean(f / t for f, t in zip(col["hw_flops"], col["time"], strict=True))
+        out["tflops_per_device"] = model_rate / 1e12
+        if peak:
+            out["mfu"] = model_rate / peak
+            out["hfu"] = hw_rate / peak
+        if sum(col["samples"]):
+            out["flops_per_sample"] = sum(col["model_flops"]) / sum(col["samples"])
+    if step_times:
+        for q in (50, 90, 99):
+            out[f"step_ms_p{q}"] = 1e3 * percentile(step_times, q)
+    if any(col["mem_gib"]):
+        out["mem_peak_gib"] = max(col["mem_gib"])
+    util = gpu_util()
+    if util is not None:
+        out["gpu_util"] = util
+    if len(rows) > 1 and all(col["steps"]):
+        means = [t / n for t, n in zip(col["time"], col["steps"], strict=True)]
+        out["straggler_ratio"] = max(means) / statistics.median(means)
+    return out
+
+
+class Throughput:
+    """One rank's timed steps, summed per log interval and over the run (all ranks).
+
+    Args:
+        window: step-time percentiles of an interval cover the last ``window`` steps.
+
+    Example::
+
+        >>> throughput = Throughput(window=100)
+        >>> for _ in range(4):
+        ...     throughput.update(samples=8, tokens=None, flops=(1e9, 1e9))
+        >>> row = throughput.close(step_times=[0.5, 0.5, 0.5, 0.5], waits=[0.1] * 4, mem_gib=0.0)
+        >>> throughput.add([row])
+        >>> metrics = throughput.compute([row], peak=None)
+        >>> metrics["samples_per_sec"], metrics["data_wait_frac"], metrics["tflops_per_device"]
+        (16.0, 0.2, 0.002)
+    """
+
+    def __init__(self, window: int) -> None:
+        self.run: list[list[float]] = []  # per rank, FIELDS sums over the whole run
+        self.run_steps: list[float] = []  # this rank's step times (s), whole run
+        self.recent: deque[float] = deque(maxlen=window)
+        self.interval = dict.fromkeys(FIELDS, 0.0)
+
+    def reset(self) -> None:
+        """Forget the run (a new fit; a checkpoint's state may follow)."""
+        self.run, self.run_steps = [], []
+        self.recent.clear()
+
+    def update(
+        self, *, samples: int, tokens: int | None, flops: tuple[float, float] | None
+    ) -> None:
+        """One timed step: its samples, tokens and (model, hardware) FLOPs, when known."""
+        acc = self.interval
+        acc["samples"] += samples
+        acc["tokens"] += tokens or 0
+        acc["steps"] += 1
+        if flops is not None:
+            acc["model_flops"] += flops[0]
+            acc["hw_flops"] += flops[1]
+
+    def close(self, *, step_times: list[float], waits: list[float], mem_gib: float) -> list[float]:
+        """End the log interval with its step times and data waits (seconds) and the peak
+        memory; this rank's row of :data:`FIELDS` sums, to gather across ranks."""
+        acc, self.interval = self.interval, dict.fromkeys(FIELDS, 0.0)
+        acc["time"] = sum(step_times)
+        acc["wait"] = sum(waits)
+        acc["mem_gib"] = mem_gib
+        self.recent.extend(step_times)
+        self.run_steps.extend(step_times)
+        return [acc[f] for f in FIELDS]
+
+    def add(self, rows: list[list[float]]) -> None:
+        """Add every rank's interval row to the run (peak memory: the largest)."""
+        if len(self.run) != len(rows):
+            self.run = [[0.0] * len(FIELDS) for _ in rows]
+        for run, row in zip(self.run, rows, strict=True):
+            for i, field in enumerate(FIELDS):
+                run[i] = max(run[i], row[i]) if field == "mem_gib" else run[i] + row[i]
+
+    def compute(
+        self,
+        rows: list[list[float]],
+        peak: float | None,
+        gpu_util: Callable[[], float | None] = lambda: None,
+    ) -> dict[str, float]:
+        """The figures of an interval's rows, percentiles over the last ``window`` steps."""
+        return figures(rows, list(self.recent), peak, gpu_util)
+
+    def summary(
+        self, peak: float | None, gpu_util: Callable[[], float | None] = lambda: None
+    ) -> dict[str, float]:
+        """The figures of the whole run (empty before its first interval)."""
+        return figures(self.run, self.run_steps, peak, gpu_util) if self.run else {}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"run": [list(r) for r in self.run], "run_steps": list(self.run_steps)}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.run = [list(r) for r in state_dict.get("run", [])]
+        self.run_steps = list(state_dict.get("run_steps", []))

@@ -1,0 +1,123 @@
+"""FLOP bookkeeping on its own: which step is counted, and FLOPs per batch shape."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_speedkit import SpeedkitConfigError
+from lightning_speedkit.measure._batch_info import BatchInfo
+from lightning_speedkit.measure._flop_book import (
+    PROFILED_SKIPS,
+    Counted,
+    CountSchedule,
+    FlopBook,
+    step_flops,
+)
+
+
+def _info(rows: int, tokens: int | None = None) -> BatchInfo:
+    return BatchInfo(signature=(((rows, 8), "float32"),), samples=rows, tokens=tokens)
+
+
+class _Compiles:
+    """A compile watch whose count the test moves."""
+
+    def __init__(self) -> None:
+        self.compilations = 0
+        self.removed = False
+
+    def remove(self) -> None:
+        self.removed = True
+
+
+def _matmul(rows: int) -> None:
+    torch.ones(rows, 8) @ torch.ones(8, 4)  # 2 * rows * 8 * 4 FLOPs
+
+
+def test_a_shape_is_counted_once_and_its_count_is_exact() -> None:
+    book = FlopBook()
+    schedule = CountSchedule(book, max_counts=8, profiling=lambda: False)
+    for _ in range(2):
+        schedule.step_start(_info(2))
+        _matmul(2)
+        schedule.step_end(_info(2))
+    assert book.counted == {_info(2).key: Counted(2, None, 128.0, 128.0)}
+    schedule.step_start(_info(2))
+    assert not schedule.counting  # known already
+
+
+def test_no_more_shapes_than_max_counts_are_counted() -> None:
+    schedule = CountSchedule(FlopBook(), max_counts=1, profiling=lambda: False)
+    counted = []
+    for rows in (1, 2):
+        schedule.step_start(_info(rows))
+        counted.append(schedule.step_end(_info(rows)))
+    assert counted == [True, False]
+
+
+def test_compiled_parts_are_counted_only_after_a_step_that_compiled_nothing() -> None:
+    compiles = _Compiles()
+    schedule = CountSchedule(FlopBook(), max_counts=8, profiling=lambda: False)
+    schedule.watch(compiles)
+    counted = []
+    for compiled in (2, 1, 0, 0):  # what each step compiles
+        schedule.step_start(_info(4))
+        counted.append(schedule.counting)
+        compiles.compilations += compiled
+        schedule.step_end(_info(4))
+    assert counted == [False, False, False, True]
+    assert compiles.removed  # settled: the watch is no longer needed
+
+
+def test_a_profiled_step_waits_up_to_the_limit() -> None:
+    profiling = [True] * (PROFILED_SKIPS + 1)
+    schedule = CountSchedule(FlopBook(), max_counts=8, profiling=lambda: profiling.pop())
+    waited = 0
+    while not schedule.counts("shape"):
+        waited += 1
+    assert waited == PROFILED_SKIPS  # then counts under the profiler
+
+
+def test_a_count_cut_off_is_dropped_and_leaves_no_counter_behind() -> None:
+    book = FlopBook()
+    schedule = CountSchedule(book, max_counts=8, profiling=lambda: False)
+    schedule.step_start(_info(2))
+    schedule.drop()
+    assert not schedule.counting
+    assert book.counted == {}
+    assert not torch._C._is_torch_function_mode_enabled()
+    assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_estimates_fit_a_line_in_tokens_or_scale_the_closest_count() -> None:
+    book = FlopBook()
+    for tokens in (40, 80):
+        book.add(f"t{tokens}", Counted(4, tokens, 1000 + 10 * tokens, 2000 + 10 * tokens))
+    assert book.for_batch(_info(4, tokens=60)) == (1600.0, 2600.0)  # on the line
+    assert book.for_batch(_info(8, tokens=None)) == (2800.0, 4800.0)  # twice the 40-token one
+    assert book.for_batch(_info(2, tokens=20)) == (700.0, 1200.0)  # by tokens, from 40
+    assert FlopBook().for_batch(_info(4)) is None
+
+
+def test_the_book_round_trips_through_a_checkpoint() -> None:
+    book = FlopBook()
+    book.add("a", Counted(4, 16, 100.0, 120.0))
+    state = book.state_dict()
+    assert state == {"a": {"samples": 4, "tokens": 16, "model": 100.0, "hardware": 120.0}}
+    restored = FlopBook()
+    restored.add("b", Counted(1, None, 1.0, 1.0))
+    restored.load_state_dict(state)
+    assert restored.counted == book.counted
+
+
+def test_the_users_flops_per_batch_counts_for_model_and_hardware() -> None:
+    book = FlopBook()
+    book.add(_info(4).key, Counted(4, None, 10.0, 12.0))
+    assert step_flops(_info(4), "batch", book, None) == (10.0, 12.0)
+    assert step_flops(_info(4), "batch", book, lambda b: 7) == (7.0, 7.0)
+    bad: Any = lambda b: "seven"  # noqa: E731
+    with pytest.raises(SpeedkitConfigError, match="`flops_per_batch` must return"):
+        step_flops(_info(4), "batch", book, bad)

@@ -1,0 +1,78 @@
+"""The throughput core on its own: exact figures from exact step times, no Trainer, no clock."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_speedkit.measure._throughput import FIELDS, Throughput, figures, percentile
+
+
+def _row(**fields: float) -> list[float]:
+    return [float(fields.get(f, 0.0)) for f in FIELDS]
+
+
+def test_one_rank_gives_rates_mfu_hfu_and_percentiles_exactly() -> None:
+    throughput = Throughput(window=10)
+    for tokens in (100, 300):
+        throughput.update(samples=4, tokens=tokens, flops=(2e12, 3e12))
+    row = throughput.close(step_times=[0.25, 0.75], waits=[0.05, 0.15], mem_gib=1.5)
+    assert row == _row(samples=8, tokens=400, time=1.0, steps=2, model_flops=4e12,
+                       hw_flops=6e12, wait=0.2, mem_gib=1.5)  # fmt: skip
+    throughput.add([row])
+    assert throughput.compute([row], peak=8e12, gpu_util=lambda: 0.5) == {
+        "samples_per_sec": 8.0,
+        "data_wait_frac": 0.2,
+        "tokens_per_sec": 400.0,
+        "tflops_per_device": 4.0,
+        "mfu": 0.5,
+        "hfu": 0.75,
+        "flops_per_sample": 0.5e12,
+        "step_ms_p50": 250.0,
+        "step_ms_p90": 750.0,
+        "step_ms_p99": 750.0,
+        "mem_peak_gib": 1.5,
+        "gpu_util": 0.5,
+    }
+
+
+def test_ranks_sum_their_rates_average_their_flops_and_name_the_straggler() -> None:
+    fast = _row(samples=40, time=1.0, steps=10, model_flops=1e12, hw_flops=1e12)
+    slow = _row(samples=40, time=2.0, steps=10, model_flops=1e12, hw_flops=1e12)
+    third = _row(samples=40, time=1.0, steps=10, model_flops=1e12, hw_flops=1e12)
+    got = figures([fast, slow, third], [], peak=None)
+    assert got["samples_per_sec"] == 40 + 20 + 40
+    assert got["tflops_per_device"] == pytest.approx((1 + 0.5 + 1) / 3)
+    assert got["straggler_ratio"] == 0.2 / 0.1  # slowest mean step over the median
+    assert "mfu" not in got  # no peak
+    assert "step_ms_p50" not in got  # no step times
+
+
+def test_a_rank_that_timed_nothing_gives_no_figures_and_unknowns_stay_out() -> None:
+    assert figures([_row(samples=8, time=1.0), _row()], [0.1], peak=1e12) == {}
+    only_samples = figures([_row(samples=8, time=2.0)], [], peak=1e12)
+    assert only_samples == {"samples_per_sec": 4.0, "data_wait_frac": 0.0}
+
+
+def test_the_run_adds_intervals_keeps_the_peak_memory_and_survives_a_checkpoint() -> None:
+    throughput = Throughput(window=2)
+    for step_s, memory in ((0.1, 2.0), (0.3, 1.0)):
+        throughput.update(samples=4, tokens=None, flops=None)
+        throughput.add([throughput.close(step_times=[step_s], waits=[0.0], mem_gib=memory)])
+    throughput.update(samples=4, tokens=None, flops=None)
+    throughput.add([throughput.close(step_times=[0.2], waits=[0.0], mem_gib=0.5)])
+    assert throughput.run == [pytest.approx(_row(samples=12, time=0.6, steps=3, mem_gib=2.0))]
+    assert list(throughput.recent) == [0.3, 0.2]  # the window's last two steps
+    summary = throughput.summary(peak=None)
+    assert summary["step_ms_p50"] == pytest.approx(200.0)
+    assert summary["mem_peak_gib"] == 2.0
+
+    restored = Throughput(window=2)
+    restored.load_state_dict(throughput.state_dict())
+    assert restored.summary(peak=None) == summary
+    restored.reset()
+    assert restored.summary(peak=None) == {}
+
+
+@pytest.mark.parametrize(("q", "expected"), [(1, 1.0), (50, 2.0), (51, 3.0), (99, 4.0), (100, 4.0)])
+def test_percentiles_are_nearest_rank(q: float, expected: float) -> None:
+    assert percentile([3.0, 1.0, 4.0, 2.0], q) == expected
