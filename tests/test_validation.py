@@ -218,7 +218,25 @@ ROWS = [
     row("RegionalCompile", lambda: kit.RegionalCompile(blocks="x"), "blocks", "x"),
     row("HangWatchdog", lambda: kit.HangWatchdog(timeout="30"), "timeout", "30", f"{S} '30'"),
     row("FusedOptimizer", lambda: kit.FusedOptimizer(verbose="no"), "verbose", "no"),
+    # -- the Trainer-free cores of the compute and memory levers ------------------------------
+    row("tune_micro_batch", lambda: kit.tune_micro_batch("model", _loader(), print), "model",
+        "model", "torch.nn.Module"),
+    row("tune_micro_batch", lambda: kit.tune_micro_batch(nn.Linear(2, 2), _loader(), print,
+        memory_headroom=NAN), "memory_headroom", NAN, "finite"),
+    row("compile_blocks", lambda: kit.compile_blocks("model"), "model", "model",
+        "torch.nn.Module"),
+    row("compile_blocks", lambda: kit.compile_blocks(nn.Linear(2, 2), blocks="x"), "blocks", "x",
+        "blocks=['x']"),
+    row("checkpoint_blocks", lambda: kit.checkpoint_blocks(nn.Linear(2, 2), fraction=1.5),
+        "fraction", 1.5, "(0, 1]"),
+    row("fuse_optimizers", lambda: kit.fuse_optimizers("opt"), "optimizers", "opt",
+        "fuse_optimizers([optimizer])"),
 ]  # fmt: skip
+
+
+def _loader() -> torch.utils.data.DataLoader[Any]:
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2)),
+                                       batch_size=4)  # fmt: skip
 
 #: Public names with no argument to check.
 NOTHING_TO_CHECK = {"__version__", "SpeedkitConfigError", "FlopCount"}

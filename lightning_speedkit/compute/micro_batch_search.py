@@ -248,6 +248,8 @@ def _check_tune_inputs(
 ) -> list[nn.Parameter]:
     """Refuse a global batch the ranks cannot share, an unbatched loader, a model with nothing
     to train; return the trainable parameters."""
+    _validation.instance("model", model, nn.Module, what="a torch.nn.Module",
+                         fix="pass the module whose parameters the step trains")  # fmt: skip
     _validation.positive_int("world_size", world_size)
     if global_batch is not None:
         _validation.positive_int("global_batch", global_batch)

@@ -249,6 +249,8 @@ def compile_blocks(
         >>> list(model.state_dict())[:3]
         ['0.weight', '0.bias', '1.ff.0.weight']
     """
+    _validation.instance("model", model, nn.Module, what="a torch.nn.Module",
+                         fix="pass the model itself, e.g. `compile_blocks(model)`")  # fmt: skip
     _check_options(mode, dynamic, fullgraph, backend, blocks)
     _surgery.refuse_wrapped(model, "compile_blocks")
     _check_backend_name(backend)
