@@ -238,6 +238,7 @@ def _loader() -> torch.utils.data.DataLoader[Any]:
     return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(8, 2)),
                                        batch_size=4)  # fmt: skip
 
+
 #: Public names with no argument to check.
 NOTHING_TO_CHECK = {"__version__", "SpeedkitConfigError", "FlopCount"}
 
