@@ -3,41 +3,35 @@
 from __future__ import annotations
 
 import logging
-import statistics
 from collections.abc import Mapping
-from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import GradientAccumulationScheduler
-from lightning.pytorch.strategies import DeepSpeedStrategy
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from lightning.pytorch.utilities.data import extract_batch_size
-from torch.nn.parallel import DistributedDataParallel
 
 from lightning_speedkit import _combined, _compat, _validation
-from lightning_speedkit._optimizers import torch_optimizer
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure._clock import Stamps
+from lightning_speedkit.schedule import _accumulation_wiring as wiring
+from lightning_speedkit.schedule._lr_scaling import LR_POWER, LrScaler, LrScaling, lr_factor
+from lightning_speedkit.schedule._window_timing import WindowTimer, measure
 from lightning_speedkit.schedule.policies import (
     AccumulationPolicy,
     AdaptiveToCommunication,
     CommShare,
     ScheduleUnit,
-    StepSchedule,
-    TargetGlobalBatch,
     accumulation_for,
+    build_policy,
     check_schedule,
+    first_global_batch,
 )
 
 __all__ = ["AccumulationChange", "AccumulationScheduler", "CommShare", "accumulation_for"]
 
 log = logging.getLogger(__name__)
-
-LrScaling = Literal["linear", "sqrt"]
-_LR_POWER: dict[str, float] = {"linear": 1.0, "sqrt": 0.5}
-_WARMUP_WINDOWS = 2  # optimizer steps left out of a measurement after fit starts
 
 
 @dataclass(frozen=True)
@@ -49,44 +43,6 @@ class AccumulationChange:
     accumulation: int
     global_batch: int
     reason: str
-
-
-@dataclass
-class _Window:
-    """Timestamps of one accumulation window (host seconds, or CUDA events)."""
-
-    accumulation: int
-    previous_end: Any
-    unsynced: list[tuple[Any, Any]] = field(default_factory=list)
-    sync_start: Any = None
-    synced: Any = None
-    end: Any = None
-    tainted: bool = False
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values) if values else 0.0
-
-
-def _measure(windows: list[_Window], clock: Stamps) -> CommShare | None:
-    """Turn complete, untainted windows of one accumulation into a CommShare."""
-    usable = [
-        w
-        for w in windows
-        if not w.tainted and w.previous_end is not None and w.end is not None and w.unsynced
-    ]
-    if not usable:
-        return None
-    clock.wait(usable[-1].end)
-    micro = _median([clock.seconds(s, e) for w in usable for s, e in w.unsynced])
-    synced = _median([clock.seconds(w.sync_start, w.synced) for w in usable])
-    return CommShare(
-        accumulation=usable[0].accumulation,
-        step_s=_median([clock.seconds(w.previous_end, w.end) for w in usable]),
-        micro_batch_s=micro,
-        comm_s=max(0.0, synced - micro),
-        optimizer_s=_median([clock.seconds(w.synced, w.end) for w in usable]),
-    )
 
 
 def _positive_int(value: Any, argument: str) -> int:
@@ -184,53 +140,11 @@ class AccumulationScheduler(L.Callback):
         measure_steps: int = 8,
         verbose: bool = True,
     ) -> None:
-        if target_global_batch is not None:
-            _positive_int(target_global_batch, "target_global_batch")
-        _validation.choice("schedule_unit", schedule_unit, ("step", "epoch"))
-        _validation.boolean("adaptive", adaptive)
-        _validation.boolean("verbose", verbose)
-        if schedule is not None:
-            schedule = check_schedule(schedule, schedule_unit)
-        if target_global_batch is None and schedule is None and not adaptive:
-            raise SpeedkitConfigError(
-                "AccumulationScheduler needs a mode: `target_global_batch=N`, "
-                "`schedule={step: N, ...}`, or `adaptive=True` with `max_global_batch=N`."
-            )
-        if schedule is not None and (target_global_batch is not None or adaptive):
-            raise SpeedkitConfigError(
-                "`schedule` sets the global batch at every step by itself: it cannot be "
-                "combined with `target_global_batch` or `adaptive`. Use one of them."
-            )
-        if adaptive and max_global_batch is None:
-            raise SpeedkitConfigError(
-                "`adaptive=True` needs `max_global_batch=N`: the largest global batch your "
-                "optimisation tolerates, which adaptive mode never exceeds."
-            )
-        if max_global_batch is not None:
-            _positive_int(max_global_batch, "max_global_batch")
-            if not adaptive:
-                raise SpeedkitConfigError(
-                    "`max_global_batch` is adaptive mode's ceiling; pass `adaptive=True` too, "
-                    "or leave it out."
-                )
-            if target_global_batch is not None and target_global_batch > max_global_batch:
-                raise SpeedkitConfigError(
-                    f"`target_global_batch={target_global_batch}` is above "
-                    f"`max_global_batch={max_global_batch}`; adaptive mode starts at the "
-                    f"target and rises to the maximum."
-                )
-        share = "a share of the step, between 0 and 1"
-        _validation.probability("comm_threshold", comm_threshold, low_open=True, high_open=True,
-                                example=0.3, hint=share)  # fmt: skip
-        _validation.choice("lr_scaling", lr_scaling, (*_LR_POWER, None))
-        for name, value in (("micro_batch_size", micro_batch_size),
-                            ("base_global_batch", base_global_batch)):  # fmt: skip
-            if value is not None:
-                _positive_int(value, name)
-        _positive_int(measure_steps, "measure_steps")
-
+        _check_arguments(target_global_batch, schedule, adaptive, comm_threshold,
+                         max_global_batch, lr_scaling, schedule_unit, micro_batch_size,
+                         base_global_batch, measure_steps, verbose)  # fmt: skip
         self.target_global_batch = target_global_batch
-        self.schedule = schedule
+        self.schedule = check_schedule(schedule, schedule_unit) if schedule is not None else None
         self.schedule_unit = schedule_unit
         self.adaptive = adaptive
         self.comm_threshold = float(comm_threshold)
@@ -254,71 +168,39 @@ class AccumulationScheduler(L.Callback):
         self._count = 0  # micro-batches in the open window, this batch included
         self._window_step = -1  # trainer.global_step when the open window began
         self._base: int | None = self.base_global_batch
-        self._lr_factor = 1.0
         self._engine: Any = None
         self._restore_loop: Any = None
-        self._hooks: list[Any] = []
-        self._saved_lrs: dict[int, list[float]] = {}
+        self._lr = LrScaler()
         # the policy answers how many micro-batches each window gets; built at the first window
         self._policy: AccumulationPolicy | None = None
         self._adaptive_on = False
-        self._probed = False  # carried through checkpoints when no adaptive policy runs
-        self._next_check = 0
-        self._resumed_global_batch: int | None = None
-        # timing for the adaptive policy's measurements
-        self._clock: Stamps | None = None
+        self._resumed: dict[str, Any] = {}  # a checkpoint's adaptive state, for the policy
         self._loaders: _combined.TrainLoaders | None = None
-        self._windows: list[_Window] = []
-        self._open: _Window | None = None
-        self._last_end: Any = None
+        self._timer = WindowTimer()  # timing for the adaptive policy's measurements
 
     # -- set-up ---------------------------------------------------------------------------------
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        """Known before configure_optimizers (given, or the batch size of a loader passed
+        to fit): trainer.estimated_stepping_batches, which LR schedulers size themselves
+        from, counts the first window's accumulation. A loader from a hook is not built
+        here: that would run the user's hook early."""
         if stage != "fit":
             return
-        if not pl_module.automatic_optimization:
-            raise SpeedkitConfigError(
-                "AccumulationScheduler drives Lightning's automatic optimization; this "
-                "LightningModule sets `automatic_optimization = False`. With manual "
-                "optimization, accumulate in `training_step` yourself, or remove the callback."
-            )
-        if trainer.accumulate_grad_batches != 1:
-            raise SpeedkitConfigError(
-                f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` and "
-                f"AccumulationScheduler both set the accumulation. Remove "
-                f"`accumulate_grad_batches` from the Trainer (give the callback "
-                f"`target_global_batch=...`) or remove the callback."
-            )
-        callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
-        for other in callbacks:
-            if isinstance(other, GradientAccumulationScheduler):
-                raise SpeedkitConfigError(
-                    "Lightning's GradientAccumulationScheduler and AccumulationScheduler both "
-                    "set the accumulation. Keep one: `AccumulationScheduler(schedule={...}, "
-                    "schedule_unit='epoch')` does what the other does."
-                )
+        wiring.refuse_other_accumulation(trainer, pl_module)
         self._reset_fit_state()
         self._restore_loop = _compat.take_over_accumulation(
             trainer, self._window_done, self._window_starts
         )
-        # Known before configure_optimizers (given, or the batch size of a loader passed to
-        # fit): trainer.estimated_stepping_batches, which LR schedulers size themselves
-        # from, counts the first window's accumulation. A loader from a hook is not built
-        # here: that would run the user's hook early.
         given = _combined.given(_compat.train_loader_source(trainer).instance)
-        _refuse_shrinking_batches(given)
-        micro = self._micro or _micro_batch(given)
+        wiring.refuse_shrinking_batches(given)
+        micro = self._micro or wiring.micro_batch(given)
         if micro is not None:
-            trainer.accumulate_grad_batches = accumulation_for(
-                self._first_global_batch(micro), micro, trainer.world_size
-            )
+            trainer.accumulate_grad_batches = self._first_accumulation(micro, trainer.world_size)
 
-    def _first_global_batch(self, micro: int) -> int:
-        if self.schedule is not None:
-            start = [batch for key, batch in self.schedule.items() if key == 0]
-            return start[0] if start else micro
-        return self.target_global_batch or micro
+    def _first_accumulation(self, micro: int, world: int) -> int:
+        first = first_global_batch(micro, self.schedule, self.target_global_batch)
+        return accumulation_for(first, micro, world)
 
     def set_micro_batch_size(self, micro_batch_size: int) -> None:
         """Count micro-batches of this size from the fit's first window on.
@@ -331,71 +213,26 @@ class AccumulationScheduler(L.Callback):
         self._micro_changed = True
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        """A micro-batch set since setup (MicroBatchTuner's): Lightning reads the factor
+        before the first window sets it, to tell whether a resumed epoch stopped
+        mid-window (and to warn that a plain loader cannot resume mid-epoch)."""
         self._world = trainer.world_size
-        if isinstance(trainer.strategy, DeepSpeedStrategy):
-            self._engine = trainer.strategy.deepspeed_engine
+        self._engine = wiring.deepspeed_engine(trainer)
         self._loaders = _combined.of_trainer(trainer)
         if self._loaders is not None:
-            _refuse_shrinking_batches(self._loaders)
+            wiring.refuse_shrinking_batches(self._loaders)
         if self._micro is None:
-            self._micro = _micro_batch(self._loaders) if self._loaders is not None else None
+            self._micro = wiring.micro_batch(self._loaders) if self._loaders is not None else None
         elif self._micro_changed and self._engine is None:
-            # A micro-batch set since setup (MicroBatchTuner's): Lightning reads the factor
-            # before the first window sets it, to tell whether a resumed epoch stopped
-            # mid-window (and to warn that a plain loader cannot resume mid-epoch).
-            trainer.accumulate_grad_batches = accumulation_for(
-                self._first_global_batch(self._micro), self._micro, trainer.world_size
-            )
+            trainer.accumulate_grad_batches = self._first_accumulation(self._micro, self._world)
         if self.lr_scaling is not None:
-            self._hook_optimizers(trainer)
-        self._clock = Stamps(trainer.strategy.root_device)
-        if self.adaptive:
-            self._adaptive_on = self._adaptive_applies(trainer)
+            self._lr.hook(trainer.optimizers, self.lr_scaling)
+        self._timer.clock = Stamps(trainer.strategy.root_device)
+        self._adaptive_on = self.adaptive and wiring.adaptive_applies(trainer)
         loaded, self._loaded = self._loaded, {}
-        if loaded:
-            self._restore(loaded)
-
-    def _adaptive_applies(self, trainer: L.Trainer) -> bool:
-        if trainer.world_size == 1:
-            rank_zero_info(
-                "AccumulationScheduler: one process has no gradient communication to amortise; "
-                "adaptive mode holds its starting accumulation."
-            )
-            return False
-        if not isinstance(trainer.strategy.model, DistributedDataParallel):
-            rank_zero_warn(
-                f"AccumulationScheduler: adaptive mode needs DDP's `no_sync` to tell compute from "
-                f"communication; {type(trainer.strategy).__name__} reduces gradients on every "
-                f"micro-batch, so accumulating would not save communication. It holds its "
-                f"starting accumulation."
-            )
-            return False
-        return True
-
-    def _hook_optimizers(self, trainer: L.Trainer) -> None:
-        for optimizer in trainer.optimizers:
-            inner = torch_optimizer(optimizer)
-            if inner is None:
-                raise SpeedkitConfigError(
-                    f"`lr_scaling={self.lr_scaling!r}` needs a torch.optim.Optimizer, got "
-                    f"{type(optimizer).__name__}. Scale the learning rate yourself, or use a "
-                    f"torch optimizer."
-                )
-            self._hooks.append(inner.register_step_pre_hook(self._scale_lr))
-            self._hooks.append(inner.register_step_post_hook(self._unscale_lr))
-
-    def _scale_lr(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        if self._lr_factor == 1.0:
-            return
-        self._saved_lrs[id(optimizer)] = [group["lr"] for group in optimizer.param_groups]
-        for group in optimizer.param_groups:
-            group["lr"] = group["lr"] * self._lr_factor
-
-    def _unscale_lr(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-        saved = self._saved_lrs.pop(id(optimizer), None)
-        if saved is not None:  # the exact values back, not lr * f / f
-            for group, lr in zip(optimizer.param_groups, saved, strict=True):
-                group["lr"] = lr
+        if loaded:  # continue where the checkpoint was
+            self._base = self.base_global_batch or loaded.get("base_global_batch")
+            self._resumed = _resumed_state(loaded, self.adaptive)
 
     # -- the window, per batch (host-side bookkeeping only) ---------------------------------------
 
@@ -408,54 +245,33 @@ class AccumulationScheduler(L.Callback):
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._engine is None:
             self._count = 0  # Lightning stepped on the last batch; DeepSpeed carries over
-        self._gap()
+        self._timer.gap()
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._gap()
-
-    def _gap(self) -> None:
-        """Time spent outside training batches (validation, epoch end) is not a step's."""
-        if self._open is not None:
-            self._open.tainted = True
-        self._last_end = None
+        self._timer.gap()
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        new_window = (
+        if (
             self._accumulation == 0
-            or self._count >= self._accumulation
+            or self._window_done()
             or trainer.global_step != self._window_step
-        )
-        if new_window:
+        ):
             self._start_window(trainer, batch)
         else:
             self._count += 1
         if self._engine is not None:
-            self._engine.set_gradient_accumulation_boundary(self._count >= self._accumulation)
-        if self._open is not None:
-            now = self._clock.now() if self._clock is not None else None
-            if self._count < self._accumulation:
-                self._open.unsynced.append((now, None))
-            else:
-                self._open.sync_start = now
+            self._engine.set_gradient_accumulation_boundary(self._window_done())
+        self._timer.micro_batch_start(synchronises=self._window_done())
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if self._engine is not None:
             return  # DeepSpeed: called on every micro-batch; the engine keeps its window
-        if self._open is not None and self._clock is not None:
-            self._open.synced = self._clock.now()
-        if 0 < self._count < self._accumulation:
-            # The epoch's last window ran short: Lightning divided each loss by the full
-            # accumulation. Make the step the mean over the micro-batches it really had.
-            scale = self._accumulation / self._count
-            with torch.no_grad():
-                for group in optimizer.param_groups:
-                    for param in group["params"]:
-                        if param.grad is not None:
-                            param.grad.mul_(scale)
+        self._timer.optimizer_step()
+        wiring.rescale_short_window(optimizer, self._accumulation, self._count)
 
     def on_train_batch_end(
         self,
@@ -465,18 +281,7 @@ class AccumulationScheduler(L.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        window = self._open
-        if window is None or self._clock is None:
-            return
-        now = self._clock.now()
-        if window.unsynced and window.unsynced[-1][1] is None:
-            start, _ = window.unsynced[-1]
-            window.unsynced[-1] = (start, now)
-        if self._count >= self._accumulation:
-            window.end = now
-            self._windows.append(window)
-            self._open = None
-            self._last_end = now
+        self._timer.micro_batch_end(closes=self._window_done())
 
     # -- deciding the accumulation (at window starts only) ------------------------------------
 
@@ -494,72 +299,46 @@ class AccumulationScheduler(L.Callback):
         self._window_step = trainer.global_step
         if accumulation != self._accumulation:
             self._apply(trainer, accumulation, policy.reason)
-        timed = isinstance(policy, AdaptiveToCommunication) and policy.measures(trainer.global_step)
-        self._open = _Window(self._accumulation, self._last_end) if timed else None
+        if isinstance(policy, AdaptiveToCommunication) and policy.measures(trainer.global_step):
+            self._timer.open_window(self._accumulation)
+        else:
+            self._timer.open = None
 
     def _make_policy(self) -> AccumulationPolicy:
-        """The policy the constructor's arguments ask for, for this fit's sizes."""
-        micro = self._micro or 1
-        if self.schedule is not None:
-            return StepSchedule(self.schedule, micro, self._world, self.schedule_unit)
-        start = TargetGlobalBatch(self.target_global_batch, micro, self._world)
-        if not self._adaptive_on:  # not adaptive, or adaptive where it cannot apply
-            return start
-        assert self.max_global_batch is not None  # the constructor requires it with adaptive
-        return AdaptiveToCommunication(
-            start,
-            self.max_global_batch,
-            self.comm_threshold,
-            resumed_global_batch=self._resumed_global_batch,
-            probed=self._probed,
-            next_check=self._next_check,
-        )
-
-    def _global_batch(self, accumulation: int) -> int:
-        return accumulation * (self._micro or 1) * self._world
+        """The policy the constructor's arguments ask for, for this fit's sizes; adaptive
+        only where it applies."""
+        ceiling = self.max_global_batch if self._adaptive_on else None
+        return build_policy(self._micro or 1, self._world, schedule=self.schedule,
+                            unit=self.schedule_unit, target_global_batch=self.target_global_batch,
+                            max_global_batch=ceiling, threshold=self.comm_threshold,
+                            **self._resumed)  # fmt: skip
 
     def _observe(self, trainer: L.Trainer, policy: AdaptiveToCommunication) -> None:
         """Measure the timed windows once there are enough, and give the policy the result."""
-        usable = [w for w in self._windows[_WARMUP_WINDOWS:] if not w.tainted]
-        if len(usable) < self.measure_steps:
+        usable = self._timer.ready(self.measure_steps)
+        if usable is None:
             return
-        measured: CommShare | None = None
-        if trainer.global_rank == 0:
-            assert self._clock is not None
-            measured = _measure(usable, self._clock)
+        clock = self._timer.clock
+        measured = measure(usable, clock) if trainer.global_rank == 0 and clock else None
         # collective: every rank reaches this window start together; once per measurement.
         # Every rank's policy then makes rank 0's decision from the same numbers.
         measured = trainer.strategy.broadcast(measured, src=0)
-        self._windows = []
+        self._timer.windows = []
         policy.observe(measured, trainer.global_step)
-        if measured is None:
-            return
-        self.measurements.append(measured)
-        log.debug(
-            "AccumulationScheduler measured %s, chose %d",
-            measured,
-            policy.accumulation(trainer.global_step),
-        )
-        self._log(trainer, {"accumulation/comm_share": measured.share})
+        if measured is not None:
+            self.measurements.append(measured)
+            log.debug("AccumulationScheduler measured %s, chose %d", measured,
+                      policy.accumulation(trainer.global_step))  # fmt: skip
+            wiring.log_metrics(trainer, {"accumulation/comm_share": measured.share})
 
     def _apply(self, trainer: L.Trainer, accumulation: int, reason: str) -> None:
         self._accumulation = accumulation
-        global_batch = self._global_batch(accumulation)
-        if self._base is None:
-            self._base = global_batch
+        global_batch = accumulation * (self._micro or 1) * self._world
+        self._base = self._base or global_batch
         if self.lr_scaling is not None:
-            self._lr_factor = (global_batch / self._base) ** _LR_POWER[self.lr_scaling]
-        if self._engine is not None:
-            # DeepSpeed divides the loss by its own accumulation: Lightning must not too.
-            trainer.accumulate_grad_batches = 1
-            engine = self._engine
-            engine.set_train_batch_size(
-                engine.train_micro_batch_size_per_gpu() * engine.dp_world_size * accumulation
-            )
-        else:
-            trainer.accumulate_grad_batches = accumulation  # Lightning's loss divisor
-        self._windows = []
-        self._open = None
+            self._lr.factor = lr_factor(global_batch, self._base, self.lr_scaling)
+        wiring.set_accumulation(trainer, self._engine, accumulation)
+        self._timer.clear()
         last = self.history[-1] if self.history else None
         if last is not None and (last.accumulation, last.global_batch) == (
             accumulation,
@@ -568,22 +347,10 @@ class AccumulationScheduler(L.Callback):
             return  # a resumed run taking up where it was: nothing changed
         change = AccumulationChange(trainer.global_step, accumulation, global_batch, reason)
         self.history.append(change)
-        metrics = {"accumulation/factor": float(accumulation),
-                   "accumulation/global_batch": float(global_batch)}  # fmt: skip
-        if self.lr_scaling is not None:
-            metrics["accumulation/lr_scale"] = self._lr_factor
-        self._log(trainer, metrics)
+        lr_scale = self._lr.factor if self.lr_scaling is not None else None
+        wiring.log_metrics(trainer, _change_metrics(change, lr_scale))
         if self.verbose:
-            rank_zero_info(
-                f"AccumulationScheduler: step {change.step}: {accumulation} micro-batch(es) of "
-                f"{self._micro} on {self._world} rank(s) = global batch {global_batch}"
-                + (f" ({reason})" if reason else "")
-            )
-
-    @staticmethod
-    def _log(trainer: L.Trainer, metrics: dict[str, float]) -> None:
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+            rank_zero_info(_change_message(change, self._micro, self._world))
 
     # -- teardown and checkpoints ---------------------------------------------------------------
 
@@ -593,9 +360,7 @@ class AccumulationScheduler(L.Callback):
         if self._restore_loop is not None:
             self._restore_loop()
             self._restore_loop = None
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
+        self._lr.remove()
         trainer.accumulate_grad_batches = 1
 
     def on_exception(
@@ -610,12 +375,13 @@ class AccumulationScheduler(L.Callback):
 
     def state_dict(self) -> dict[str, Any]:
         policy = self._policy if isinstance(self._policy, AdaptiveToCommunication) else None
+        resumed = {"probed": False, "next_check": 0, **self._resumed}
         return {
             "accumulation": self._accumulation,
-            "global_batch": self._global_batch(self._accumulation) if self._accumulation else None,
+            "global_batch": self._accumulation * (self._micro or 1) * self._world or None,
             "base_global_batch": self._base,
-            "probed": policy.probed if policy is not None else self._probed,
-            "next_check": policy.next_check if policy is not None else self._next_check,
+            "probed": policy.probed if policy is not None else resumed["probed"],
+            "next_check": policy.next_check if policy is not None else resumed["next_check"],
             "history": [asdict(change) for change in self.history],
             "measurements": [asdict(measured) for measured in self.measurements],
         }
@@ -625,35 +391,91 @@ class AccumulationScheduler(L.Callback):
         self.history = [AccumulationChange(**c) for c in state_dict.get("history", [])]
         self.measurements = [CommShare(**m) for m in state_dict.get("measurements", [])]
 
-    def _restore(self, state: dict[str, Any]) -> None:
-        """Continue where the checkpoint was (called at train start, after set-up)."""
-        self._base = self.base_global_batch or state.get("base_global_batch")
-        self._probed = bool(state.get("probed", False))
-        self._next_check = int(state.get("next_check", 0))
-        if self.adaptive:
-            self._resumed_global_batch = state.get("global_batch")
+
+def _check_arguments(
+    target_global_batch: int | None,
+    schedule: Mapping[int, int] | None,
+    adaptive: bool,
+    comm_threshold: float,
+    max_global_batch: int | None,
+    lr_scaling: LrScaling | None,
+    schedule_unit: ScheduleUnit,
+    micro_batch_size: int | None,
+    base_global_batch: int | None,
+    measure_steps: int,
+    verbose: bool,
+) -> None:
+    """AccumulationScheduler's arguments, each checked, and the modes they combine into."""
+    if target_global_batch is not None:
+        _positive_int(target_global_batch, "target_global_batch")
+    _validation.choice("schedule_unit", schedule_unit, ("step", "epoch"))
+    _validation.boolean("adaptive", adaptive)
+    _validation.boolean("verbose", verbose)
+    if schedule is not None:
+        check_schedule(schedule, schedule_unit)
+    if target_global_batch is None and schedule is None and not adaptive:
+        raise SpeedkitConfigError(
+            "AccumulationScheduler needs a mode: `target_global_batch=N`, "
+            "`schedule={step: N, ...}`, or `adaptive=True` with `max_global_batch=N`."
+        )
+    if schedule is not None and (target_global_batch is not None or adaptive):
+        raise SpeedkitConfigError(
+            "`schedule` sets the global batch at every step by itself: it cannot be "
+            "combined with `target_global_batch` or `adaptive`. Use one of them."
+        )
+    if adaptive and max_global_batch is None:
+        raise SpeedkitConfigError(
+            "`adaptive=True` needs `max_global_batch=N`: the largest global batch your "
+            "optimisation tolerates, which adaptive mode never exceeds."
+        )
+    if max_global_batch is not None:
+        _positive_int(max_global_batch, "max_global_batch")
+        if not adaptive:
+            raise SpeedkitConfigError(
+                "`max_global_batch` is adaptive mode's ceiling; pass `adaptive=True` too, "
+                "or leave it out."
+            )
+        if target_global_batch is not None and target_global_batch > max_global_batch:
+            raise SpeedkitConfigError(
+                f"`target_global_batch={target_global_batch}` is above "
+                f"`max_global_batch={max_global_batch}`; adaptive mode starts at the "
+                f"target and rises to the maximum."
+            )
+    share = "a share of the step, between 0 and 1"
+    _validation.probability("comm_threshold", comm_threshold, low_open=True, high_open=True,
+                            example=0.3, hint=share)  # fmt: skip
+    _validation.choice("lr_scaling", lr_scaling, (*LR_POWER, None))
+    for name, value in (("micro_batch_size", micro_batch_size),
+                        ("base_global_batch", base_global_batch)):  # fmt: skip
+        if value is not None:
+            _positive_int(value, name)
+    _positive_int(measure_steps, "measure_steps")
 
 
-def _micro_batch(loaders: _combined.TrainLoaders) -> int | None:
-    """Samples one step of the train loaders holds on one rank, if the loaders say: a
-    step of a dict or list of loaders holds a batch of each."""
-    sizes = [_combined.loader_batch_size(loader) for loader in loaders.flat()]
-    if not sizes or any(size is None for size in sizes):
-        return None
-    if not loaders.combined:  # one loader, or one loader's batch a step ("sequential")
-        return sizes[0] if len(set(sizes)) == 1 else None
-    return sum(size or 0 for size in sizes)
+def _resumed_state(state: dict[str, Any], adaptive: bool) -> dict[str, Any]:
+    """A checkpoint's adaptive state, as :func:`build_policy` takes it."""
+    resumed: dict[str, Any] = {
+        "probed": bool(state.get("probed", False)),
+        "next_check": int(state.get("next_check", 0)),
+    }
+    if adaptive:
+        resumed["resumed_global_batch"] = state.get("global_batch")
+    return resumed
 
 
-def _refuse_shrinking_batches(loaders: _combined.TrainLoaders) -> None:
-    """Refuse a CombinedLoader whose steps lose a loader's batch when it runs out."""
-    if loaders.mode != "max_size" or len(loaders.flat()) < 2:
-        return
-    raise SpeedkitConfigError(
-        "AccumulationScheduler got train loaders combined with `mode='max_size'`: once a "
-        "shorter loader runs out it gives None, so later micro-batches hold fewer samples "
-        "and the global batch would shrink with them. Combine them with "
-        '`CombinedLoader(loaders, mode="max_size_cycle")` (what `fit` does with a dict or '
-        'list of loaders: a shorter loader starts over) or `mode="min_size"` (the epoch ends '
-        "with the shortest), or train without AccumulationScheduler."
+def _change_metrics(change: AccumulationChange, lr_scale: float | None) -> dict[str, float]:
+    """What a change logs: the factor, the global batch, and the LR scale when scaling."""
+    metrics = {"accumulation/factor": float(change.accumulation),
+               "accumulation/global_batch": float(change.global_batch)}  # fmt: skip
+    if lr_scale is not None:
+        metrics["accumulation/lr_scale"] = lr_scale
+    return metrics
+
+
+def _change_message(change: AccumulationChange, micro: int | None, world: int) -> str:
+    """What a change prints (``verbose``, rank 0)."""
+    return (
+        f"AccumulationScheduler: step {change.step}: {change.accumulation} micro-batch(es) of "
+        f"{micro} on {world} rank(s) = global batch {change.global_batch}"
+        + (f" ({change.reason})" if change.reason else "")
     )

@@ -337,3 +337,65 @@ class AdaptiveToCommunication:
             f"{measured.accumulation} (threshold {self.threshold:.0%}); predicted "
             f"{predicted:.0%} at {chosen}{capped}"
         )
+
+
+def build_policy(
+    micro_batch: int,
+    world_size: int,
+    *,
+    schedule: Mapping[int, int] | None = None,
+    unit: ScheduleUnit = "step",
+    target_global_batch: int | None = None,
+    max_global_batch: int | None = None,
+    threshold: float = 0.3,
+    resumed_global_batch: int | None = None,
+    probed: bool = False,
+    next_check: int = 0,
+) -> AccumulationPolicy:
+    """The policy AccumulationScheduler's arguments ask for, for one fit's sizes.
+
+    ``schedule`` gives a :class:`StepSchedule`; otherwise ``max_global_batch`` (adaptive
+    mode, where it applies) an :class:`AdaptiveToCommunication` starting at
+    ``target_global_batch``; otherwise a :class:`TargetGlobalBatch`. The last three
+    arguments carry a resumed run's adaptive state.
+
+    Example::
+
+        >>> build_policy(8, 4, target_global_batch=256).accumulation(step=0)
+        8
+        >>> adaptive = build_policy(8, 2, max_global_batch=256, resumed_global_batch=64)
+        >>> adaptive.accumulation(step=0), adaptive.reason
+        (4, 'resumed at global batch 64')
+    """
+    if schedule is not None:
+        return StepSchedule(schedule, micro_batch, world_size, unit)
+    start = TargetGlobalBatch(target_global_batch, micro_batch, world_size)
+    if max_global_batch is None:
+        return start
+    return AdaptiveToCommunication(
+        start,
+        max_global_batch,
+        threshold,
+        resumed_global_batch=resumed_global_batch,
+        probed=probed,
+        next_check=next_check,
+    )
+
+
+def first_global_batch(
+    micro_batch: int,
+    schedule: Mapping[int, int] | None = None,
+    target_global_batch: int | None = None,
+) -> int:
+    """The global batch of a fit's first step: the schedule's key 0, else the target,
+    else one micro-batch per step (``micro_batch`` on one rank).
+
+    Example::
+
+        >>> first_global_batch(8, schedule={0: 64, 100: 256}), first_global_batch(8)
+        (64, 8)
+    """
+    if schedule is not None:
+        start = [batch for key, batch in schedule.items() if key == 0]
+        return start[0] if start else micro_batch
+    return target_global_batch or micro_batch

@@ -1,0 +1,131 @@
+"""How AccumulationScheduler's accumulation reaches Lightning or DeepSpeed, and what it refuses.
+
+Lightning: ``trainer.accumulate_grad_batches`` is the loss divisor (where windows start
+and end is taken over by ``_compat.take_over_accumulation``); the last window of an
+epoch, when shorter, gets its gradients scaled back to the mean of the micro-batches
+it had. DeepSpeed: the engine's ``set_train_batch_size`` and accumulation boundary are
+set, and the engine divides the loss itself.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.strategies import DeepSpeedStrategy
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch.nn.parallel import DistributedDataParallel
+
+from lightning_speedkit import _combined
+from lightning_speedkit.errors import SpeedkitConfigError
+
+
+def refuse_other_accumulation(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+    """Refuse a fit where something else sets the accumulation, or nothing can."""
+    if not pl_module.automatic_optimization:
+        raise SpeedkitConfigError(
+            "AccumulationScheduler drives Lightning's automatic optimization; this "
+            "LightningModule sets `automatic_optimization = False`. With manual "
+            "optimization, accumulate in `training_step` yourself, or remove the callback."
+        )
+    if trainer.accumulate_grad_batches != 1:
+        raise SpeedkitConfigError(
+            f"`Trainer(accumulate_grad_batches={trainer.accumulate_grad_batches})` and "
+            f"AccumulationScheduler both set the accumulation. Remove "
+            f"`accumulate_grad_batches` from the Trainer (give the callback "
+            f"`target_global_batch=...`) or remove the callback."
+        )
+    callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    for other in callbacks:
+        if isinstance(other, GradientAccumulationScheduler):
+            raise SpeedkitConfigError(
+                "Lightning's GradientAccumulationScheduler and AccumulationScheduler both "
+                "set the accumulation. Keep one: `AccumulationScheduler(schedule={...}, "
+                "schedule_unit='epoch')` does what the other does."
+            )
+
+
+def micro_batch(loaders: _combined.TrainLoaders) -> int | None:
+    """Samples one step of the train loaders holds on one rank, if the loaders say: a
+    step of a dict or list of loaders holds a batch of each."""
+    sizes = [_combined.loader_batch_size(loader) for loader in loaders.flat()]
+    if not sizes or any(size is None for size in sizes):
+        return None
+    if not loaders.combined:  # one loader, or one loader's batch a step ("sequential")
+        return sizes[0] if len(set(sizes)) == 1 else None
+    return sum(size or 0 for size in sizes)
+
+
+def refuse_shrinking_batches(loaders: _combined.TrainLoaders) -> None:
+    """Refuse a CombinedLoader whose steps lose a loader's batch when it runs out."""
+    if loaders.mode != "max_size" or len(loaders.flat()) < 2:
+        return
+    raise SpeedkitConfigError(
+        "AccumulationScheduler got train loaders combined with `mode='max_size'`: once a "
+        "shorter loader runs out it gives None, so later micro-batches hold fewer samples "
+        "and the global batch would shrink with them. Combine them with "
+        '`CombinedLoader(loaders, mode="max_size_cycle")` (what `fit` does with a dict or '
+        'list of loaders: a shorter loader starts over) or `mode="min_size"` (the epoch ends '
+        "with the shortest), or train without AccumulationScheduler."
+    )
+
+
+def deepspeed_engine(trainer: L.Trainer) -> Any:
+    """The DeepSpeed engine the fit runs under, or None (not DeepSpeed)."""
+    if isinstance(trainer.strategy, DeepSpeedStrategy):
+        return trainer.strategy.deepspeed_engine
+    return None
+
+
+def set_accumulation(trainer: L.Trainer, engine: Any, accumulation: int) -> None:
+    """Hand ``accumulation`` to Lightning (its loss divisor) or to the DeepSpeed ``engine``."""
+    if engine is not None:
+        # DeepSpeed divides the loss by its own accumulation: Lightning must not too.
+        trainer.accumulate_grad_batches = 1
+        engine.set_train_batch_size(
+            engine.train_micro_batch_size_per_gpu() * engine.dp_world_size * accumulation
+        )
+    else:
+        trainer.accumulate_grad_batches = accumulation  # Lightning's loss divisor
+
+
+def rescale_short_window(optimizer: torch.optim.Optimizer, accumulation: int, count: int) -> None:
+    """The epoch's last window ran short (``count`` of ``accumulation`` micro-batches):
+    Lightning divided each loss by the full accumulation. Make the step the mean over
+    the micro-batches it really had."""
+    if not 0 < count < accumulation:
+        return
+    scale = accumulation / count
+    with torch.no_grad():
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None:
+                    param.grad.mul_(scale)
+
+
+def adaptive_applies(trainer: L.Trainer) -> bool:
+    """Whether adaptive mode can save communication in this fit (DDP on several ranks);
+    when not, says why and that it holds its starting accumulation."""
+    if trainer.world_size == 1:
+        rank_zero_info(
+            "AccumulationScheduler: one process has no gradient communication to amortise; "
+            "adaptive mode holds its starting accumulation."
+        )
+        return False
+    if not isinstance(trainer.strategy.model, DistributedDataParallel):
+        rank_zero_warn(
+            f"AccumulationScheduler: adaptive mode needs DDP's `no_sync` to tell compute from "
+            f"communication; {type(trainer.strategy).__name__} reduces gradients on every "
+            f"micro-batch, so accumulating would not save communication. It holds its "
+            f"starting accumulation."
+        )
+        return False
+    return True
+
+
+def log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
+    """Log ``metrics`` to every logger of the Trainer at its global step."""
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
