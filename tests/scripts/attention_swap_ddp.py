@@ -19,7 +19,7 @@ import lightning as L
 import torch
 
 from lightning_speedkit import AttentionSwap
-from lightning_speedkit.attention import swap as _swap_module
+from lightning_speedkit.attention import _swapped_forward as _swap_module
 from lightning_speedkit.attention.swap import swapped_modules
 from speedkit_examples.vlm import CaptionTokenizer, CorpusConfig, VLMConfig, VLMDataModule, VLMTask
 from tests.helpers.multiprocess import finish_rank

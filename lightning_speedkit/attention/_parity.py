@@ -1,0 +1,265 @@
+"""The parity check's measure: a fused module's outputs and gradients against its own.
+
+A check runs the module's own forward and the fused one on detached copies of the
+same inputs (:func:`copy_inputs`), each as a :class:`Run` (its outputs, and the
+gradients of its inputs and parameters under a fixed random projection of the
+outputs), and :meth:`Run.error` compares two runs. The tolerance a backend must
+meet comes from the outputs' dtype (:data:`DEFAULT_TOLERANCE`); in half precision
+both runs are judged against a float32 run of the module's own forward
+(:func:`upcast`). Plain tensors in, plain numbers out: no module is swapped here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+#: Largest relative error (max |fused - own| / max |own|) that passes, by the
+#: lowest floating dtype among the module's outputs.
+DEFAULT_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float64: 1e-7,
+    torch.float32: 1e-4,
+    torch.bfloat16: 3e-2,
+    torch.float16: 1e-2,
+}
+
+HALF = (torch.float16, torch.bfloat16)
+
+Inputs = tuple[tuple[Any, ...], dict[str, Any]]
+"""A call's positional and keyword arguments."""
+
+
+def tolerance_for(tensors: list[Tensor]) -> float:
+    """The default tolerance for outputs of these dtypes: the loosest among them."""
+    dtypes = [t.dtype for t in tensors if t.is_floating_point()]
+    return max((DEFAULT_TOLERANCE.get(d, 1e-2) for d in dtypes), default=1e-4)
+
+
+def is_half(tensors: list[Tensor]) -> bool:
+    """Whether any of the tensors is float16 or bfloat16 (then a float32 reference judges)."""
+    return any(t.dtype in HALF for t in tensors)
+
+
+@contextlib.contextmanager
+def eval_mode(module: nn.Module) -> Iterator[None]:
+    """Eval mode inside (no dropout, no running-stat updates), each module's mode restored."""
+    modes = [(m, m.training) for m in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@contextlib.contextmanager
+def upcast(module: nn.Module) -> Iterator[None]:
+    """Half-precision parameters and buffers in float32 inside; the same storage after."""
+    saved = [(t, t.data) for t in (*module.parameters(), *module.buffers()) if t.dtype in HALF]
+    for tensor, data in saved:
+        tensor.data = data.float()
+    try:
+        yield
+    finally:
+        for tensor, data in saved:
+            tensor.data = data
+
+
+def copy_inputs(
+    args: tuple[Any, ...], kwargs: dict[str, Any], requires_grad: bool, upcast: bool = False
+) -> Inputs:
+    """Detached copies (aliasing kept: ``mha(x, x, x)`` stays self-attention).
+
+    ``upcast``: half-precision tensors become float32 (the reference run).
+    """
+    memo: dict[int, Tensor] = {}
+
+    def copy(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            if id(value) not in memo:
+                clone = value.detach().clone()
+                if upcast and clone.dtype in HALF:
+                    clone = clone.float()
+                if requires_grad and clone.is_floating_point():
+                    # A non-leaf (a view of the leaf): hooks on module inputs, such
+                    # as count_flops' module tracker, refuse leaves in autograd.grad.
+                    clone = clone.requires_grad_(True).view_as(clone)
+                memo[id(value)] = clone
+            return memo[id(value)]
+        if isinstance(value, (tuple, list)):
+            return type(value)(copy(v) for v in value)
+        if isinstance(value, dict):
+            return {k: copy(v) for k, v in value.items()}
+        return value
+
+    return copy(args), copy(kwargs)
+
+
+def tensors(value: Any) -> list[Tensor]:
+    """The tensors in ``value`` (nested tuples, lists and mappings), in order."""
+    if isinstance(value, Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for v in value for t in tensors(v)]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in tensors(v)]
+    return []
+
+
+class Run:
+    """One forward on the check's inputs, and its gradients.
+
+    Args:
+        fn: the forward on the check's inputs (the module's own, or a fused one).
+        inputs: those inputs: the ones that require grad get gradients.
+        module: whose parameters get gradients.
+        grad: compute the gradients (a backward under a fixed projection).
+    """
+
+    def __init__(
+        self,
+        fn: Callable[[], Any],
+        inputs: Inputs,
+        module: nn.Module,
+        grad: bool,
+    ) -> None:
+        self.fn = fn
+        self.grad = grad
+        output = fn()
+        self.not_implemented = output is NotImplemented
+        self.tensors = [] if self.not_implemented else tensors(output)
+        self.targets = [t for t in tensors(inputs) if t.requires_grad]
+        self.n_inputs = len(self.targets)
+        self.targets += [p for p in module.parameters() if p.requires_grad]
+        self.grads: list[Tensor | None] = []
+        if grad and not self.not_implemented:
+            self.grads = self.backward(self.tensors)
+
+    def _projections(self, outputs: list[Tensor]) -> list[Tensor]:
+        # A fixed random projection of each output: the same for both runs.
+        generator = torch.Generator().manual_seed(1234)
+        return [
+            torch.randn(o.shape, generator=generator, dtype=torch.float32).to(o.device, o.dtype)
+            for o in outputs
+        ]
+
+    def backward(self, outputs: list[Tensor]) -> list[Tensor | None]:
+        """The gradients of the inputs and parameters under the fixed projection."""
+        differentiable = [t for t in outputs if t.requires_grad]
+        if not differentiable or not self.targets:
+            return []
+        return list(
+            torch.autograd.grad(
+                differentiable,
+                self.targets,
+                self._projections(differentiable),
+                allow_unused=True,
+            )
+        )
+
+    def again(self) -> None:
+        """The forward (+ backward) once more, results dropped (for timing)."""
+        output = tensors(self.fn())
+        if self.grad:
+            self.backward(output)
+
+    def error(self, other: Run) -> float:
+        """Largest relative error of ``other``'s outputs and gradients against ours.
+
+        Outputs and input gradients: each tensor's largest error, scaled by its
+        own largest value, floored at 1% of the largest value in its group.
+
+        Parameter gradients: the error of the module's whole parameter gradient,
+        one vector (relative L2), as an optimizer step sees it, whatever the
+        module's packing. Per tensor, a gradient that is small against the rest
+        weighs its rounding with its own size: at initialisation the query and
+        key projections' gradients of a nearly uniform attention are hundreds of
+        times smaller than the value and output projections' (differences of
+        nearly equal scores), and the backward of every fused kernel in half
+        precision (FlashAttention's row sums taken from the rounded output) puts
+        a rounding error of tens of percent of their own size on them. That
+        failed separate ``q_proj``/``k_proj`` projections and passed a fused
+        ``qkv``, where the same error hides beside the value part; the module's
+        whole gradient moves by the same amount (rounding) with any kernel.
+        """
+        if len(self.tensors) != len(other.tensors) or len(self.grads) != len(other.grads):
+            return math.inf
+        n = self.n_inputs
+        outputs = relative_errors(list(zip(self.tensors, other.tensors, strict=True)))
+        inputs = relative_errors(list(zip(self.grads[:n], other.grads[:n], strict=True)))
+        params = vector_error(list(zip(self.grads[n:], other.grads[n:], strict=True)))
+        if outputs is None or inputs is None or params is None:
+            return math.inf
+        errors = [e for e in (outputs, inputs, params) if e.numel()]
+        if not errors:
+            return 0.0
+        return float(torch.cat(errors).max())  # SYNC: once per module check
+
+
+def _aligned(
+    pairs: list[tuple[Tensor | None, Tensor | None]],
+) -> list[tuple[Tensor, Tensor]] | None:
+    """The pairs with both sides present, ``None`` where a pair's shapes differ. A side
+    missing is zeros: an input unused on one side only has a zero gradient."""
+    aligned: list[tuple[Tensor, Tensor]] = []
+    for ours, theirs in pairs:
+        if ours is None and theirs is None:
+            continue
+        if ours is None:
+            assert theirs is not None
+            ours = torch.zeros_like(theirs)
+        if theirs is None:
+            theirs = torch.zeros_like(ours)
+        if ours.shape != theirs.shape:
+            return None
+        aligned.append((ours, theirs))
+    return aligned
+
+
+def relative_errors(pairs: list[tuple[Tensor | None, Tensor | None]]) -> Tensor | None:
+    """Per-pair relative errors (see :meth:`Run.error`); ``None`` for a shape mismatch."""
+    aligned = _aligned(pairs)
+    if aligned is None:
+        return None
+    diffs: list[Tensor] = []
+    scales: list[Tensor] = []
+    for ours, theirs in aligned:
+        if not ours.is_floating_point():
+            same = torch.equal(ours, theirs)
+            diffs.append(torch.tensor(0.0 if same else math.inf))
+            scales.append(torch.tensor(1.0))
+            continue
+        a, b = ours.detach().float(), theirs.detach().float()
+        diff = (a - b).abs()
+        diff = torch.where(a.isnan() & b.isnan(), torch.zeros_like(diff), diff)
+        diffs.append(torch.nan_to_num(diff, nan=math.inf).max().cpu())
+        scales.append(torch.nan_to_num(a.abs(), nan=0.0).max().cpu())
+    if not diffs:
+        return torch.zeros(0)
+    diff, scale = torch.stack(diffs), torch.stack(scales)
+    floor = (scale.max() * 0.01).clamp_min(1e-12)
+    return diff / torch.maximum(scale, floor)
+
+
+def vector_error(pairs: list[tuple[Tensor | None, Tensor | None]]) -> Tensor | None:
+    """``|theirs - ours| / |ours|`` over all pairs as one vector (L2); ``None``: shapes differ."""
+    aligned = _aligned(pairs)
+    if aligned is None:
+        return None
+    diff_sq: list[Tensor] = []
+    ref_sq: list[Tensor] = []
+    for ours, theirs in aligned:
+        a, b = ours.detach().double(), theirs.detach().double()
+        diff = torch.where(a.isnan() & b.isnan(), torch.zeros_like(a), a - b)
+        diff_sq.append(torch.nan_to_num(diff.square().sum(), nan=math.inf).cpu())
+        ref_sq.append(torch.nan_to_num(a.square().sum(), nan=0.0).cpu())
+    if not diff_sq:
+        return torch.zeros(0)
+    diff_norm = torch.stack(diff_sq).sum().sqrt()
+    ref_norm = torch.stack(ref_sq).sum().sqrt().clamp_min(1e-30)
+    return (diff_norm / ref_norm).float().reshape(1)

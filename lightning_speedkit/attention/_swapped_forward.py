@@ -1,0 +1,326 @@
+"""The forward ``swap_attention`` puts on a module: its own until checked, then fused.
+
+A swapped module's first call on real inputs (and its first with gradients) runs
+its own forward and the fused one on copies of those inputs and compares them
+(:mod:`._parity`); ``auto`` also times the passing backends (:mod:`._auto_timing`). A module whose fused forward fails is reverted to its own,
+with a warning. Decisions made elsewhere (rank 0's, a resumed run's) are taken
+with :meth:`_SwappedForward.adopt`.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+
+from lightning_speedkit._surgery import (
+    original_forward,
+    replace_forward,
+    replaced_forward,
+    restore_forward,
+)
+from lightning_speedkit.attention._auto_timing import pick_fastest
+from lightning_speedkit.attention._parity import (
+    Inputs,
+    Run,
+    copy_inputs,
+    eval_mode,
+    is_half,
+    tensors,
+    tolerance_for,
+    upcast,
+)
+from lightning_speedkit.attention._swap_report import ModuleSwap
+from lightning_speedkit.attention._traced import SwapRefusedError, swapped_call
+from lightning_speedkit.attention.adapters import AttentionAdapter, SwapContext
+from lightning_speedkit.attention.backends import BACKENDS, Attend, auto_candidates
+from lightning_speedkit.measure.flops import not_counted
+
+log = logging.getLogger(__name__)
+
+
+class _SwappedForward:
+    """The forward ``swap_attention`` puts on a module: fused once checked, own until then."""
+
+    _speedkit = True
+
+    def __init__(
+        self,
+        module: nn.Module,
+        entry: ModuleSwap,
+        adapter: AttentionAdapter,
+        binding: Any,
+        tolerance: float | None,
+        measure: bool,
+    ) -> None:
+        self.module = module
+        self.entry = entry
+        self.adapter = adapter
+        self.original = original_forward(module)
+        self.tolerance = tolerance
+        self.measure = measure
+        self._attends: dict[str, Attend] = {}
+        first = "sdpa" if entry.requested == "auto" else entry.requested
+        self.ctx = SwapContext(module, self.original, self._attend(first), binding)
+        self.checked_forward = False
+        self.checked_backward = False
+        self._pinned = False
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_compiling():  # checks run eagerly; a traced call takes what passed
+            if self.entry.status == "active":
+                return self._fast(self.ctx, args, kwargs)
+            return self.original(*args, **kwargs)
+        grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        with swapped_call():  # an enclosing module's trace or fusion does not look in here
+            if not self.checked_forward or (grad and not self.checked_backward):
+                return self._check_call(args, kwargs, grad)
+            return self._fast(self.ctx, args, kwargs)
+
+    def _fast(self, ctx: SwapContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        out = self.adapter.forward(ctx, *args, **kwargs)
+        if out is NotImplemented:
+            return self.original(*args, **kwargs)
+        return out
+
+    def _attend(self, backend: str) -> Attend:
+        if backend not in self._attends:
+            self._attends[backend] = Attend(backend)
+        return self._attends[backend]
+
+    # ------------------------------------------------------------------ checks
+
+    def check_synthetic(self) -> None:
+        """Check on the adapter's own small input (no timing): catches look-alikes early."""
+        if self.adapter.example_inputs is None:
+            return
+        example = self.adapter.example_inputs(self.module)
+        if example is None:
+            return
+        with eval_mode(self.module), torch.enable_grad():
+            self._check(example[0], example[1], grad=True, time_it=False, label="synthetic")
+
+    def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> Any:
+        if self._check_inputs(args, kwargs, grad):
+            # The fused output (equal within the tolerance): a recomputation under activation
+            # checkpointing then runs the same operations as this forward did.
+            return self._fast(self.ctx, args, kwargs)
+        return self.original(*args, **kwargs)
+
+    def check_now(self, args: tuple[Any, ...], kwargs: dict[str, Any], *, grad: bool) -> None:
+        """Check on inputs the module was just called with (a traced module's first call)."""
+        with torch.set_grad_enabled(grad), swapped_call():
+            self._check_inputs(args, kwargs, grad)
+
+    def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> bool:
+        # The check is not the model's work: no FLOPs counted, and what its runs save for
+        # backward stays theirs (an enclosing activation checkpoint must not count it).
+        modes = [(m, m.training) for m in self.module.modules()]
+        with eval_mode(self.module), not_counted(), _keep_saved_tensors():
+            passed = self._check(
+                args,
+                kwargs,
+                grad,
+                time_it=True,  # auto always times its candidates; one backend only if measure
+                label="forward+backward" if grad else "forward",
+                training=modes if any(training for _, training in modes) else None,
+            )
+        if passed:
+            self.checked_forward = True
+            self.checked_backward = self.checked_backward or grad
+        return passed
+
+    def _check(
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        grad: bool,
+        *,
+        time_it: bool,
+        label: str,
+        training: list[tuple[nn.Module, bool]] | None = None,
+    ) -> bool:
+        """Compare fused against own on copies of these inputs; revert on failure.
+
+        Compared in eval mode (no dropout, the same numbers both ways); ``training``, the
+        modes of a module called in training, has each passing backend also run once
+        in them, to drop one that cannot (the CPU's flash kernel has no dropout).
+
+        Returns whether a check happened and passed (the adapter may not handle
+        these inputs: then nothing is decided).
+        """
+        entry = self.entry
+        copies = copy_inputs(args, kwargs, requires_grad=grad)
+        try:
+            own = Run(lambda: self.original(*copies[0], **copies[1]), copies, self.module, grad)
+        except Exception:
+            if label != "synthetic":
+                raise  # the module's own forward fails on its real inputs: the user's error
+            # Its forward wants other inputs than the adapter's example: check at first call.
+            log.debug("no synthetic check for %s", entry.name, exc_info=True)
+            return False
+        if not own.tensors:
+            return False
+        requested = entry.requested
+        if requested == "auto" and label != "synthetic" and not self._pinned:
+            candidates: Sequence[str] = auto_candidates(own.tensors[0].device)
+        else:
+            candidates = [self.ctx.attend.backend]
+        tolerance = self.tolerance or tolerance_for(own.tensors)
+        reference = self._reference(args, kwargs, grad) if is_half(own.tensors) else None
+        if reference is not None:  # judge both against float32, not fused against eager
+            tolerance = max(tolerance, 2 * reference.error(own))
+        passing: list[tuple[str, float, Run]] = []
+        failure = ""
+        for backend in candidates:
+            ctx = SwapContext(
+                self.module, self.original, self._attend(backend), self.ctx.binding, checking=True
+            )
+            try:
+                fused = Run(_bind(self.adapter.forward, ctx, copies), copies, self.module, grad)
+            except SwapRefusedError as error:
+                failure = str(error)
+                continue
+            except Exception as error:
+                failure = f"the fused forward raised {type(error).__name__}: {error}"
+                continue
+            if fused.not_implemented:
+                return False
+            error_value = (reference or own).error(fused)
+            if error_value <= tolerance:
+                passing.append((backend, error_value, fused))
+            elif not failure or error_value < math.inf:
+                failure = (
+                    f"parity error {error_value:.2e} > tolerance {tolerance:.1e} "
+                    f"on {label} inputs with backend {backend!r}"
+                )
+        if training is not None:
+            runs = [(p, self._fails_in_training(p[0], copies, training)) for p in passing]
+            passing = [p for p, why in runs if why is None]
+            failure = next((why for _, why in runs if why is not None), failure)
+        if not passing:
+            self._revert(failure)
+            return False
+        if time_it and (len(passing) > 1 or self.measure):
+            backend, error_value, entry.speedup = pick_fastest(own, passing)
+        else:
+            backend, error_value, _ = passing[0]
+        attend = self._attend(backend)
+        self.ctx = SwapContext(self.module, self.original, attend, self.ctx.binding)
+        entry.backend = attend.describe(own.tensors[0].device)
+        entry.parity_error = error_value
+        entry.checked = label
+        entry.status = "active"
+        return True
+
+    def _fails_in_training(
+        self,
+        backend: str,
+        inputs: Inputs,
+        modes: list[tuple[nn.Module, bool]],
+    ) -> str | None:
+        """Why ``backend`` cannot run the module's training call, or None if it can.
+
+        One forward in the module's training modes (dropout on), without gradients; the
+        random state and the buffers (running statistics) are put back after it, so
+        training draws and computes what it would have.
+        """
+        ctx = SwapContext(
+            self.module, self.original, self._attend(backend), self.ctx.binding, checking=True
+        )
+        cuda = sorted({t.device.index or 0 for t in tensors(inputs) if t.device.type == "cuda"})
+        buffers = [(b, b.detach().clone()) for b in self.module.buffers()]
+        try:
+            with torch.random.fork_rng(devices=cuda), torch.no_grad():
+                for m, training in modes:
+                    m.training = training
+                _bind(self.adapter.forward, ctx, inputs)()
+        except Exception as error:
+            return (
+                f"backend {backend!r} cannot run the training call "
+                f"({type(error).__name__}: {(str(error).strip().splitlines() or [''])[0]})"
+            )
+        finally:
+            self.module.eval()  # the check goes on in eval mode; its caller restores modes
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+        return None
+
+    def _reference(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> Run | None:
+        """The module's own forward in float32: inputs, parameters and buffers upcast."""
+        copies = copy_inputs(args, kwargs, requires_grad=grad, upcast=True)
+        device = next((t.device for t in tensors(copies)), torch.device("cpu"))
+        try:
+            with upcast(self.module), torch.autocast(device.type, enabled=False):
+                return Run(
+                    lambda: self.original(*copies[0], **copies[1]), copies, self.module, grad
+                )
+        except Exception:  # a forward that insists on its dtype: compare with eager alone
+            log.debug("no float32 reference for %s", self.entry.name, exc_info=True)
+            return None
+
+    def pin(self, backend: str) -> None:
+        """Run ``backend`` from now on (a resumed run keeps ``auto``'s earlier pick)."""
+        self._pinned = True
+        self.ctx = SwapContext(self.module, self.original, self._attend(backend), self.ctx.binding)
+
+    def revert(self, reason: str) -> None:
+        """Give the module its own forward back."""
+        self._revert(reason)
+
+    def adopt(self, decision: Mapping[str, Any], source: str, *, pin: bool, trust: bool) -> None:
+        """Take a decision made elsewhere as this module's (see :func:`._rank_agreement.decision`).
+
+        Args:
+            decision: what was decided: reverted (and why), or active with a backend.
+            source: where it was decided, for the report ("on rank 0", ...).
+            pin: run the decided backend (``auto``'s pick) rather than timing again.
+            trust: take its checks as done here (the ranks agree); else check again.
+        """
+        status = decision.get("status")
+        if status == "reverted":
+            if self.entry.status != "reverted":
+                self._revert(f"reverted {source}: {decision.get('reason', '')}")
+            return
+        if status != "active":
+            return
+        if replaced_forward(self.module) is not self:  # reverted here: swapped again
+            replace_forward(self.module, self)
+        backend = str(decision.get("backend") or "").split(" ", 1)[0]  # "sdpa (...)" ran sdpa
+        if pin and backend in BACKENDS:
+            self.pin(backend)
+        entry = self.entry
+        entry.status = "active"
+        entry.reason = ""
+        if trust:
+            checked = str(decision.get("checked", ""))
+            self.checked_forward = checked in ("forward", "forward+backward")
+            self.checked_backward = checked == "forward+backward"
+            entry.checked = checked
+            entry.backend = decision.get("backend")
+            entry.parity_error = decision.get("parity_error")
+            entry.speedup = decision.get("speedup")
+
+    def _revert(self, reason: str) -> None:
+        restore_forward(self.module, self)
+        self.entry.status = "reverted"
+        self.entry.reason = reason
+        rank_zero_warn(
+            f"AttentionSwap kept {self.entry.name or type(self.module).__name__!r}'s own "
+            f"attention ({self.entry.family}): {reason}."
+        )
+
+
+def _keep_saved_tensors() -> Any:
+    """Saved-tensor hooks of our own, innermost: an enclosing checkpoint's do not see these."""
+    return torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t)
+
+
+def _bind(forward: Callable[..., Any], ctx: SwapContext, inputs: Inputs) -> Callable[[], Any]:
+    return lambda: forward(ctx, *inputs[0], **inputs[1])
