@@ -17,7 +17,11 @@ Two of the kit's forwards can share a module: a wrapper (activation checkpointin
 and one that replaces its computation (an attention swap). The wrapper is always the
 outer one, whichever was applied first, and reads the forward it runs at each call,
 so a checkpoint recomputes in backward exactly what its forward ran (see
-:func:`replace_forward`).
+:func:`replace_forward`). A forward of the kit that encloses other modules and holds a
+setting for the duration of its call (a Hugging Face swap: the model's attention
+implementation and the SDPA kernel) declares it with :func:`call_setting`; a
+checkpoint taken inside replays it around its recomputation (:func:`replayed`), which
+runs in backward, after that call has returned.
 
 Pickle stores a bound method as ``getattr(module, "_call_replaced")``, which no module
 has, so a pickled model (or ``torch.save(model)``) saved but did not load. The kit's
@@ -35,11 +39,13 @@ from __future__ import annotations
 
 import contextlib
 import copyreg
+import threading
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
+import torch
 from torch import nn
 
 from lightning_speedkit.errors import SpeedkitConfigError
@@ -118,6 +124,58 @@ def forwards_changing() -> Iterator[None]:
 def wrappers_paused() -> bool:
     """Whether wrappers run their module's forward as it is (see :func:`forwards_changing`)."""
     return _CHANGING[0] > 0
+
+
+#: What sets up a call's setting and undoes it: a context manager's factory.
+Setting = Callable[[], contextlib.AbstractContextManager[Any]]
+#: Per thread, the settings of the kit's forwards whose call is running, outermost first.
+_SETTINGS = threading.local()
+
+
+def _settings() -> list[Setting]:
+    stack: list[Setting] | None = getattr(_SETTINGS, "stack", None)
+    if stack is None:
+        stack = _SETTINGS.stack = []
+    return stack
+
+
+@contextlib.contextmanager
+def call_setting(setting: Setting) -> Iterator[None]:
+    """Run the call inside under ``setting()``, and have the kit's wrappers inside it replay
+    ``setting`` around their recomputation (:func:`call_settings`, :func:`replayed`).
+
+    For a forward of the kit that holds a setting over the modules it encloses for its
+    call only (a Hugging Face swap switches the model's attention implementation): a
+    checkpointed block inside recomputes in backward, after the call, and would run
+    without it, another graph (torch's ``CheckpointError``). Compiled, the setting is
+    only entered: the recomputation is traced from the forward, in the same graph.
+    """
+    if torch.compiler.is_compiling():
+        with setting():
+            yield
+        return
+    stack = _settings()
+    stack.append(setting)
+    try:
+        with setting():
+            yield
+    finally:
+        stack.pop()
+
+
+def call_settings() -> tuple[Setting, ...]:
+    """The settings of the kit's forwards whose call encloses this one, outermost first."""
+    return tuple(_settings())
+
+
+@contextlib.contextmanager
+def replayed(settings: Sequence[Setting]) -> Iterator[None]:
+    """Run the code inside under ``settings`` (taken by :func:`call_settings` in the
+    forward), outermost first, as the forward ran: a wrapper's recomputation."""
+    with contextlib.ExitStack() as stack:
+        for setting in settings:
+            stack.enter_context(setting())
+        yield
 
 
 def _is_wrapper(forward: Any) -> bool:

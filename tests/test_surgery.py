@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import pickle
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -194,3 +195,35 @@ def test_a_model_saved_before_its_first_call_finds_its_attention_when_loaded(
     assert (
         sorted(swapped_modules(loaded)) == sorted(report.swapped) == ["0.attention", "1.attention"]
     )
+
+
+def test_a_call_setting_is_replayed_outermost_first_and_forgotten_after_its_call() -> None:
+    events: list[str] = []
+
+    def setting(name: str) -> Any:
+        @contextlib.contextmanager
+        def entered() -> Iterator[None]:
+            events.append(f"enter {name}")
+            yield
+            events.append(f"exit {name}")
+
+        return entered
+
+    outer, inner = setting("outer"), setting("inner")
+    seen: list[tuple[Any, ...]] = []
+
+    def failing_call() -> None:
+        with _surgery.call_setting(inner):
+            seen.append(_surgery.call_settings())
+            raise RuntimeError("the call failed")
+
+    with _surgery.call_setting(outer):
+        with pytest.raises(RuntimeError, match="the call failed"):
+            failing_call()
+        seen.append(_surgery.call_settings())
+    assert seen == [(outer, inner), (outer,)]
+    assert _surgery.call_settings() == ()
+    events.clear()
+    with _surgery.replayed((outer, inner)):
+        events.append("recomputed")
+    assert events == ["enter outer", "enter inner", "recomputed", "exit inner", "exit outer"]

@@ -46,12 +46,13 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from lightning_speedkit import _compat, _imports, _validation
+from lightning_speedkit import _compat, _imports, _surgery, _validation
 from lightning_speedkit.attention._traced import traced_forward
 from lightning_speedkit.attention.backends import Attend
 
@@ -148,11 +149,22 @@ def _hf_forward(ctx: SwapContext, *args: Any, **kwargs: Any) -> Any:
     config = ctx.binding
     if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
         return NotImplemented  # attention weights exist in eager attention only
+    # For the call only (the user's config keeps its implementation, a call asking for
+    # attention weights runs eager), and declared: the blocks it encloses are checkpointed
+    # perhaps, and recompute in backward, after the call, under this same setting.
+    with _surgery.call_setting(partial(_hf_setting, ctx)):
+        return ctx.original(*args, **kwargs)
+
+
+@contextmanager
+def _hf_setting(ctx: SwapContext) -> Iterator[None]:
+    """The model's attention implementation and SDPA kernel for ``ctx``'s backend."""
+    config = ctx.binding
     previous = config._attn_implementation
     _set_hf_implementation(config, _hf_implementation(ctx))
     try:
         with ctx.sdpa_kernel():
-            return ctx.original(*args, **kwargs)
+            yield
     finally:
         _set_hf_implementation(config, previous)
 

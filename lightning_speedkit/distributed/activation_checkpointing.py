@@ -38,14 +38,19 @@ def _checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # Nothing is kept for backward anyway; or the call is traced for attention, which
         # may be swapped at its end: its recomputation would run the swap.
         return forward(*args, **kwargs)
-    stats = [] if torch.compiler.is_compiling() else _running_stats(module)
-    if not stats:
-        # Compiled, the recomputation is part of the backward graph, and buffer updates are
-        # applied once, after the graph (dynamo takes no context managers of ours here).
+    if torch.compiler.is_compiling():
+        # Compiled, the recomputation is part of the backward graph, traced from this
+        # forward, and buffer updates are applied once, after the graph (dynamo takes no
+        # context managers of ours here).
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    return checkpoint(
-        forward, *args, use_reentrant=False, context_fn=partial(_contexts, stats), **kwargs
-    )
+    stats = _running_stats(module)
+    # An enclosing swap's setting for its call (a Hugging Face model's attention
+    # implementation): gone when backward recomputes, so replayed around it.
+    settings = _surgery.call_settings()
+    if not (stats or settings):
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
+    contexts = partial(_contexts, stats, settings)
+    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
 
 
 def _running_stats(module: nn.Module) -> list[nn.Module]:
@@ -58,10 +63,21 @@ def _running_stats(module: nn.Module) -> list[nn.Module]:
     ]  # fmt: skip
 
 
-def _contexts(stats: list[nn.Module]) -> tuple[contextlib.AbstractContextManager[None], Any]:
-    """Checkpoint's (forward, recomputation) contexts: the forward as it is, the
-    recomputation with the running statistics put back as they were before it."""
-    return contextlib.nullcontext(), _buffers_kept(stats)
+def _contexts(
+    stats: list[nn.Module], settings: tuple[_surgery.Setting, ...]
+) -> tuple[contextlib.AbstractContextManager[None], Any]:
+    """Checkpoint's (forward, recomputation) contexts: the forward as it is; the
+    recomputation under the enclosing swaps' settings the forward ran in, with the
+    running statistics put back as they were before it."""
+    return contextlib.nullcontext(), _recomputation(stats, settings)
+
+
+@contextlib.contextmanager
+def _recomputation(
+    stats: list[nn.Module], settings: tuple[_surgery.Setting, ...]
+) -> Iterator[None]:
+    with _surgery.replayed(settings), _buffers_kept(stats):
+        yield
 
 
 @contextlib.contextmanager
@@ -190,7 +206,9 @@ def checkpoint_blocks(
     pickled (or ``torch.save``-d) model loads with its blocks still checkpointed. An
     attention swap of a block (:func:`~lightning_speedkit.swap_attention`, before or
     after) runs inside its checkpoint, so the recomputation runs the swapped forward;
-    the call that traces a model for attention runs its blocks unwrapped, that once.
+    a swap around the blocks (a Hugging Face model's, switched for its call) has its
+    setting replayed around the recomputation, which runs after that call. The call
+    that traces a model for attention runs its blocks unwrapped, that once.
 
     Args:
         model: the module, before DDP/FSDP/DeepSpeed wrap it.
