@@ -101,6 +101,14 @@ def _buffers_kept(stats: list[nn.Module]) -> Iterator[None]:
                 buffer.copy_(value)
 
 
+def _check_model(model: Any, function: str) -> nn.Module:
+    fix = f"pass the model (or LightningModule) itself to `{function}`, not its name or a path"
+    checked: nn.Module = _validation.instance(
+        "model", model, nn.Module, what="a torch.nn.Module", fix=fix
+    )
+    return checked
+
+
 def _check_fraction(fraction: Any) -> float:
     return _validation.probability("fraction", fraction, low_open=True, example=0.5)
 
@@ -237,6 +245,7 @@ def checkpoint_blocks(
         >>> checkpoint_blocks(model, fraction=0.5)
         ['0', '2']
     """
+    _check_model(model, "checkpoint_blocks")
     _surgery.refuse_wrapped(model, "checkpoint_blocks")
     fraction = _check_fraction(fraction)
     instances = block_instances(model, _resolve(model, _check_blocks(blocks)))
@@ -289,11 +298,13 @@ def _is_checkpointed(module: nn.Module) -> bool:
 
 def checkpointed_blocks(model: nn.Module) -> list[str]:
     """The qualified names of the modules :func:`checkpoint_blocks` wrapped in ``model``."""
+    _check_model(model, "checkpointed_blocks")
     return [name for name, module in model.named_modules() if _is_checkpointed(module)]
 
 
 def uncheckpoint_blocks(model: nn.Module) -> list[str]:
     """Undo :func:`checkpoint_blocks`; returns the names restored."""
+    _check_model(model, "uncheckpoint_blocks")
     restored = checkpointed_blocks(model)
     for name in restored:
         module = model.get_submodule(name)

@@ -282,6 +282,21 @@ def test_callback_trains_the_example_vlm_like_the_plain_run(demo_corpus: Any) ->
     assert with_ckpt == pytest.approx(run([]), rel=1e-6)
 
 
+@pytest.mark.parametrize(
+    "function", [checkpoint_blocks, checkpointed_blocks, uncheckpoint_blocks],
+    ids=lambda function: function.__name__,
+)  # fmt: skip
+def test_a_model_that_is_not_a_module_is_refused_with_the_fix(function: Any) -> None:
+    """A string (a model's name, say) raised a bare ``AttributeError`` deep inside."""
+    name = function.__name__
+    with pytest.raises(SpeedkitConfigError) as error:
+        function("model")
+    assert str(error.value) == (
+        f"`model` must be a torch.nn.Module, got 'model' (a string); pass the model (or "
+        f"LightningModule) itself to `{name}`, not its name or a path."
+    )
+
+
 def test_wrapped_model_is_refused() -> None:
     class OptimizedModule(nn.Module):  # the name torch.compile's wrapper has
         pass
