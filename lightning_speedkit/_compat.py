@@ -722,3 +722,13 @@ def disable_torch_function_subclass() -> Any:
         "AttentionSwap's tracer uses",
     )  # fmt: skip
     return disable()
+
+
+def tensor_version(tensor: Any) -> int:
+    """How many times ``tensor`` was written in place (``Tensor._version``): the
+    frozen-feature cache reads it each step to know, without touching the data, whether
+    a cached module's weights may have changed."""
+    version = getattr(tensor, "_version", None)
+    if version is None:
+        raise _missing("torch", "Tensor._version", "FrozenFeatureCache reads to see weights change")
+    return int(version)

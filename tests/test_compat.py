@@ -441,6 +441,7 @@ PRIVATE_NAMES: list[tuple[str, str, Callable[[], Any]]] = [
      lambda: torch.Tensor._make_wrapper_subclass),
     ("disable_torch_function_subclass", "DisableTorchFunctionSubclass",
      lambda: torch._C.DisableTorchFunctionSubclass),
+    ("tensor_version", "_version", lambda: torch.ones(1)._version),
 ]  # fmt: skip
 
 

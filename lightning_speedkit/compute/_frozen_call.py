@@ -1,0 +1,264 @@
+"""One cached module: its forward, while batch keys are set, serves stored samples.
+
+The module's ``forward`` is replaced on the instance (its class, parameters, hooks and
+``state_dict`` keys stay as they are); :meth:`CachedModule.detach` puts it back. For each
+call while the owner's keys are set: the samples stored under the module's weights
+fingerprint are served from the store and do not run; the others (the misses) are
+gathered, run once, stored, and scattered back into the batch's order. A batch with no
+stored sample runs as it came, so the first epoch is the plain run's, bit for bit.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
+
+from lightning_speedkit import _compat
+from lightning_speedkit.compute._frozen_modules import (
+    _chance_layers,
+    fingerprint,
+    weight_stamp,
+    why_not_now,
+)
+from lightning_speedkit.compute._frozen_store import FeatureStore
+
+__all__ = ["CachedModule", "Scope"]
+
+
+@dataclass
+class Scope:
+    """What every cached module of one cache shares: the store, the step's keys, settings."""
+
+    store: FeatureStore
+    dtype: torch.dtype | None
+    verify: bool
+    keys: Sequence[Hashable] | None = None
+    warned: set[str] = field(default_factory=set)
+
+    def warn_once(self, message: str) -> None:
+        if message not in self.warned:
+            self.warned.add(message)
+            rank_zero_warn(message)
+
+
+@dataclass
+class ModuleCounts:
+    """Per-module counters: samples served, run (and stored or not), calls not served."""
+
+    hits: int = 0
+    misses: int = 0
+    stored: int = 0
+    not_stored: int = 0
+    plain_calls: int = 0
+    verified: bool = False
+    stood_down: str | None = None
+
+
+class CachedModule:
+    """``module``'s forward with the store in front of it (see the module docstring)."""
+
+    def __init__(self, name: str, module: nn.Module, scope: Scope) -> None:
+        self.name, self.module, self.scope = name, module, scope
+        self.counts = ModuleCounts()
+        self.calls = 0  # calls in the current step
+        self._chance = _chance_layers(module)
+        self._stamp: tuple[tuple[int, int], ...] | None = None
+        self._fingerprint = ""
+        self._layout: tuple[Any, list[torch.dtype], list[torch.device]] | None = None
+        self.original = module.forward
+
+    def attach(self) -> None:
+        self.original = self.module.forward
+        self.module.forward = self.forward
+        self.module._speedkit_frozen = self  # type: ignore[assignment]
+
+    def detach(self) -> None:
+        vars(self.module).pop("forward", None)
+        vars(self.module).pop("_speedkit_frozen", None)
+
+    def stand_down(self, reason: str) -> None:
+        """Stop serving for good: forget the stored features and say why, once."""
+        self.counts.stood_down = reason
+        self.scope.store.drop(where=self.name)
+        self.scope.warn_once(f"FrozenFeatureCache stopped serving `{self.name}`: {reason}.")
+
+    # -- the call -----------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        keys = self.scope.keys
+        if keys is None or self.counts.stood_down is not None:
+            return self.original(*args, **kwargs)
+        self.calls += 1
+        if self.calls > 1:
+            self.stand_down(
+                "it ran more than once in one step, so its calls cannot be told "
+                "apart by sample; cache a module that runs once per batch"
+            )
+            return self.original(*args, **kwargs)
+        signature, why = self._signature(args, kwargs, len(keys))
+        why = why or why_not_now(self.name, self.module, self._chance) or self._trainable()
+        if why is not None:
+            self.counts.plain_calls += 1
+            self.scope.warn_once(f"FrozenFeatureCache runs `{self.name}` without the store: {why}.")
+            return self.original(*args, **kwargs)
+        base = (self.name, self._weights_fingerprint(), signature)
+        found = [self.scope.store.get((*base, key)) for key in keys]
+        hit = [i for i, entry in enumerate(found) if entry is not None]
+        miss = [i for i, entry in enumerate(found) if entry is None]
+        if not hit or (self.scope.verify and not self.counts.verified):
+            out = self.original(*args, **kwargs)  # as the plain run computes it
+            leaves = self._leaves(out, len(keys))
+            if leaves is not None and (not hit or self._check(leaves, found, hit)):
+                self._keep(leaves, base, [keys[i] for i in miss], miss)
+            return out
+        computed = None
+        if miss:
+            computed = self.original(
+                *_rows(args, miss, len(keys)), **_rows(kwargs, miss, len(keys))
+            )
+            leaves = self._leaves(computed, len(miss))
+            if leaves is None:
+                return self.original(*args, **kwargs)
+            self._keep(leaves, base, [keys[i] for i in miss], list(range(len(miss))))
+            computed = leaves[0]
+        self.counts.hits += len(hit)
+        return self._assemble(found, hit, miss, computed, len(keys))
+
+    def _trainable(self) -> str | None:
+        if any(p.requires_grad for p in self.module.parameters()):
+            return (
+                f"a parameter of `{self.name}` requires grad now: a stored output would cut "
+                f"its gradient"
+            )
+        return None
+
+    def _weights_fingerprint(self) -> str:
+        stamp = weight_stamp(self.module)
+        if stamp != self._stamp:
+            fresh = fingerprint(self.module)
+            if fresh != self._fingerprint and self._fingerprint:
+                self.scope.store.drop(where=self.name)  # features of weights gone by
+            self._stamp, self._fingerprint = stamp, fresh
+        return self._fingerprint
+
+    def _signature(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int
+    ) -> tuple[Hashable, str | None]:
+        """What, besides the sample, the output depends on; or why the call cannot be served."""
+        parts: list[Hashable] = []
+        batched = False
+        for where, value in [*enumerate(args), *sorted(kwargs.items())]:
+            if isinstance(value, torch.Tensor):
+                if value.requires_grad:
+                    return None, (
+                        f"its input `{where}` requires grad (it comes from a trainable "
+                        f"module), and a stored output would cut that gradient"
+                    )
+                if value.ndim == 0 or value.shape[0] != rows:
+                    return None, (
+                        f"its input `{where}` (shape {tuple(value.shape)}) has no row per "
+                        f"sample of the batch's {rows} keys"
+                    )
+                batched = True
+                parts.append((where, tuple(value.shape[1:]), str(value.dtype), value.device.type))
+            else:
+                parts.append((where, repr(value)[:200]))
+        if not batched:
+            return None, "it was called with no tensor that has a row per sample"
+        return tuple(parts), None
+
+    # -- storing, checking, serving -------------------------------------------------------
+
+    def _leaves(self, out: Any, rows: int) -> tuple[list[torch.Tensor], Any] | None:
+        """``out``'s tensors and its structure; None (and stand down) when not one row per
+        sample."""
+        tree_flatten, _ = _compat.tree_flatten_and_map()
+        leaves, spec = tree_flatten(out)
+        if not leaves or not all(
+            isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == rows for t in leaves
+        ):
+            self.stand_down("its output is not made of tensors with one row per sample")
+            return None
+        self._layout = (spec, [t.dtype for t in leaves], [t.device for t in leaves])
+        return leaves, spec
+
+    def _keep(
+        self,
+        flat: tuple[list[torch.Tensor], Any],
+        base: tuple[Hashable, ...],
+        keys: Sequence[Hashable],
+        rows: list[int],
+    ) -> None:
+        """Count ``rows`` of the output as run, and store each under its sample's key."""
+        self.counts.misses += len(flat[0][0]) if flat[0] else 0
+        if not keys or self.scope.store.full:
+            self.counts.not_stored += len(keys)
+            return
+        # SYNC: on an accelerator, the copy to host memory waits for the module's output.
+        host = [t.detach().to(dtype=self.scope.dtype or t.dtype, device="cpu") for t in flat[0]]
+        for row, key in zip(rows, keys, strict=True):
+            if self.scope.store.put((*base, key), tuple(t[row].clone() for t in host)):
+                self.counts.stored += 1
+            else:
+                self.counts.not_stored += 1
+
+    def _check(
+        self, flat: tuple[list[torch.Tensor], Any], found: list[Any], hit: list[int]
+    ) -> bool:
+        """The first reuse: the stored rows must equal the rows just computed."""
+        for j, leaf in enumerate(flat[0]):
+            stored = torch.stack([found[i][j] for i in hit])
+            # SYNC: the comparison reads the recomputed rows on the host (once per module).
+            again = leaf.detach()[hit].to(dtype=stored.dtype, device="cpu")
+            tolerance = 1e-4 if stored.dtype in (torch.float32, torch.float64) else 1e-2
+            if not torch.equal(again, stored) and not torch.allclose(
+                again.float(), stored.float(), rtol=tolerance, atol=tolerance
+            ):
+                self.stand_down(
+                    "on its first reuse, recomputed features differ from the stored ones "
+                    f"(largest difference {(again.float() - stored.float()).abs().max():.3g}): "
+                    "most likely a random augmentation of its input (random crops, flips, color "
+                    "jitter) or randomness inside it. Augment before caching only with a fixed "
+                    "per-sample transform, or remove FrozenFeatureCache"
+                )
+                return False
+        self.counts.verified = True
+        return True
+
+    def _assemble(
+        self, found: list[Any], hit: list[int], miss: list[int], computed: Any, rows: int
+    ) -> Any:
+        assert self._layout is not None  # set when the first hit's sample was stored
+        spec, dtypes, devices = self._layout
+        leaves = []
+        fresh: list[torch.Tensor] | None = computed
+        for j, (dtype, device) in enumerate(zip(dtypes, devices, strict=True)):
+            served = torch.stack([found[i][j] for i in hit]).to(
+                device=device, dtype=dtype, non_blocking=True
+            )
+            if fresh is None:
+                leaves.append(served)
+                continue
+            whole = served.new_empty((rows, *served.shape[1:]))
+            whole[torch.tensor(hit, device=device)] = served
+            whole[torch.tensor(miss, device=device)] = fresh[j].to(dtype)
+            leaves.append(whole)
+        return spec.unflatten(leaves)
+
+
+def _rows(values: Any, rows: list[int], total: int) -> Any:
+    """``values`` (args or kwargs) with each batched tensor cut to ``rows``."""
+
+    def cut(value: Any) -> Any:
+        if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == total:
+            return value.index_select(0, torch.tensor(rows, device=value.device))
+        return value
+
+    if isinstance(values, dict):
+        return {name: cut(value) for name, value in values.items()}
+    return tuple(cut(value) for value in values)

@@ -1,0 +1,272 @@
+"""cache_frozen_features: a frozen submodule's outputs stored per sample, served again later.
+
+The Trainer-free core of :class:`~lightning_speedkit.FrozenFeatureCache`. It puts a store in
+front of each chosen module's ``forward`` (see ``_frozen_call``); the caller says which
+samples the current batch holds, and the modules serve those already stored.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Hashable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_speedkit import _compat, _validation
+from lightning_speedkit.compute._frozen_call import CachedModule, ModuleCounts, Scope
+from lightning_speedkit.compute._frozen_modules import (
+    choose_modules,
+    frozen_candidates,
+    topmost,
+    why_not_cacheable,
+)
+from lightning_speedkit.compute._frozen_store import FeatureStore, budget_bytes
+
+__all__ = ["FrozenFeatures", "cache_frozen_features", "refuse_directory"]
+
+_COUNTERS = ("hits", "misses", "stored", "not_stored", "plain_calls")
+
+
+class FrozenFeatures:
+    """The cache :func:`cache_frozen_features` puts on a model (use that to make one).
+
+    Attributes:
+        modules: the cached submodules by name (empty until ``"auto"`` has found them).
+        store: the features kept, in host memory, within the budget.
+    """
+
+    def __init__(self, model: nn.Module, modules: Any, store: FeatureStore, scope: Scope) -> None:
+        self.model, self.store, self._scope = model, store, scope
+        self._auto = modules == "auto"
+        self.cached: dict[str, CachedModule] = {}
+        self._found: set[str] = set()
+        self._probes: list[Any] = []
+        self._loaded: dict[str, Any] = {}  # counters of modules "auto" has not found yet
+        if not self._auto:
+            for name, module in choose_modules(model, modules):
+                why = why_not_cacheable(name, module)
+                if why is not None:
+                    _validation.fail("modules", name, "cannot be cached", why)
+                self._add(name, module)
+
+    @property
+    def modules(self) -> dict[str, nn.Module]:
+        return {name: cached.module for name, cached in self.cached.items()}
+
+    def _add(self, name: str, module: nn.Module) -> None:
+        if getattr(module, "_speedkit_frozen", None) is not None:
+            _validation.fail(
+                "modules",
+                name,
+                "is cached already by another FrozenFeatureCache",
+                "call `.remove()` on that cache first, or keep only one",
+            )
+        cached = CachedModule(name, module, self._scope)
+        if name in self._loaded:
+            cached.counts = ModuleCounts(**self._loaded.pop(name))
+        cached.attach()
+        self.cached[name] = cached
+
+    # -- the step ------------------------------------------------------------------------------
+
+    def start_step(self, keys: Sequence[Hashable], batch: Any = None) -> None:
+        """The batch about to run holds the samples ``keys`` (one per row, in order).
+
+        With ``modules="auto"`` and nothing found yet, ``batch`` is watched: the frozen
+        submodules called with one of its tensors are cached at :meth:`end_step`.
+        """
+        self._scope.keys = list(keys)
+        for cached in self.cached.values():
+            cached.calls = 0
+        if self._auto and not self.cached and not self._probes and batch is not None:
+            self._watch(batch)
+
+    def end_step(self) -> None:
+        """The batch has run: calls without keys run the modules as they are."""
+        self._scope.keys = None
+        if self._probes:
+            for handle in self._probes:
+                handle.remove()
+            self._probes = []
+            self._choose_found()
+
+    @contextlib.contextmanager
+    def keys(self, batch_keys: Sequence[Hashable], batch: Any = None) -> Iterator[None]:
+        """Run the modules for the samples ``batch_keys`` inside the block.
+
+        Example::
+
+            >>> tower = nn.Linear(3, 2).requires_grad_(False)
+            >>> model = nn.Sequential(tower, nn.Linear(2, 1))
+            >>> cache = cache_frozen_features(model, modules=["0"], verify=False)
+            >>> x = torch.randn(4, 3)
+            >>> with cache.keys([10, 11, 12, 13]):
+            ...     first = model(x)
+            >>> with cache.keys([12, 13, 10, 11]):  # the same samples, another order
+            ...     again = model(x[[2, 3, 0, 1]])
+            >>> torch.equal(again, first[[2, 3, 0, 1]]), cache.counts()["hits"]
+            (True, 4)
+        """
+        self.start_step(batch_keys, batch)
+        try:
+            yield
+        finally:
+            self.end_step()
+
+    def _watch(self, batch: Any) -> None:
+        tree_flatten, _ = _compat.tree_flatten_and_map()
+        fields = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+
+        def probe(name: str) -> Any:
+            def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
+                given = [*args, *kwargs.values()]
+                if any(_same(value, field) for value in given for field in fields):
+                    self._found.add(name)
+
+            return hook
+
+        for name, module in frozen_candidates(self.model):
+            self._probes.append(module.register_forward_pre_hook(probe(name), with_kwargs=True))
+
+    def _choose_found(self) -> None:
+        named = dict(self.model.named_modules())
+        for name in topmost(self._found):
+            why = why_not_cacheable(name, named[name])
+            if why is None:
+                self._add(name, named[name])
+            else:
+                self._scope.warn_once(f"FrozenFeatureCache leaves `{name}` out: {why}.")
+        if not self.cached:
+            self._scope.warn_once(
+                "FrozenFeatureCache(modules='auto') found no frozen submodule called with a "
+                "tensor of the batch as it is (a module whose input is computed from the batch "
+                "is not found); name it: `modules=['vision']`, or a module type."
+            )
+
+    # -- the rest ------------------------------------------------------------------------------
+
+    def counts(self) -> dict[str, Any]:
+        """Samples served (``hits``), run (``misses``), stored and not stored (the budget),
+        calls run without the store (``plain_calls``), and per module, why it stood down."""
+        per = {name: cached.counts for name, cached in self.cached.items()}
+        totals: dict[str, Any] = {k: sum(getattr(c, k) for c in per.values()) for k in _COUNTERS}
+        totals["store_bytes"] = self.store.bytes
+        totals["stood_down"] = {n: c.stood_down for n, c in per.items() if c.stood_down}
+        return totals
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters by module (never the features)."""
+        return {name: vars(cached.counts).copy() for name, cached in self.cached.items()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        for name, counts in state.items():
+            if name in self.cached:
+                self.cached[name].counts = ModuleCounts(**counts)
+            else:
+                self._loaded[name] = dict(counts)
+
+    def remove(self) -> None:
+        """Put every cached module's own forward back (the store stays, for :meth:`attach`)."""
+        for cached in self.cached.values():
+            cached.detach()
+
+    def attach(self) -> None:
+        """Put the store in front of the modules again after :meth:`remove`."""
+        for cached in self.cached.values():
+            if vars(cached.module).get("_speedkit_frozen") is not cached:
+                cached.attach()
+
+
+def _same(value: Any, field: torch.Tensor) -> bool:
+    """Whether ``value`` is the batch tensor ``field`` (the object, or a view of all of it)."""
+    if value is field:
+        return True
+    return (
+        isinstance(value, torch.Tensor)
+        and value.device == field.device
+        and value.dtype == field.dtype
+        and value.shape == field.shape
+        and value.stride() == field.stride()
+        and value.numel() > 0
+        and value.data_ptr() == field.data_ptr()
+    )
+
+
+def refuse_directory(directory: Any) -> None:
+    """The disk store is not there yet: a ``directory`` is refused with what to do."""
+    if directory is not None:
+        _validation.fail(
+            "directory",
+            directory,
+            "asks for a disk store, which is not available yet (it arrives in a later release)",
+            "pass `directory=None`; features are kept in host memory within `budget`",
+        )
+
+
+def cache_frozen_features(
+    model: nn.Module,
+    modules: Any = "auto",
+    *,
+    budget: int | str = "50%",
+    dtype: torch.dtype | None = None,
+    verify: bool = True,
+    directory: Any = None,
+) -> FrozenFeatures:
+    """Serve frozen submodules' outputs from a per-sample store instead of running them.
+
+    While keys are set (``with cache.keys(batch_keys):``, one key per sample of the batch,
+    the same key for the same sample in every epoch), each cached module serves the
+    samples it has stored and runs only for the others, which it stores. Without keys
+    (validation, inference) it runs as it is.
+
+    Args:
+        model: the model holding the frozen submodules.
+        modules: ``"auto"`` (default): the frozen submodules called with a tensor of the
+            first batch as it is (e.g. ``batch["images"]``), found on the first keyed
+            batch (that batch runs without the store); or a submodule name, a module type,
+            or a list of those. A chosen module with a parameter that requires grad, or
+            with dropout (``p > 0``) or BatchNorm in train mode, is refused with the reason.
+        budget: bytes of host memory the store may hold, or a share of the free host
+            memory (``"50%"``, the default). Past it, nothing more is stored and the
+            samples not stored run their module every time.
+        dtype: the dtype features are stored in; None (default) keeps the module's output
+            dtype, which serves bit-for-bit what the module computed. ``torch.bfloat16``
+            halves a float32 store but changes the numerics: served features are rounded.
+        verify: on the first reuse, run the module anyway and compare with the stored
+            features; on a mismatch (a random augmentation of the input) stop serving,
+            with a warning. Costs one batch's forward, once.
+        directory: a disk store for what passes the budget; not available yet (it comes
+            in a later release): pass None.
+
+    Returns:
+        The cache: ``keys(...)`` to run a batch, ``counts()``, ``remove()``.
+
+    Example::
+
+        >>> tower = nn.Sequential(nn.Linear(8, 8), nn.GELU()).requires_grad_(False)
+        >>> model = nn.Sequential(tower, nn.Linear(8, 2))
+        >>> cache = cache_frozen_features(model, modules=["0"])
+        >>> x = torch.randn(4, 8)
+        >>> for epoch in range(3):
+        ...     with cache.keys([0, 1, 2, 3]):
+        ...         _ = model(x)
+        >>> counts = cache.counts()
+        >>> counts["misses"], counts["hits"]  # epoch 0 runs, epoch 1 verifies, epoch 2 serves
+        (8, 4)
+    """
+    refuse_directory(directory)
+    if not isinstance(model, nn.Module):
+        _validation.fail("model", model, "must be a torch.nn.Module", "pass the model itself")
+    verify = _validation.boolean("verify", verify)
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        _validation.fail(
+            "dtype",
+            dtype,
+            "must be a floating torch.dtype or None",
+            "pass e.g. `dtype=torch.bfloat16`, or None to keep the output's",
+        )
+    store = FeatureStore(budget_bytes(budget))
+    scope = Scope(store=store, dtype=dtype, verify=verify)
+    return FrozenFeatures(model, modules, store, scope)

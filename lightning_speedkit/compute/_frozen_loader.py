@@ -1,0 +1,173 @@
+"""Which samples a batch holds: the dataset index carried through the loader, or a field.
+
+``key="index"``: the train loader is built again around the same sampler (or batch
+sampler), with its dataset wrapped so that each sample comes with its index, and its
+collate_fn wrapped so that the batch carries them: a dict batch gets the field
+``"speedkit_index"``, a list or tuple batch one more item at its end (a tuple batch
+becomes a list). Whatever chooses the indices (a shuffle, a DistributedSampler,
+bucketing) chooses them as before. :func:`batch_keys` takes the field out again before
+the model sees the batch. A sample the user's collate_fn drops (``None`` for an
+undecodable one) takes its index with it.
+
+``key="<field>"``: the batch's own field (a tensor or list with one id per sample).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
+
+from lightning_speedkit import _compat, _validation
+from lightning_speedkit.data.rebuild import _batching
+
+__all__ = [
+    "INDEX_FIELD",
+    "IndexedCollate",
+    "IndexedDataset",
+    "SampleIndex",
+    "batch_keys",
+    "with_sample_index",
+]
+
+#: The field of a dict batch that carries the dataset indices (taken out before the model).
+INDEX_FIELD = "speedkit_index"
+
+
+class SampleIndex:
+    """The dataset indices of a batch's samples: a plain object, so that moving the batch to
+    a device, pinning it or measuring its size leaves it alone."""
+
+    __slots__ = ("indices",)
+
+    def __init__(self, indices: list[int]) -> None:
+        self.indices = indices
+
+    def __repr__(self) -> str:
+        return f"SampleIndex({self.indices})"
+
+
+class IndexedDataset(Dataset[Any]):
+    """``dataset`` whose items come as ``(index, item)``."""
+
+    def __init__(self, dataset: Dataset[Any]) -> None:
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> tuple[int, Any]:
+        return int(index), self.dataset[index]
+
+    def __getattr__(self, name: str) -> Any:  # the user's dataset's own attributes
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+class IndexedCollate:
+    """The user's ``collate_fn`` over the items, the indices attached to the batch."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None) -> None:
+        self.collate_fn = collate_fn or default_collate
+
+    def __call__(self, pairs: list[tuple[int, Any]]) -> Any:
+        batch = self.collate_fn([item for _, item in pairs])
+        index = SampleIndex([i for i, item in pairs if item is not None])
+        if isinstance(batch, MutableMapping):
+            batch[INDEX_FIELD] = index
+            return batch
+        if isinstance(batch, Mapping):
+            return {**batch, INDEX_FIELD: index}
+        if isinstance(batch, (list, tuple)):
+            return [*batch, index]
+        raise TypeError(
+            f"FrozenFeatureCache(key='index') needs a dict, list or tuple batch to carry the "
+            f"dataset index, but the collate_fn returned a {type(batch).__name__}; pass "
+            f"`key='<field>'` naming a batch field that identifies each sample"
+        )
+
+
+def with_sample_index(loader: DataLoader[Any]) -> DataLoader[Any]:
+    """``loader`` built again with its samples' dataset indices carried in each batch."""
+    if isinstance(loader.dataset, IterableDataset):
+        _validation.fail(
+            "key",
+            "index",
+            "needs a map-style dataset (an IterableDataset has no index)",
+            "pass `key='<field>'`, a batch field that identifies each sample (an id, a file name)",
+        )
+    if isinstance(loader.collate_fn, IndexedCollate):
+        return loader  # carries them already
+    changes: dict[str, Any] = {
+        "dataset": IndexedDataset(loader.dataset),
+        "collate_fn": IndexedCollate(loader.collate_fn),
+    }
+    if type(loader) is not DataLoader:
+        again = _compat.dataloader_built_again(loader, changes)
+        if again is not None:
+            return again
+    kwargs = {
+        "num_workers": loader.num_workers,
+        "pin_memory": loader.pin_memory,
+        "timeout": loader.timeout,
+        "worker_init_fn": loader.worker_init_fn,
+        "multiprocessing_context": loader.multiprocessing_context,
+        "generator": loader.generator,
+        "pin_memory_device": loader.pin_memory_device,
+        **_batching(loader, loader.batch_size),
+        **changes,
+    }
+    if loader.num_workers > 0:
+        kwargs.update(
+            persistent_workers=loader.persistent_workers, prefetch_factor=loader.prefetch_factor
+        )
+    return DataLoader(**kwargs)
+
+
+def batch_keys(batch: Any, key: str) -> list[Hashable]:
+    """The samples ``batch`` holds, by ``key``; the index field taken out of the batch.
+
+    Example::
+
+        >>> batch = {"x": torch.zeros(2), INDEX_FIELD: SampleIndex([7, 3])}
+        >>> batch_keys(batch, "index"), sorted(batch)
+        ([7, 3], ['x'])
+        >>> batch_keys({"id": torch.tensor([5, 6])}, "id")
+        [5, 6]
+    """
+    if key == "index":
+        if isinstance(batch, Mapping) and isinstance(batch.get(INDEX_FIELD), SampleIndex):
+            return list(batch.pop(INDEX_FIELD).indices)  # type: ignore[attr-defined]
+        if isinstance(batch, list) and batch and isinstance(batch[-1], SampleIndex):
+            return list(batch.pop().indices)
+        _validation.fail(
+            "key",
+            key,
+            "needs the train loader the cache rebuilt, but this batch "
+            "carries no dataset index (a loader the cache did not see, or a "
+            "collate step that drops fields)",
+            "pass `key='<field>'`, a batch field that identifies each sample",
+        )
+    if not isinstance(batch, Mapping):
+        _validation.fail(
+            "key",
+            key,
+            f"names a batch field, but the batch is a {type(batch).__name__} without fields",
+            "return a dict from the collate_fn, or pass `key='index'`",
+        )
+    if key not in batch:
+        fields = ", ".join(repr(f) for f in batch)
+        _validation.fail(
+            "key",
+            key,
+            f"is not a field of the batch (its fields: {fields})",
+            "pass one that identifies each sample, or `key='index'` to carry the dataset index",
+        )
+    value = batch[key]
+    if isinstance(value, torch.Tensor):
+        # SYNC: a field on an accelerator is read to the host; keep ids in a list to avoid it.
+        return list(value.tolist())
+    return list(value)

@@ -1,0 +1,196 @@
+"""Which submodules the frozen-feature cache may serve, and a fingerprint of their weights.
+
+A module's outputs can be stored per sample and served later only when they depend on
+nothing but the sample and the weights: every parameter frozen (no gradient flows into
+it), and no layer whose output in train mode depends on chance (dropout with ``p > 0``)
+or on the rest of the batch (BatchNorm in train mode, which normalises by the batch's
+statistics and updates its running ones). :func:`why_not_cacheable` says which rule a
+module breaks, in words a user can act on; :func:`fingerprint` is a stable hash of the
+weights, so that features computed with other weights are never served.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_speedkit import _compat, _validation
+
+__all__ = [
+    "choose_modules",
+    "fingerprint",
+    "frozen_candidates",
+    "weight_stamp",
+    "why_not_cacheable",
+]
+
+#: Layers whose train-mode output is random (dropout) or depends on the batch (BatchNorm).
+_DROPOUT = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
+_BATCH_NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def why_not_cacheable(name: str, module: nn.Module) -> str | None:
+    """Why ``module``'s outputs cannot be served from a store, as it is now; None if they can.
+
+    Example::
+
+        >>> print(why_not_cacheable("head", nn.Linear(2, 2)))
+        `head` has parameters that require grad (weight, bias): a stored output would cut their gradient; freeze them with `module.requires_grad_(False)`
+        >>> why_not_cacheable("tower", nn.Linear(2, 2).requires_grad_(False)) is None
+        True
+    """  # noqa: E501
+    trainable = [n for n, p in module.named_parameters() if p.requires_grad]
+    if trainable:
+        shown = ", ".join(trainable[:3]) + (", ..." if len(trainable) > 3 else "")
+        return (
+            f"`{name}` has parameters that require grad ({shown}): a stored output would cut "
+            f"their gradient; freeze them with `module.requires_grad_(False)`"
+        )
+    return why_not_now(name, module, _chance_layers(module))
+
+
+def _chance_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The layers of ``module`` whose output in train mode is random or batch-dependent."""
+    found: list[tuple[str, nn.Module]] = []
+    for sub_name, sub in module.named_modules():
+        if isinstance(sub, _BATCH_NORM) or (isinstance(sub, _DROPOUT) and sub.p > 0):
+            found.append((sub_name, sub))
+    return found
+
+
+def why_not_now(
+    name: str, module: nn.Module, chance: Sequence[tuple[str, nn.Module]]
+) -> str | None:
+    """Why ``module`` cannot be served in the mode it is in now (one of ``chance`` trains)."""
+    for sub_name, sub in chance:
+        if not sub.training:
+            continue
+        where = f"`{name}.{sub_name}`" if sub_name else f"`{name}`"
+        if isinstance(sub, _BATCH_NORM):
+            what = (
+                f"{where} is a {type(sub).__name__} in train mode: it normalises by each "
+                f"batch's statistics and updates its running ones"
+            )
+        else:
+            what = f"{where} is a {type(sub).__name__} with p={sub.p} in train mode: random output"
+        return (
+            f"{what}, so `{name}`'s output is not a function of the sample; put it in eval mode "
+            f"(`{name}.eval()` in `on_train_epoch_start`, after Lightning's `model.train()`) "
+            f"or leave `{name}` out of `modules`"
+        )
+    return None
+
+
+def frozen_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Submodules (the model itself left out) with parameters, all of them frozen."""
+    found = []
+    for name, module in model.named_modules():
+        params = list(module.parameters())
+        if name and params and not any(p.requires_grad for p in params):
+            found.append((name, module))
+    return found
+
+
+def topmost(names: Iterable[str]) -> list[str]:
+    """``names`` without those inside another of them (``vision.patch`` inside ``vision``)."""
+    chosen = sorted(set(names))
+    return [n for n in chosen if not any(n.startswith(o + ".") for o in chosen if o != n)]
+
+
+def choose_modules(model: nn.Module, modules: Any) -> list[tuple[str, nn.Module]]:
+    """The submodules ``modules`` names: a name, a module type, or a list of either.
+
+    Every name must exist and every type must match at least one submodule; a module
+    inside another chosen one is left to its ancestor.
+    """
+    given = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+    if not given:
+        _validation.fail(
+            "modules",
+            modules,
+            "names no module",
+            "pass `modules='auto'`, a submodule's name or a module type",
+        )
+    named = dict(model.named_modules())
+    names: list[str] = []
+    for item in given:
+        if isinstance(item, str):
+            if item not in named or not item:
+                close = [n for n in named if n and n.split(".")[-1] == item.split(".")[-1]]
+                hint = f"did you mean {close[0]!r}? " if close else ""
+                tops = ", ".join(repr(n) for n in named if n and "." not in n)
+                _validation.fail(
+                    "modules",
+                    item,
+                    "is not a submodule of the model",
+                    f"{hint}pass a name from `model.named_modules()`, e.g. one of {tops}",
+                )
+            names.append(item)
+        elif isinstance(item, type) and issubclass(item, nn.Module):
+            matched = [n for n, m in named.items() if n and isinstance(m, item)]
+            if not matched:
+                _validation.fail(
+                    "modules",
+                    item,
+                    "matches no submodule of the model",
+                    "pass a type the model holds, or the submodule's name",
+                )
+            names.extend(matched)
+        else:
+            _validation.fail(
+                "modules",
+                item,
+                "must be 'auto', a submodule name or an nn.Module type",
+                "pass e.g. `modules=['vision']` or `modules=[MyVisionTower]`",
+            )
+    return [(n, named[n]) for n in topmost(names)]
+
+
+def _weights(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*module.named_parameters(), *module.named_buffers()]
+
+
+def weight_stamp(module: nn.Module) -> tuple[tuple[int, int], ...]:
+    """Which tensors hold ``module``'s weights and how often each was written in place.
+
+    Cheap (no device work, no sync): it changes when a weight is replaced or written to
+    (an optimizer step, ``load_state_dict``, ``copy_``), which is when :func:`fingerprint`
+    must be computed again.
+    """
+    return tuple((id(t), _compat.tensor_version(t)) for _, t in _weights(module))
+
+
+def fingerprint(module: nn.Module) -> str:
+    """A stable hash of ``module``'s parameters and buffers: names, dtypes, shapes, bytes.
+
+    Equal weights give equal fingerprints in any process; any changed byte changes it.
+    Reads every weight to the host: a sync on an accelerator, done only when
+    :func:`weight_stamp` changed.
+
+    Example::
+
+        >>> layer = nn.Linear(2, 2)
+        >>> before = fingerprint(layer)
+        >>> with torch.no_grad():
+        ...     _ = layer.weight.add_(1)
+        >>> fingerprint(layer) == before
+        False
+    """
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in _weights(module):
+        digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
+        # SYNC: copies the weight to the host (once per change of the weights).
+        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        digest.update(data.numpy().tobytes())
+    return digest.hexdigest()

@@ -1,0 +1,147 @@
+"""FrozenFeatureCache: a frozen submodule's outputs stored per sample and served in later epochs.
+
+A thin layer over :func:`~lightning_speedkit.compute._frozen_core.cache_frozen_features`:
+the callback puts the cache on the LightningModule at setup, has the train loader carry
+each sample's dataset index (``key="index"``), tells the cache which samples each training
+batch holds, and takes everything off again when the fit ends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_speedkit import _compat, _validation
+from lightning_speedkit.compute._frozen_core import (
+    FrozenFeatures,
+    cache_frozen_features,
+    refuse_directory,
+)
+from lightning_speedkit.compute._frozen_loader import batch_keys, with_sample_index
+from lightning_speedkit.compute._frozen_store import budget_bytes
+
+__all__ = ["FrozenFeatureCache"]
+
+#: The name the callback's change of the train loader goes by in the fit loop's source.
+OWNER = "FrozenFeatureCache"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class FrozenFeatureCache(L.Callback):
+    """Serve a frozen submodule's outputs (a VLM's vision tower) from memory after the first epoch.
+
+    The first time a sample is seen, the module runs and its output is stored; later the
+    stored output is returned and the module does not run for that sample. With
+    ``dtype=None`` the losses are bit for bit those of the run without the cache.
+
+    Args:
+        modules: ``"auto"`` (the frozen submodules called with a tensor of the batch as it
+            is, found on the first batch), a submodule name (``"model.vision"``), a module
+            type, or a list of those. Refused with the reason: a module with a parameter
+            that requires grad, or with dropout or BatchNorm in train mode.
+        key: what identifies a sample across epochs. ``"index"`` (default): its index in
+            the train dataset, carried by the train loader, which the callback builds again
+            around the same sampler (any sampler, DistributedSampler, bucketing); the model
+            never sees the extra field. Or the name of a batch field with one id per sample
+            (a list, or a tensor: on an accelerator that tensor is read to the host, a sync).
+        budget: host memory the store may use: bytes, or a share of the free memory
+            (``"50%"``). Past it nothing more is stored and those samples run every time.
+        directory: a disk store beyond the budget; arrives in a later release: pass None.
+        dtype: storage dtype; None keeps the output's (exact). ``"bfloat16"`` halves a
+            float32 store and rounds the served features: the numerics change.
+        verify: recompute the first reused batch and compare; on a mismatch (random
+            augmentation of the input) stop serving, with a warning naming the cause.
+
+    Example::
+
+        >>> cache = FrozenFeatureCache(modules=["model.vision"], budget="25%")
+        >>> cache.counts
+        {}
+    """
+
+    def __init__(
+        self,
+        modules: Any = "auto",
+        key: str = "index",
+        budget: int | str = "50%",
+        directory: Any = None,
+        dtype: torch.dtype | str | None = None,
+        verify: bool = True,
+    ) -> None:
+        refuse_directory(directory)
+        self.key = _validation.text("key", key, example="index")
+        budget_bytes(budget, free=0 if isinstance(budget, str) else None)  # checked now
+        if isinstance(dtype, str):
+            dtype = _validation.choice("dtype", dtype, list(_DTYPES))
+            dtype = _DTYPES[dtype]  # type: ignore[index]
+        self.modules, self.budget, self.dtype = modules, budget, dtype
+        self.verify = _validation.boolean("verify", verify)
+        self.cache: FrozenFeatures | None = None
+        self._state: dict[str, Any] = {}
+
+    @property
+    def counts(self) -> dict[str, Any]:
+        """Samples served (``hits``) and run (``misses``), stored, the store's bytes."""
+        return self.cache.counts() if self.cache is not None else {}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit":
+            return
+        _compat.drop_train_loader_change(trainer, OWNER)  # a fit that raised
+        if self.cache is None or self.cache.model is not pl_module:
+            self.cache = cache_frozen_features(
+                pl_module, self.modules, budget=self.budget, dtype=self.dtype, verify=self.verify
+            )
+            self.cache.load_state_dict(self._state)
+        else:  # a later fit of the same model: the store is still good
+            self.cache.attach()
+        if self.key == "index":
+            _compat.change_train_loader(trainer, OWNER, _carry_index)
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self.cache is not None:
+            self.cache.start_step(batch_keys(batch, self.key), batch)
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any
+    ) -> None:
+        if self.cache is not None:
+            self.cache.end_step()
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage != "fit" or self.cache is None:
+            return
+        self.cache.end_step()
+        self.cache.remove()  # the model runs as it is outside fit; the store is kept
+        _compat.drop_train_loader_change(trainer, OWNER)
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self.teardown(trainer, pl_module, "fit")  # Lightning calls no teardown after a raise
+
+    def state_dict(self) -> dict[str, Any]:
+        """The counters per module; never the features."""
+        return self.cache.state_dict() if self.cache is not None else dict(self._state)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._state = dict(state_dict)
+        if self.cache is not None:
+            self.cache.load_state_dict(self._state)
+
+
+def _carry_index(loader: Any) -> Any:
+    if not isinstance(loader, DataLoader):
+        _validation.fail(
+            "key",
+            "index",
+            f"needs a single torch DataLoader to carry the dataset "
+            f"index, and the train loader is a {type(loader).__name__}",
+            "pass `key='<field>'`, a batch field that identifies each sample",
+        )
+    return with_sample_index(loader)
