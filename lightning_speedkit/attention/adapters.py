@@ -31,7 +31,8 @@ Built in, tried in this order after any registered adapter:
     (fused or separate, grouped key/value heads), an output projection, a head
     count, an optional lower-triangular causal-mask buffer, attention dropout.
     The parity check, not the structure, decides: a look-alike that is not
-    equivalent (heads mixed after the softmax, another scale) is reverted.
+    equivalent (heads mixed after the softmax, another scale) is reverted: see
+    :mod:`lightning_speedkit.attention._structural`.
 ``traced``
     any other module, found by what it computes on its first call (two products
     around a softmax over the key axis, fed by projections), whatever its names:
@@ -53,10 +54,15 @@ import torch
 from torch import Tensor, nn
 
 from lightning_speedkit import _compat, _imports, _surgery, _validation
+from lightning_speedkit.attention._example_inputs import Inputs, device_of, tokens
+from lightning_speedkit.attention._structural import Structure as Structure  # a binding's class
+from lightning_speedkit.attention._structural import (
+    structural_example,
+    structural_forward,
+    structural_match,
+)
 from lightning_speedkit.attention._traced import traced_forward
 from lightning_speedkit.attention.backends import Attend
-
-Inputs = tuple[tuple[Any, ...], dict[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -83,7 +89,7 @@ class SwapContext:
     @contextmanager
     def sdpa_kernel(self) -> Iterator[None]:
         """Run SDPA calls inside on the chosen backend's kernel."""
-        with self.attend.sdpa_kernel(_device_of(self.module)):
+        with self.attend.sdpa_kernel(device_of(self.module)):
             yield
 
 
@@ -95,12 +101,6 @@ class AttentionAdapter:
     match: Callable[[nn.Module], Any]
     forward: Callable[..., Any]
     example_inputs: Callable[[nn.Module], Inputs | None] | None = field(default=None)
-
-
-def _device_of(module: nn.Module) -> torch.device | None:
-    for tensor in module.parameters():
-        return tensor.device
-    return None
 
 
 # ---------------------------------------------------------------- huggingface
@@ -123,7 +123,7 @@ def _hf_match(module: nn.Module) -> Any:
 
 
 def _hf_implementation(ctx: SwapContext) -> str:
-    device = _device_of(ctx.module)
+    device = device_of(ctx.module)
     cuda = device is not None and device.type == "cuda"
     cls = type(ctx.module)
     flash_support = getattr(cls, "_supports_flash_attn", False) or getattr(
@@ -173,7 +173,7 @@ def _hf_example(module: nn.Module) -> Inputs | None:
     config: Any = module.config
     if getattr(module, "main_input_name", None) != "input_ids" or not hasattr(config, "vocab_size"):
         return None
-    device = _device_of(module)
+    device = device_of(module)
     vocab = int(config.vocab_size)
     return (torch.randint(0, vocab, (2, 8), device=device),), {}
 
@@ -200,7 +200,7 @@ def _switch_example(module: nn.Module) -> Inputs | None:
     qkv = getattr(module, "qkv", None)
     if not isinstance(qkv, nn.Linear):
         return None
-    return (_tokens(module, qkv.in_features),), {}
+    return (tokens(module, qkv.in_features),), {}
 
 
 # ------------------------------------------------------- multihead_attention
@@ -238,7 +238,7 @@ def _mha_forward(
 
 def _mha_example(module: nn.Module) -> Inputs | None:
     mha: Any = module
-    x = _tokens(module, mha.embed_dim)
+    x = tokens(module, mha.embed_dim)
     if not mha.batch_first:
         x = x.transpose(0, 1)
     kv_shape = (*x.shape[:-1],)
@@ -248,178 +248,12 @@ def _mha_example(module: nn.Module) -> Inputs | None:
     return (x, k, v), {"need_weights": False}
 
 
-# ----------------------------------------------------------------- structural
-
-_HEAD_ATTRS = ("num_heads", "n_heads", "n_head", "num_attention_heads", "heads", "nhead")
-_KV_HEAD_ATTRS = ("num_key_value_heads", "num_kv_heads", "n_kv_heads", "n_kv_head", "kv_heads")
-_FUSED_QKV = ("qkv", "in_proj", "c_attn", "Wqkv", "qkv_proj", "to_qkv", "query_key_value")
-_SEPARATE_QKV = (
-    ("q_proj", "k_proj", "v_proj"),
-    ("query", "key", "value"),
-    ("q", "k", "v"),
-    ("wq", "wk", "wv"),
-    ("to_q", "to_k", "to_v"),
-)
-_OUT_PROJ = ("o_proj", "out_proj", "proj", "c_proj", "wo", "dense", "to_out", "out")
-_ATTN_DROPOUT = ("attn_drop", "attn_dropout", "attention_dropout", "dropout_attn")
-_OUT_DROPOUT = ("proj_drop", "resid_dropout", "resid_drop", "out_drop", "dropout_out")
-
-
-@dataclass(frozen=True)
-class Structure:
-    """What the structural adapter found in a custom attention module."""
-
-    heads: int
-    kv_heads: int
-    head_dim: int
-    qkv: str | None
-    """Name of the fused projection, or ``None`` for separate ones."""
-    q: str | None
-    k: str | None
-    v: str | None
-    out: str
-    causal: bool
-    """A lower-triangular mask buffer was found: the attention is causal."""
-    max_len: int | None
-    """Side of that mask: longer sequences run the module's own forward."""
-    attn_dropout: str | None
-    out_dropout: str | None
-    scale: float | None
-
-
-def _int_attr(module: nn.Module, names: tuple[str, ...]) -> int | None:
-    for name in names:
-        value = getattr(module, name, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
-def _causal_buffer(module: nn.Module) -> tuple[bool, int | None]:
-    for buffer in module.buffers(recurse=False):
-        if buffer.ndim < 2 or buffer.shape[-1] != buffer.shape[-2] or buffer.shape[-1] < 2:
-            continue
-        square = buffer.reshape(-1, *buffer.shape[-2:])[0]
-        if square.dtype != torch.bool:
-            square = square != 0
-        lower = torch.tril(torch.ones_like(square))
-        if torch.equal(square, lower):
-            return True, int(buffer.shape[-1])
-    return False, None
-
-
-def _structural_match(module: nn.Module) -> Any:
-    cls_module = type(module).__module__ or ""
-    if cls_module.startswith(("transformers.", "timm.", "torch.")):
-        return None  # those families have their own switches
-    heads = _int_attr(module, _HEAD_ATTRS)
-    if heads is None:
-        return None
-    children = dict(module.named_children())
-    linear = {name for name, child in children.items() if isinstance(child, nn.Linear)}
-    lin: dict[str, nn.Linear] = {name: children[name] for name in linear}  # type: ignore[misc]
-    fused = next((name for name in _FUSED_QKV if name in linear), None)
-    separate = next((names for names in _SEPARATE_QKV if set(names) <= linear), None)
-    out = next((name for name in _OUT_PROJ if name in linear), None)
-    if (fused is None and separate is None) or out is None:
-        return None
-    # From here on the module looks like attention: a refusal says why.
-    name = type(module).__name__
-    kv_heads = _int_attr(module, _KV_HEAD_ATTRS) or heads
-    if fused is not None:
-        inner = lin[out].in_features
-        width = lin[fused].out_features
-        if width != 3 * inner or inner % heads or kv_heads != heads:
-            return f"{name}: fused projection {fused!r} is not three equal parts of {heads} heads"
-        head_dim = inner // heads
-    else:
-        assert separate is not None
-        q, k, v = (lin[part] for part in separate)
-        if q.out_features % heads or k.out_features != v.out_features:
-            return f"{name}: projections do not split into {heads} heads"
-        head_dim = q.out_features // heads
-        if k.out_features != kv_heads * head_dim or heads % kv_heads:
-            return f"{name}: key/value projections do not match {kv_heads} key/value heads"
-    attn_dropout = out_dropout = None
-    known = {fused, out, *(separate or ())}
-    for child_name, child in children.items():
-        if child_name in known:
-            continue
-        if isinstance(child, nn.Dropout):
-            if child_name in _ATTN_DROPOUT:
-                attn_dropout = child_name
-            elif child_name in _OUT_DROPOUT:
-                out_dropout = child_name
-            elif child.p > 0:
-                return f"{name}: dropout {child_name!r} is not one the structural adapter knows"
-        elif any(True for _ in child.parameters()) or not isinstance(
-            child, (nn.Identity, nn.Softmax)
-        ):
-            return f"{name}: submodule {child_name!r} is not modelled by the structural adapter"
-    causal, max_len = _causal_buffer(module)
-    scale = getattr(module, "scale", None)
-    return Structure(
-        heads=heads,
-        kv_heads=kv_heads,
-        head_dim=head_dim,
-        qkv=fused,
-        q=separate[0] if separate else None,
-        k=separate[1] if separate else None,
-        v=separate[2] if separate else None,
-        out=out,
-        causal=causal,
-        max_len=max_len,
-        attn_dropout=attn_dropout,
-        out_dropout=out_dropout,
-        scale=float(scale) if isinstance(scale, float) else None,
-    )
-
-
-def _structural_forward(ctx: SwapContext, x: Tensor, *args: Any, **kwargs: Any) -> Any:
-    s: Structure = ctx.binding
-    if args or any(value is not None for value in kwargs.values()) or x.ndim != 3:
-        return NotImplemented  # masks or other inputs: the module's own forward
-    B, N, _ = x.shape
-    if s.max_len is not None and s.max_len < N:
-        return NotImplemented
-    module = ctx.module
-    if s.qkv is not None:
-        qkv = getattr(module, s.qkv)(x).view(B, N, 3, s.heads, s.head_dim).permute(2, 0, 3, 1, 4)
-        q, k, v = qkv.unbind(0)
-    else:
-        assert s.q is not None
-        assert s.k is not None
-        assert s.v is not None
-        q = getattr(module, s.q)(x).view(B, N, s.heads, s.head_dim).transpose(1, 2)
-        k = getattr(module, s.k)(x).view(B, N, s.kv_heads, s.head_dim).transpose(1, 2)
-        v = getattr(module, s.v)(x).view(B, N, s.kv_heads, s.head_dim).transpose(1, 2)
-    dropout_p = 0.0
-    if s.attn_dropout is not None and module.training:
-        dropout_p = float(getattr(module, s.attn_dropout).p)
-    out = ctx.attend(q, k, v, is_causal=s.causal, scale=s.scale, dropout_p=dropout_p)
-    out = getattr(module, s.out)(out.transpose(1, 2).reshape(B, N, s.heads * s.head_dim))
-    if s.out_dropout is not None:
-        out = getattr(module, s.out_dropout)(out)
-    return out
-
-
-def _structural_example(module: nn.Module) -> Inputs | None:
-    s = _structural_match(module)
-    if not isinstance(s, Structure):
-        return None
-    first = getattr(module, s.qkv or s.q or "")
-    length = min(s.max_len or 16, 16)
-    return (_tokens(module, first.in_features, length),), {}
-
-
-def _tokens(module: nn.Module, width: int, length: int = 16) -> Tensor:
-    device = _device_of(module)
-    dtype = next((p.dtype for p in module.parameters()), torch.float32)
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    return torch.randn(2, length, width, generator=generator, dtype=dtype).to(device)
-
-
 # ------------------------------------------------------------------- registry
+
+# Under their names from before they moved: a model pickled with a structural swap names
+# its adapter's functions (and binding, ``Structure``) here.
+_structural_match, _structural_forward = structural_match, structural_forward
+_structural_example = structural_example
 
 _BUILTIN: tuple[AttentionAdapter, ...] = (
     AttentionAdapter("huggingface", _hf_match, _hf_forward, _hf_example),
