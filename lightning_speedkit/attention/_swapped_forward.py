@@ -2,9 +2,10 @@
 
 A swapped module's first call on real inputs (and its first with gradients) runs
 its own forward and the fused one on copies of those inputs and compares them
-(:mod:`._parity`); ``auto`` also times the passing backends (:mod:`._auto_timing`). A module whose fused forward fails is reverted to its own,
-with a warning. Decisions made elsewhere (rank 0's, a resumed run's) are taken
-with :meth:`_SwappedForward.adopt`.
+(:mod:`._parity`); ``auto`` also times the passing backends (:mod:`._auto_timing`).
+A module whose fused forward fails is reverted to its own, with a warning.
+Decisions made elsewhere (rank 0's, a resumed run's) are taken with
+:meth:`_SwappedForward.adopt`.
 """
 
 from __future__ import annotations

@@ -20,13 +20,16 @@ parameters or other attributes) that is lower-triangular becomes
 ``is_causal=True``, so flash kernels can run; it is checked once per recipe
 and shape (a host-device sync).
 Under ``torch.compile`` the module's own forward is traced instead.
+
+The parts live apart: the torch calls known by name (:mod:`._op_vocabulary`), the
+placeholder and the replay of the module's own code (:mod:`._deferred_scores`), the
+mapping of operands onto the fused call's layout (:mod:`._sdpa_layout`), and masks
+made from buffers, causal or not (:mod:`._mask_recipes`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import logging
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -35,103 +38,47 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from lightning_speedkit import _compat
-
-tree_flatten, tree_map = _compat.tree_flatten_and_map()
-log = logging.getLogger(__name__)
-
-_PRODUCTS = frozenset({"matmul", "bmm", "einsum", "baddbmm"})
-#: Ops that are a projection when one of their tensor operands is a parameter.
-_PROJECTIONS = frozenset({"linear", "addmm", "matmul", "mm", "bmm", "einsum", "conv1d"})
-_CASTS = frozenset(
-    {"float", "half", "bfloat16", "double", "to", "type", "type_as", "contiguous", "clone"}
+from lightning_speedkit.attention._deferred_scores import (
+    _SELF,
+    Op,
+    _cast_dtype,
+    _descends,
+    _fill,
+    _is_plain,
+    _Placeholder,
+    _Scores,
 )
-_MUL = frozenset({"mul", "mul_", "multiply", "__mul__", "__rmul__", "__imul__"})
-_DIV = frozenset({"div", "div_", "divide", "true_divide", "__truediv__", "__itruediv__"})
-_ADD = frozenset({"add", "add_", "__add__", "__radd__", "__iadd__"})
-_SUB = frozenset({"sub", "sub_", "subtract", "__sub__", "__isub__"})
-_FILL = frozenset({"masked_fill", "masked_fill_"})
-#: What may stand between the first product and the softmax.
-_SCORE_OPS = _MUL | _DIV | _ADD | _SUB | _FILL | _CASTS | {"where", "amax", "detach"}
-#: What may stand between the softmax and the second product.
-_WEIGHT_OPS = _CASTS | {"dropout"}
-_METADATA = frozenset(
-    {
-        "shape",
-        "dtype",
-        "device",
-        "ndim",
-        "size",
-        "dim",
-        "ndimension",
-        "numel",
-        "nelement",
-        "is_floating_point",
-        "is_complex",
-        "layout",
-        "requires_grad",
-        "is_cuda",
-        "is_cpu",
-        "is_meta",
-        "is_leaf",
-        "__len__",
-        "element_size",
-        "stride",
-        "names",
-    }
+from lightning_speedkit.attention._mask_recipes import BufferRecipes, _negative, sdpa_mask
+from lightning_speedkit.attention._op_vocabulary import (
+    _ADD,
+    _CASTS,
+    _DIV,
+    _FILL,
+    _METADATA,
+    _MUL,
+    _PRODUCTS,
+    _SUB,
+    _arg,
+    _broadcasts_into,
+    _inplace,
+    _name,
+    _number,
+    _softmax_dim,
+    _tensor_args,
 )
-#: A ``masked_fill`` value at or below this is a mask (softmax gives it no weight).
-_VERY_NEGATIVE = -1e4
-
-
-def _name(func: Callable[..., Any]) -> str:
-    name: str = getattr(func, "__name__", "")
-    if name == "__get__":  # a property (``x.shape``): its getter
-        return str(getattr(getattr(func, "__self__", None), "__name__", ""))
-    return name
-
-
-_INPLACE_DUNDERS = frozenset(
-    {"__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__ipow__"}
-    | {"__iand__", "__ior__", "__ixor__", "__imatmul__", "__setitem__"}
+from lightning_speedkit.attention._sdpa_layout import (
+    _arrange,
+    _einsum_operands,
+    _einsum_terms,
+    _letter_sizes,
+    _mask4d,
+    _product_dtype,
+    _to4d,
 )
 
-
-def _inplace(name: str) -> bool:
-    """Whether the op writes into its first argument (``add_``, ``+=``, ``x[i] = ...``)."""
-    return name in _INPLACE_DUNDERS or (name.endswith("_") and not name.endswith("__"))
-
-
-def _tensor_args(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterator[Tensor]:
-    for value in (*args, *kwargs.values()):
-        if isinstance(value, Tensor):
-            yield value
-        elif isinstance(value, (list, tuple)):
-            yield from (v for v in value if isinstance(v, Tensor))
-
-
-def _tensor_outputs(out: Any) -> list[Tensor]:
-    if isinstance(out, Tensor):
-        return [out]
-    if isinstance(out, (list, tuple)):
-        return [o for o in out if isinstance(o, Tensor)]
-    return []
-
-
-def _arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str, default: Any) -> Any:
-    if name in kwargs:
-        return kwargs[name]
-    return args[index] if len(args) > index else default
-
-
-def _softmax_dim(args: tuple[Any, ...], kwargs: dict[str, Any], ndim: int) -> int | None:
-    """The softmax's axis, non-negative (``F.softmax``, ``torch.softmax``, ``Tensor.softmax``)."""
-    dim = _arg(args, kwargs, 1, "dim", None)
-    if not isinstance(dim, int):
-        return None
-    return dim % ndim if ndim else None
+tree_flatten, _ = _compat.tree_flatten_and_map()
 
 
 _NESTING = [0]
@@ -147,9 +94,6 @@ def swapped_call() -> Iterator[None]:
         _NESTING[0] -= 1
 
 
-Op = tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]
-
-
 class SwapRefusedError(Exception):
     """Raised by an adapter's forward during a parity check: this call cannot run fused."""
 
@@ -163,194 +107,6 @@ class TracedAttention:
     """Whether a mask made from buffers alone is SDPA's causal one, by its recipe and shape."""
 
 
-class _Self:
-    """Stands for the placeholder's own value in a recorded step."""
-
-
-_SELF = _Self()
-
-
-@dataclass
-class _Scores:
-    """What a placeholder stands for: its eager recipe and its meaning for a fused call."""
-
-    op: Op
-    """How to compute it: a call whose ``_SELF`` arguments are ``parent``'s value."""
-    parent: _Scores | None
-    q: Tensor
-    k: Tensor
-    """Query and key, ``(*batch, N, D)``; the scores are ``(*batch, Nq, Nk)``."""
-    scale: float = 1.0
-    bias: Tensor | None = None
-    """Added to the scores, in their units."""
-    keep: Tensor | None = None
-    """Which scores count (``masked_fill`` with a large negative elsewhere)."""
-    mask_recipe: tuple[Any, ...] | None = ()
-    """How the masks were made, when from buffers alone (``None``: from inputs)."""
-    softmax: bool = False
-    dropout_p: float = 0.0
-    of: _Scores | None = None
-    """For a row maximum (a stabilising shift): the scores it is the maximum of."""
-    value: Tensor | None = None
-
-    def derive(self, op: Op, **changes: Any) -> _Scores:
-        return dataclasses.replace(self, op=op, parent=self, value=None, **changes)
-
-    def compute(self) -> Tensor:
-        """The eager value (what the module's own code would have computed)."""
-        if self.value is None:
-            func, args, kwargs = self.op
-            parent = self.parent.compute() if self.parent is not None else None
-            self.value = func(*_fill(args, parent), **_fill(kwargs, parent))
-        return self.value
-
-
-def _fill(value: Any, parent: Tensor | None) -> Any:
-    def one(item: Any) -> Any:
-        if item is _SELF:
-            return parent
-        if isinstance(item, _Placeholder):
-            return item.scores.compute()
-        return item
-
-    return tree_map(one, value)
-
-
-class _Placeholder(Tensor):
-    """A deferred tensor (no storage) with the shape and dtype its eager value would have."""
-
-    scores: _Scores
-    eager_shape: tuple[int, ...]
-    eager_dtype: torch.dtype
-    """Its shape and dtype as plain attributes (``.shape`` would go through torch functions)."""
-
-    @staticmethod
-    def __new__(cls, scores: _Scores, shape: tuple[int, ...], dtype: torch.dtype) -> _Placeholder:
-        placeholder: _Placeholder = _compat.make_wrapper_subclass(
-            cls, shape, dtype=dtype, device=scores.q.device, requires_grad=False
-        )
-        placeholder.scores = scores
-        placeholder.eager_shape = tuple(shape)
-        placeholder.eager_dtype = dtype
-        return placeholder
-
-    @classmethod
-    def __torch_function__(
-        cls,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        # Outside the fusing mode (a placeholder kept past the forward): compute it.
-        kwargs = kwargs or {}
-        if _name(func) in _METADATA:
-            with _compat.disable_torch_function_subclass():
-                return func(*args, **kwargs)
-        return func(*_fill(args, None), **_fill(kwargs, None))
-
-    @classmethod
-    def __torch_dispatch__(  # type: ignore[override]
-        cls,
-        func: Callable[..., Any],
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        raise RuntimeError(
-            f"AttentionSwap: deferred attention scores reached {func} without being computed; "
-            "please report this with the module's code."
-        )
-
-
-def _product_dtype(device: torch.device, a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    """The dtype of a product of ``a`` and ``b`` tensors (autocast's, when it is on there)."""
-    if torch.is_autocast_enabled(device.type):
-        return torch.get_autocast_dtype(device.type)
-    return torch.promote_types(a, b)
-
-
-def _einsum_terms(equation: str, ndims: list[int]) -> tuple[list[str], str] | None:
-    """The equation's operand and output terms, ``...`` spelled out in spare letters."""
-    equation = equation.replace(" ", "")
-    if "->" not in equation:
-        return None
-    lhs, out = equation.split("->")
-    terms = lhs.split(",")
-    if len(terms) != len(ndims):
-        return None
-    if "..." in equation:
-        spare = [c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZ" if c not in equation]
-        widths = [n - (len(t) - 3) for t, n in zip(terms, ndims, strict=True) if "..." in t]
-        width = max(widths, default=0)
-        letters = "".join(spare[:width])
-        terms = [
-            t.replace("...", letters[width - (n - (len(t) - 3)) :]) if "..." in t else t
-            for t, n in zip(terms, ndims, strict=True)
-        ]
-        out = out.replace("...", letters)
-    for term, n in zip(terms, ndims, strict=True):
-        if len(term) != n or len(set(term)) != len(term) or not term.isalpha():
-            return None
-    if len(set(out)) != len(out):
-        return None
-    return terms, out
-
-
-def _arrange(t: Tensor, have: str, want: str, sizes: dict[str, int]) -> Tensor:
-    """``t`` (axes named ``have``) as axes ``want``: permuted, missing axes broadcast."""
-    order = [have.index(c) for c in want if c in have]
-    if order != list(range(t.ndim)):
-        t = t.permute(order)
-    for position, letter in enumerate(want):
-        if letter not in have:
-            t = t.unsqueeze(position)
-    target = [sizes[c] for c in want]
-    return t if list(t.shape) == target else t.expand(target)
-
-
-def _letter_sizes(terms: list[str], shapes: list[tuple[int, ...]]) -> dict[str, int]:
-    sizes: dict[str, int] = {}
-    for term, shape in zip(terms, shapes, strict=True):
-        for letter, size in zip(term, shape, strict=True):
-            sizes[letter] = max(sizes.get(letter, 1), int(size))
-    return sizes
-
-
-def _einsum_operands(args: tuple[Any, ...]) -> list[Any]:
-    if len(args) == 2 and isinstance(args[1], (list, tuple)):
-        return list(args[1])
-    return list(args[1:])
-
-
-def _is_plain(t: Any) -> bool:
-    """An activation: a floating tensor that is neither a parameter nor a placeholder."""
-    if not isinstance(t, Tensor) or isinstance(t, (nn.Parameter, _Placeholder)):
-        return False
-    return t.is_floating_point()
-
-
-def _recipe_value(value: Any, recipes: WeakTensorKeyDictionary) -> Any:
-    """A hashable stand-in for an argument of an op that makes a constant, or ``_NOT``."""
-    if isinstance(value, Tensor):
-        return recipes.get(value, _NOT)
-    if value is None or isinstance(value, (bool, int, float, str, torch.dtype, torch.device)):
-        return value
-    if value is Ellipsis:
-        return "..."
-    if isinstance(value, slice):
-        parts = tuple(_recipe_value(v, recipes) for v in (value.start, value.stop, value.step))
-        return _NOT if _NOT in parts else ("slice", *parts)
-    if isinstance(value, (list, tuple)):
-        parts = tuple(_recipe_value(v, recipes) for v in value)
-        return _NOT if _NOT in parts else parts
-    return _NOT
-
-
-_NOT = ("not a constant",)
-_MAX_RECIPE = 64
-
-
 class _Fuse(TorchFunctionMode):
     """Runs a module's own forward with its attention products fused (see the module docstring)."""
 
@@ -359,13 +115,7 @@ class _Fuse(TorchFunctionMode):
         self.attend = attend
         self.binding = binding
         self.depth = _NESTING[0]
-        # How each tensor made from the module's buffers alone was made: such a mask is the
-        # same at every call of a shape. Inputs, parameters and attributes have no recipe.
-        self.recipes: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
-        self.maybe: set[int] = set()  # ids of those (a quick first test; ids can be reused)
-        for name, buffer in module.named_buffers():
-            self.recipes[buffer] = ("buffer", name)
-            self.maybe.add(id(buffer))
+        self.recipes = BufferRecipes(module)
         self.fused = 0
         self.unfused: str | None = None
 
@@ -398,36 +148,8 @@ class _Fuse(TorchFunctionMode):
                 return placeholder
         out = func(*args, **kwargs)
         if name not in _METADATA:
-            self._note_recipe(name, args, kwargs, tensors, out)
+            self.recipes.note(name, args, kwargs, tensors, out)
         return out
-
-    def _note_recipe(
-        self,
-        name: str,
-        args: tuple[Any, ...],
-        kwargs: dict[str, Any],
-        tensors: list[Tensor],
-        out: Any,
-    ) -> None:
-        if tensors and not all(id(t) in self.maybe and t in self.recipes for t in tensors):
-            if _inplace(name):  # a constant written with inputs
-                self.recipes.pop(tensors[0], None)
-            return
-        named = tuple(sorted(kwargs.items()))
-        recipe = (name, _recipe_value(args, self.recipes), _recipe_value(named, self.recipes))
-        if _NOT in recipe or len(repr(recipe)) > 40 * _MAX_RECIPE:
-            if tensors:
-                self.recipes.pop(tensors[0], None)
-            return
-        outputs = _tensor_outputs(out)
-        if _inplace(name) and tensors:
-            outputs = [tensors[0]]  # changed in place: its value has a new recipe
-        for index, tensor in enumerate(outputs):
-            self.recipes[tensor] = (recipe, index)
-            self.maybe.add(id(tensor))
-
-    def _recipe(self, t: Tensor) -> Any:
-        return self.recipes.get(t)
 
     # ------------------------------------------------------------ first product
 
@@ -556,7 +278,11 @@ class _Fuse(TorchFunctionMode):
             if not _broadcasts_into(mask, this.eager_shape):
                 return None
             keep = ~mask if s.keep is None else s.keep & ~mask
-            return result(s.derive(op, keep=keep, mask_recipe=self._with(s, "fill", mask)))
+            return result(
+                s.derive(
+                    op, keep=keep, mask_recipe=self.recipes.extend(s.mask_recipe, "fill", mask)
+                )
+            )
         if name == "amax":
             dim = _arg(args, kwargs, 1, "dim", ())
             dims = list(dim) if isinstance(dim, (list, tuple)) else [dim]
@@ -601,7 +327,11 @@ class _Fuse(TorchFunctionMode):
         sign = float(alpha) if name in _ADD else -float(alpha)
         term = other if sign == 1.0 else other * sign
         bias = term if s.bias is None else s.bias + term
-        return result(s.derive(op, bias=bias, mask_recipe=self._with(s, "add", other, sign)))
+        return result(
+            s.derive(
+                op, bias=bias, mask_recipe=self.recipes.extend(s.mask_recipe, "add", other, sign)
+            )
+        )
 
     def _on_weights(
         self,
@@ -623,12 +353,6 @@ class _Fuse(TorchFunctionMode):
             return result(s.derive(op))
         return None if s.dropout_p else result(s.derive(op, dropout_p=float(p)))
 
-    def _with(self, s: _Scores, kind: str, mask: Tensor, *extra: Any) -> tuple[Any, ...] | None:
-        recipe = self._recipe(mask)
-        if s.mask_recipe is None or recipe is None:
-            return None
-        return (*s.mask_recipe, (kind, recipe, *extra))
-
     def _where(
         self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
     ) -> _Placeholder | None:
@@ -645,7 +369,9 @@ class _Fuse(TorchFunctionMode):
             return None
         keep = cond if s.keep is None else s.keep & cond
         op: Op = (func, (cond, _SELF, value), kwargs)
-        derived = s.derive(op, keep=keep, mask_recipe=self._with(s, "where", cond))
+        derived = s.derive(
+            op, keep=keep, mask_recipe=self.recipes.extend(s.mask_recipe, "where", cond)
+        )
         return _Placeholder(derived, this.eager_shape, this.eager_dtype)
 
     # ----------------------------------------------------------- second product
@@ -705,7 +431,7 @@ class _Fuse(TorchFunctionMode):
     def _fused(self, s: _Scores, v: Tensor, dtype: torch.dtype) -> Tensor:
         q, k = s.q, s.k
         batch = tuple(q.shape[:-2])
-        mask, causal = self._mask(s, q.shape[-2], k.shape[-2])
+        mask, causal = sdpa_mask(s, q.shape[-2], k.shape[-2], self.binding.causal)
         if not torch.is_autocast_enabled(q.device.type):
             common = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
             q, k, v = (t.to(common) for t in (q, k, v))
@@ -723,114 +449,6 @@ class _Fuse(TorchFunctionMode):
         out = out.reshape(*batch, *out.shape[-2:])
         self.fused += 1
         return out if out.dtype == dtype else out.to(dtype)
-
-    def _mask(self, s: _Scores, nq: int, nk: int) -> tuple[Tensor | None, bool]:
-        """SDPA's ``attn_mask`` and ``is_causal`` for the scores' masks."""
-        keep, bias = s.keep, s.bias
-        if keep is None and bias is None:
-            return None, False
-        if s.mask_recipe is not None:  # made from buffers alone: one answer per recipe and shape
-            key = (nq, nk, s.mask_recipe)
-            causal = self.binding.causal.get(key)
-            if causal is None:
-                causal = _lower_triangular(keep, bias, nq, nk)
-                self.binding.causal[key] = causal
-            if causal:
-                return None, True
-        if bias is None:
-            return keep, False
-        return (bias if keep is None else bias.masked_fill(~keep, float("-inf"))), False
-
-
-def _lower_triangular(keep: Tensor | None, bias: Tensor | None, nq: int, nk: int) -> bool:
-    """Whether the masks let each query see exactly the keys at or before it (SDPA's causal)."""
-    allowed = keep
-    if bias is not None:
-        zero = bias == 0
-        if not bool((zero | (bias <= _VERY_NEGATIVE)).all()):  # SYNC: once per mask recipe
-            return False
-        allowed = zero if allowed is None else allowed & zero
-    assert allowed is not None
-    tril = torch.ones(nq, nk, dtype=torch.bool, device=allowed.device).tril()
-    return bool((allowed == tril).all())  # SYNC: once per mask recipe
-
-
-def _to4d(t: Tensor) -> Tensor:
-    """``(*batch, N, D)`` as SDPA's ``(B, H, N, D)``."""
-    if t.ndim == 4:
-        return t
-    if t.ndim == 3:
-        return t.unsqueeze(1)
-    if t.ndim == 2:
-        return t[None, None]
-    return t.reshape(-1, *t.shape[-3:])
-
-
-def _mask4d(mask: Tensor, batch: tuple[int, ...]) -> Tensor:
-    """A mask broadcastable to ``(*batch, Nq, Nk)`` as one broadcastable to :func:`_to4d`'s."""
-    nb = len(batch)
-    if mask.ndim < nb + 2:
-        mask = mask.reshape((1,) * (nb + 2 - mask.ndim) + tuple(mask.shape))
-    if nb == 2:
-        return mask
-    if nb == 1:
-        return mask.unsqueeze(1)
-    if nb == 0:
-        return mask[None, None]
-    return mask.expand(*batch, *mask.shape[-2:]).reshape(-1, batch[-1], *mask.shape[-2:])
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _negative(value: Any) -> bool:
-    return _number(value) and float(value) <= _VERY_NEGATIVE
-
-
-def _broadcasts_into(t: Tensor, shape: tuple[int, ...]) -> bool:
-    try:
-        return tuple(torch.broadcast_shapes(t.shape, shape)) == shape
-    except RuntimeError:
-        return False
-
-
-def _descends(scores: _Scores, ancestor: _Scores) -> bool:
-    """Whether ``scores`` were made from ``ancestor`` (a row maximum of these very scores)."""
-    node: _Scores | None = scores
-    while node is not None:
-        if node is ancestor:
-            return True
-        node = node.parent
-    return False
-
-
-_FIXED_CASTS = {
-    "float": torch.float32,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "double": torch.float64,
-}
-
-
-def _cast_dtype(
-    name: str, rest: tuple[Any, ...], kwargs: dict[str, Any], this: _Placeholder
-) -> torch.dtype | None:
-    """The dtype a cast-like op gives the placeholder; ``None`` when it does more than cast."""
-    if name in _FIXED_CASTS:
-        return _FIXED_CASTS[name] if not rest and not kwargs else None
-    if name in ("contiguous", "clone"):
-        return this.eager_dtype if not rest else None
-    if name == "type_as":
-        return rest[0].dtype if len(rest) == 1 and isinstance(rest[0], Tensor) else None
-    if set(kwargs) - {"dtype", "copy", "non_blocking"} or len(rest) > 1:
-        return None
-    target = rest[0] if rest else kwargs.get("dtype")
-    if isinstance(target, torch.dtype) and target.is_floating_point:
-        return target
-    if name == "to" and isinstance(target, Tensor) and target.device == this.device:
-        return target.dtype if target.is_floating_point() else None
-    return None
 
 
 def traced_forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:

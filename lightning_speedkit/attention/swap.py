@@ -45,11 +45,12 @@ from torch import Tensor, nn
 
 from lightning_speedkit import _validation
 from lightning_speedkit._surgery import refuse_wrapped, replace_forward, replaced_forward
-from lightning_speedkit.attention._discovery import Discovery, Found, probed
+from lightning_speedkit.attention._attention_pattern import Found
+from lightning_speedkit.attention._discovery import Discovery, probed
 from lightning_speedkit.attention._parity import DEFAULT_TOLERANCE, eval_mode
 from lightning_speedkit.attention._rank_agreement import agree
 from lightning_speedkit.attention._swap_report import ModuleSwap, SwapReport
-from lightning_speedkit.attention._swapped_forward import _SwappedForward
+from lightning_speedkit.attention._swapped_forward import _SwappedForward  # pickles name it here
 from lightning_speedkit.attention._traced import TracedAttention
 from lightning_speedkit.attention.adapters import TRACED, AttentionAdapter, adapters
 from lightning_speedkit.attention.backends import BackendChoice, check_backend
