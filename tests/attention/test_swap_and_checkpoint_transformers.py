@@ -6,6 +6,8 @@ their recomputation runs in backward, after that call. It ran with the model's o
 (eager) attention, a different graph: torch raised ``CheckpointError`` (Llama, BERT),
 or the recomputation silently ran eager attention (GPT-2). A checkpoint now replays the
 enclosing swap's setting (implementation and SDPA kernel) around its recomputation.
+The ``math`` backend shows the kernel is replayed too: replaying the implementation
+alone, the recomputation ran the CPU's default SDPA kernel, which saves other tensors.
 """
 
 from __future__ import annotations
@@ -97,20 +99,21 @@ class _CountSdpa:
         return self._fused(*args, **kwargs)  # type: ignore[no-any-return]
 
 
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
 @pytest.mark.parametrize("order", ["swap_then_checkpoint", "checkpoint_then_swap"])
 @pytest.mark.parametrize("kind", sorted(MODELS))
 def test_gradients_equal_the_plain_model_and_the_recomputation_runs_fused(
-    kind: str, order: str, monkeypatch: pytest.MonkeyPatch
+    kind: str, order: str, backend: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     model = _model(kind).train()
     plain = copy.deepcopy(model)
     blocks = MODELS[kind][1]
     if order == "swap_then_checkpoint":
-        report = swap_attention(model, "sdpa")
+        report = swap_attention(model, backend)
         assert checkpoint_blocks(model) == blocks
     else:
         assert checkpoint_blocks(model) == blocks
-        report = swap_attention(model, "sdpa")
+        report = swap_attention(model, backend)
     assert report.swapped == [""]
     for step in range(2):  # the first call checks the swap, the second only trains
         loss, grads = _grads(model, _ids(step))
@@ -120,7 +123,7 @@ def test_gradients_equal_the_plain_model_and_the_recomputation_runs_fused(
         for name in grads:  # within the swap's fp32 tolerance (1e-4 relative)
             torch.testing.assert_close(grads[name], plain_grads[name], rtol=1e-4, atol=1e-5,
                                        msg=f"step {step}: {name}")  # fmt: skip
-    assert report.modules[0].status == "active"
+    assert (report.modules[0].status, report.modules[0].backend) == ("active", backend)
     assert model.config._attn_implementation == "eager"  # switched for the call only
     sdpa = _CountSdpa(monkeypatch)
     _grads(model, _ids(5))
