@@ -9,6 +9,7 @@ set, and the engine divides the loss itself.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -16,9 +17,10 @@ import torch
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DeepSpeedStrategy
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.data import extract_batch_size
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_speedkit import _combined
+from lightning_speedkit import _combined, _compat
 from lightning_speedkit.errors import SpeedkitConfigError
 
 
@@ -72,6 +74,33 @@ def refuse_shrinking_batches(loaders: _combined.TrainLoaders) -> None:
     )
 
 
+def given_micro_batch(trainer: L.Trainer, known: int | None) -> int | None:
+    """The micro-batch before ``configure_optimizers``: ``known``, else the one the train
+    loaders passed to ``fit`` say, if they do. Those loaders are checked (no shrinking
+    batches) either way; a loader from a hook is not built: that would run the user's
+    hook early."""
+    given = _combined.given(_compat.train_loader_source(trainer).instance)
+    refuse_shrinking_batches(given)
+    return known or micro_batch(given)
+
+
+def train_loaders(trainer: L.Trainer) -> tuple[_combined.TrainLoaders | None, int | None]:
+    """The fit's train loaders (checked: no shrinking batches) and the micro-batch they
+    say, as the fit starts."""
+    loaders = _combined.of_trainer(trainer)
+    if loaders is None:
+        return None, None
+    refuse_shrinking_batches(loaders)
+    return loaders, micro_batch(loaders)
+
+
+def batch_micro(batch: Any, loaders: _combined.TrainLoaders | None) -> int:
+    """The micro-batch a batch holds, when the loaders do not say: a step of a dict or
+    list of loaders holds a batch of each."""
+    parts = loaders.parts(batch) if loaders is not None else [batch]
+    return sum(int(extract_batch_size(part)) for part in parts)
+
+
 def deepspeed_engine(trainer: L.Trainer) -> Any:
     """The DeepSpeed engine the fit runs under, or None (not DeepSpeed)."""
     if isinstance(trainer.strategy, DeepSpeedStrategy):
@@ -123,6 +152,11 @@ def adaptive_applies(trainer: L.Trainer) -> bool:
         )
         return False
     return True
+
+
+def from_rank_zero(trainer: L.Trainer) -> Callable[[Any], Any]:
+    """Hands rank 0's object to every rank: a collective, which every rank must reach."""
+    return lambda obj: trainer.strategy.broadcast(obj, src=0)
 
 
 def log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:

@@ -54,9 +54,11 @@ class LrScaler:
         self._hooks: list[Any] = []
         self._saved_lrs: dict[int, list[float]] = {}
 
-    def hook(self, optimizers: Iterable[Any], scaling: LrScaling) -> None:
+    def hook(self, optimizers: Iterable[Any], scaling: LrScaling | None) -> None:
         """Hook each optimizer (wrappers looked through); ``scaling`` names the setting
-        in the error for an optimizer that is not a torch one."""
+        in the error for an optimizer that is not a torch one. None: no scaling, no hooks."""
+        if scaling is None:
+            return
         for optimizer in optimizers:
             inner = torch_optimizer(optimizer)
             if inner is None:

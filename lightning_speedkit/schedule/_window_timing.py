@@ -15,6 +15,7 @@ with ``now``, ``seconds`` and ``wait``), so tests give exact times.
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -150,3 +151,16 @@ class WindowTimer:
         """The untainted windows past warm-up, once there are ``needed`` of them."""
         usable = [w for w in self.windows[WARMUP_WINDOWS:] if not w.tainted]
         return usable if len(usable) >= needed else None
+
+    def take_measurement(
+        self, needed: int, measures: bool, share: Callable[[CommShare | None], CommShare | None]
+    ) -> tuple[bool, CommShare | None]:
+        """Once ``needed`` windows are ready: (True, the measurement) and the windows are
+        spent. Only where ``measures`` (rank 0) are they read; ``share`` hands the result
+        to every rank (a broadcast), so that all decide alike. (False, None) before."""
+        usable = self.ready(needed)
+        if usable is None:
+            return False, None
+        measured = measure(usable, self.clock) if measures and self.clock is not None else None
+        self.windows = []
+        return True, share(measured)

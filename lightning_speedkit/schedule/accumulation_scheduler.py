@@ -3,28 +3,27 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import asdict
 from typing import Any
 
 import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
-from lightning.pytorch.utilities.data import extract_batch_size
 
 from lightning_speedkit import _combined, _compat, _validation
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure._clock import Stamps
 from lightning_speedkit.schedule import _accumulation_wiring as wiring
-from lightning_speedkit.schedule._lr_scaling import LR_POWER, LrScaler, LrScaling, lr_factor
-from lightning_speedkit.schedule._window_timing import WindowTimer, measure
+from lightning_speedkit.schedule._accumulation_windows import (
+    AccumulationChange,
+    AccumulationWindows,
+)
+from lightning_speedkit.schedule._lr_scaling import LR_POWER, LrScaling
 from lightning_speedkit.schedule.policies import (
-    AccumulationPolicy,
-    AdaptiveToCommunication,
     CommShare,
     ScheduleUnit,
     accumulation_for,
-    build_policy,
     check_schedule,
     first_global_batch,
 )
@@ -32,17 +31,6 @@ from lightning_speedkit.schedule.policies import (
 __all__ = ["AccumulationChange", "AccumulationScheduler", "CommShare", "accumulation_for"]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class AccumulationChange:
-    """One change of the accumulation, as logged and kept in checkpoints."""
-
-    step: int
-    """The optimizer step (``trainer.global_step``) from which it applies."""
-    accumulation: int
-    global_batch: int
-    reason: str
 
 
 def _positive_int(value: Any, argument: str) -> int:
@@ -154,31 +142,17 @@ class AccumulationScheduler(L.Callback):
         self.base_global_batch = base_global_batch
         self.measure_steps = measure_steps
         self.verbose = verbose
-
         self.history: list[AccumulationChange] = []
         self.measurements: list[CommShare] = []
         self._reset_fit_state()
         self._loaded: dict[str, Any] = {}
 
     def _reset_fit_state(self) -> None:
-        self._micro: int | None = self.micro_batch_size
+        self._windows = _new_windows(self)
         self._micro_changed = False  # by set_micro_batch_size, since setup
-        self._world = 1
-        self._accumulation = 0  # 0: no window yet this fit
-        self._count = 0  # micro-batches in the open window, this batch included
-        self._window_step = -1  # trainer.global_step when the open window began
-        self._base: int | None = self.base_global_batch
         self._engine: Any = None
-        self._restore_loop: Any = None
-        self._lr = LrScaler()
-        # the policy answers how many micro-batches each window gets; built at the first window
-        self._policy: AccumulationPolicy | None = None
-        self._adaptive_on = False
-        self._resumed: dict[str, Any] = {}  # a checkpoint's adaptive state, for the policy
+        self._restore_loop: Callable[[], None] = lambda: None  # puts Lightning's own back
         self._loaders: _combined.TrainLoaders | None = None
-        self._timer = WindowTimer()  # timing for the adaptive policy's measurements
-
-    # -- set-up ---------------------------------------------------------------------------------
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         """Known before configure_optimizers (given, or the batch size of a loader passed
@@ -189,18 +163,11 @@ class AccumulationScheduler(L.Callback):
             return
         wiring.refuse_other_accumulation(trainer, pl_module)
         self._reset_fit_state()
-        self._restore_loop = _compat.take_over_accumulation(
-            trainer, self._window_done, self._window_starts
-        )
-        given = _combined.given(_compat.train_loader_source(trainer).instance)
-        wiring.refuse_shrinking_batches(given)
-        micro = self._micro or wiring.micro_batch(given)
+        windows = self._windows
+        self._restore_loop = _compat.take_over_accumulation(trainer, windows.done, windows.starts)
+        micro = wiring.given_micro_batch(trainer, windows.micro)
         if micro is not None:
-            trainer.accumulate_grad_batches = self._first_accumulation(micro, trainer.world_size)
-
-    def _first_accumulation(self, micro: int, world: int) -> int:
-        first = first_global_batch(micro, self.schedule, self.target_global_batch)
-        return accumulation_for(first, micro, world)
+            trainer.accumulate_grad_batches = _first_accumulation(self, micro, trainer.world_size)
 
     def set_micro_batch_size(self, micro_batch_size: int) -> None:
         """Count micro-batches of this size from the fit's first window on.
@@ -209,69 +176,52 @@ class AccumulationScheduler(L.Callback):
         (:class:`~lightning_speedkit.MicroBatchTuner`): the accumulation then follows
         from the global batch. It holds until the next ``fit``.
         """
-        self._micro = _positive_int(micro_batch_size, "micro_batch_size")
+        self._windows.micro = _positive_int(micro_batch_size, "micro_batch_size")
         self._micro_changed = True
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         """A micro-batch set since setup (MicroBatchTuner's): Lightning reads the factor
         before the first window sets it, to tell whether a resumed epoch stopped
         mid-window (and to warn that a plain loader cannot resume mid-epoch)."""
-        self._world = trainer.world_size
+        windows = self._windows
+        windows.world = trainer.world_size
         self._engine = wiring.deepspeed_engine(trainer)
-        self._loaders = _combined.of_trainer(trainer)
-        if self._loaders is not None:
-            wiring.refuse_shrinking_batches(self._loaders)
-        if self._micro is None:
-            self._micro = wiring.micro_batch(self._loaders) if self._loaders is not None else None
+        self._loaders, micro = wiring.train_loaders(trainer)
+        if windows.micro is None:
+            windows.micro = micro
         elif self._micro_changed and self._engine is None:
-            trainer.accumulate_grad_batches = self._first_accumulation(self._micro, self._world)
-        if self.lr_scaling is not None:
-            self._lr.hook(trainer.optimizers, self.lr_scaling)
-        self._timer.clock = Stamps(trainer.strategy.root_device)
-        self._adaptive_on = self.adaptive and wiring.adaptive_applies(trainer)
-        loaded, self._loaded = self._loaded, {}
-        if loaded:  # continue where the checkpoint was
-            self._base = self.base_global_batch or loaded.get("base_global_batch")
-            self._resumed = _resumed_state(loaded, self.adaptive)
-
-    # -- the window, per batch (host-side bookkeeping only) ---------------------------------------
-
-    def _window_done(self) -> bool:
-        return self._count >= self._accumulation
-
-    def _window_starts(self) -> bool:
-        return self._count == 1
+            trainer.accumulate_grad_batches = _first_accumulation(
+                self, windows.micro, windows.world
+            )
+        windows.lr.hook(trainer.optimizers, self.lr_scaling)
+        windows.timer.clock = Stamps(trainer.strategy.root_device)
+        adaptive = self.adaptive and wiring.adaptive_applies(trainer)
+        windows.policy_arguments = _policy_arguments(self, adaptive)
+        windows.resume(self._loaded, self.adaptive)  # continue where a checkpoint was
+        self._loaded = {}
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if self._engine is None:
-            self._count = 0  # Lightning stepped on the last batch; DeepSpeed carries over
-        self._timer.gap()
+        self._windows.epoch_start(carries_over=self._engine is not None)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._timer.gap()
+        self._windows.timer.gap()
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        if (
-            self._accumulation == 0
-            or self._window_done()
-            or trainer.global_step != self._window_step
-        ):
+        if self._windows.micro_batch(trainer.global_step):
             self._start_window(trainer, batch)
-        else:
-            self._count += 1
         if self._engine is not None:
-            self._engine.set_gradient_accumulation_boundary(self._window_done())
-        self._timer.micro_batch_start(synchronises=self._window_done())
+            self._engine.set_gradient_accumulation_boundary(self._windows.done())
+        self._windows.timer.micro_batch_start(synchronises=self._windows.done())
 
     def on_before_optimizer_step(
         self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: torch.optim.Optimizer
     ) -> None:
         if self._engine is not None:
             return  # DeepSpeed: called on every micro-batch; the engine keeps its window
-        self._timer.optimizer_step()
-        wiring.rescale_short_window(optimizer, self._accumulation, self._count)
+        self._windows.timer.optimizer_step()
+        wiring.rescale_short_window(optimizer, self._windows.accumulation, self._windows.count)
 
     def on_train_batch_end(
         self,
@@ -281,86 +231,29 @@ class AccumulationScheduler(L.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self._timer.micro_batch_end(closes=self._window_done())
-
-    # -- deciding the accumulation (at window starts only) ------------------------------------
+        self._windows.timer.micro_batch_end(closes=self._windows.done())
 
     def _start_window(self, trainer: L.Trainer, batch: Any) -> None:
-        if self._micro is None:  # the loaders do not say: this batch does
-            parts = self._loaders.parts(batch) if self._loaders is not None else [batch]
-            self._micro = sum(int(extract_batch_size(part)) for part in parts)
-        if self._policy is None:  # the fit's first window
-            self._policy = self._make_policy()
-        elif isinstance(self._policy, AdaptiveToCommunication):
-            self._observe(trainer, self._policy)
-        policy = self._policy
-        accumulation = policy.accumulation(trainer.global_step, trainer.current_epoch)
-        self._count = 1
-        self._window_step = trainer.global_step
-        if accumulation != self._accumulation:
-            self._apply(trainer, accumulation, policy.reason)
-        if isinstance(policy, AdaptiveToCommunication) and policy.measures(trainer.global_step):
-            self._timer.open_window(self._accumulation)
-        else:
-            self._timer.open = None
-
-    def _make_policy(self) -> AccumulationPolicy:
-        """The policy the constructor's arguments ask for, for this fit's sizes; adaptive
-        only where it applies."""
-        ceiling = self.max_global_batch if self._adaptive_on else None
-        return build_policy(self._micro or 1, self._world, schedule=self.schedule,
-                            unit=self.schedule_unit, target_global_batch=self.target_global_batch,
-                            max_global_batch=ceiling, threshold=self.comm_threshold,
-                            **self._resumed)  # fmt: skip
-
-    def _observe(self, trainer: L.Trainer, policy: AdaptiveToCommunication) -> None:
-        """Measure the timed windows once there are enough, and give the policy the result."""
-        usable = self._timer.ready(self.measure_steps)
-        if usable is None:
-            return
-        clock = self._timer.clock
-        measured = measure(usable, clock) if trainer.global_rank == 0 and clock else None
-        # collective: every rank reaches this window start together; once per measurement.
-        # Every rank's policy then makes rank 0's decision from the same numbers.
-        measured = trainer.strategy.broadcast(measured, src=0)
-        self._timer.windows = []
-        policy.observe(measured, trainer.global_step)
+        """The collective (the broadcast in ``share``) is reached by every rank at the same
+        window start, once per adaptive measurement."""
+        windows = self._windows
+        windows.micro = windows.micro or wiring.batch_micro(batch, self._loaders)
+        share = wiring.from_rank_zero(trainer)
+        change, measured = windows.open(
+            trainer.global_step, trainer.current_epoch, trainer.global_rank == 0, share
+        )
         if measured is not None:
-            self.measurements.append(measured)
-            log.debug("AccumulationScheduler measured %s, chose %d", measured,
-                      policy.accumulation(trainer.global_step))  # fmt: skip
-            wiring.log_metrics(trainer, {"accumulation/comm_share": measured.share})
-
-    def _apply(self, trainer: L.Trainer, accumulation: int, reason: str) -> None:
-        self._accumulation = accumulation
-        global_batch = accumulation * (self._micro or 1) * self._world
-        self._base = self._base or global_batch
-        if self.lr_scaling is not None:
-            self._lr.factor = lr_factor(global_batch, self._base, self.lr_scaling)
-        wiring.set_accumulation(trainer, self._engine, accumulation)
-        self._timer.clear()
-        last = self.history[-1] if self.history else None
-        if last is not None and (last.accumulation, last.global_batch) == (
-            accumulation,
-            global_batch,
-        ):
-            return  # a resumed run taking up where it was: nothing changed
-        change = AccumulationChange(trainer.global_step, accumulation, global_batch, reason)
-        self.history.append(change)
-        lr_scale = self._lr.factor if self.lr_scaling is not None else None
-        wiring.log_metrics(trainer, _change_metrics(change, lr_scale))
-        if self.verbose:
-            rank_zero_info(_change_message(change, self._micro, self._world))
-
-    # -- teardown and checkpoints ---------------------------------------------------------------
+            _keep_measurement(trainer, self.measurements, measured, windows)
+        if change is not None:
+            wiring.set_accumulation(trainer, self._engine, change.accumulation)
+            _keep_change(trainer, self.history, change, windows, self.verbose)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":
             return
-        if self._restore_loop is not None:
-            self._restore_loop()
-            self._restore_loop = None
-        self._lr.remove()
+        self._restore_loop()
+        self._restore_loop = lambda: None
+        self._windows.lr.remove()
         trainer.accumulate_grad_batches = 1
 
     def on_exception(
@@ -374,14 +267,8 @@ class AccumulationScheduler(L.Callback):
         return self.measurements[-1] if self.measurements else None
 
     def state_dict(self) -> dict[str, Any]:
-        policy = self._policy if isinstance(self._policy, AdaptiveToCommunication) else None
-        resumed = {"probed": False, "next_check": 0, **self._resumed}
         return {
-            "accumulation": self._accumulation,
-            "global_batch": self._accumulation * (self._micro or 1) * self._world or None,
-            "base_global_batch": self._base,
-            "probed": policy.probed if policy is not None else resumed["probed"],
-            "next_check": policy.next_check if policy is not None else resumed["next_check"],
+            **self._windows.state_dict(),
             "history": [asdict(change) for change in self.history],
             "measurements": [asdict(measured) for measured in self.measurements],
         }
@@ -390,6 +277,18 @@ class AccumulationScheduler(L.Callback):
         self._loaded = dict(state_dict)
         self.history = [AccumulationChange(**c) for c in state_dict.get("history", [])]
         self.measurements = [CommShare(**m) for m in state_dict.get("measurements", [])]
+
+
+def _policy_arguments(scheduler: AccumulationScheduler, adaptive: bool) -> dict[str, Any]:
+    """:func:`~lightning_speedkit.schedule.policies.build_policy`'s arguments from the
+    callback's; ``adaptive`` only where adaptive mode applies to the fit."""
+    return {
+        "schedule": scheduler.schedule,
+        "unit": scheduler.schedule_unit,
+        "target_global_batch": scheduler.target_global_batch,
+        "max_global_batch": scheduler.max_global_batch if adaptive else None,
+        "threshold": scheduler.comm_threshold,
+    }
 
 
 def _check_arguments(
@@ -452,30 +351,62 @@ def _check_arguments(
     _positive_int(measure_steps, "measure_steps")
 
 
-def _resumed_state(state: dict[str, Any], adaptive: bool) -> dict[str, Any]:
-    """A checkpoint's adaptive state, as :func:`build_policy` takes it."""
-    resumed: dict[str, Any] = {
-        "probed": bool(state.get("probed", False)),
-        "next_check": int(state.get("next_check", 0)),
-    }
-    if adaptive:
-        resumed["resumed_global_batch"] = state.get("global_batch")
-    return resumed
+def _new_windows(scheduler: AccumulationScheduler) -> AccumulationWindows:
+    """A fit's windows, before the fit says its world size and whether adaptive applies."""
+    return AccumulationWindows(
+        _policy_arguments(scheduler, adaptive=False),
+        scheduler.micro_batch_size,
+        1,
+        scheduler.base_global_batch,
+        scheduler.lr_scaling,
+        scheduler.measure_steps,
+    )
 
 
-def _change_metrics(change: AccumulationChange, lr_scale: float | None) -> dict[str, float]:
-    """What a change logs: the factor, the global batch, and the LR scale when scaling."""
+def _first_accumulation(scheduler: AccumulationScheduler, micro: int, world: int) -> int:
+    """The accumulation of the fit's first window, known before it starts."""
+    first = first_global_batch(micro, scheduler.schedule, scheduler.target_global_batch)
+    return accumulation_for(first, micro, world)
+
+
+def _keep_measurement(
+    trainer: L.Trainer,
+    measurements: list[CommShare],
+    measured: CommShare,
+    windows: AccumulationWindows,
+) -> None:
+    """Keep and log an adaptive measurement the policy has just taken."""
+    measurements.append(measured)
+    chose = windows.policy.accumulation(trainer.global_step) if windows.policy else 0
+    log.debug("AccumulationScheduler measured %s, chose %d", measured, chose)
+    wiring.log_metrics(trainer, {"accumulation/comm_share": measured.share})
+
+
+def _keep_change(
+    trainer: L.Trainer,
+    history: list[AccumulationChange],
+    change: AccumulationChange,
+    windows: AccumulationWindows,
+    verbose: bool,
+) -> None:
+    """Keep and log a change (the factor, the global batch, and the LR scale when
+    scaling) and, when ``verbose``, say it (rank 0). One that only repeats the last kept
+    (a resumed run taking up where it was) changes nothing."""
+    last = history[-1] if history else None
+    if last is not None and (last.accumulation, last.global_batch) == (
+        change.accumulation,
+        change.global_batch,
+    ):
+        return
+    history.append(change)
     metrics = {"accumulation/factor": float(change.accumulation),
                "accumulation/global_batch": float(change.global_batch)}  # fmt: skip
-    if lr_scale is not None:
-        metrics["accumulation/lr_scale"] = lr_scale
-    return metrics
-
-
-def _change_message(change: AccumulationChange, micro: int | None, world: int) -> str:
-    """What a change prints (``verbose``, rank 0)."""
-    return (
-        f"AccumulationScheduler: step {change.step}: {change.accumulation} micro-batch(es) of "
-        f"{micro} on {world} rank(s) = global batch {change.global_batch}"
-        + (f" ({change.reason})" if change.reason else "")
-    )
+    if windows.lr_scaling is not None:
+        metrics["accumulation/lr_scale"] = windows.lr.factor
+    wiring.log_metrics(trainer, metrics)
+    if verbose:
+        rank_zero_info(
+            f"AccumulationScheduler: step {change.step}: {change.accumulation} micro-batch(es) "
+            f"of {windows.micro} on {windows.world} rank(s) = global batch "
+            f"{change.global_batch}" + (f" ({change.reason})" if change.reason else "")
+        )

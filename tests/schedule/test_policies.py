@@ -13,6 +13,7 @@ from lightning_speedkit.schedule import (
     StepSchedule,
     TargetGlobalBatch,
 )
+from lightning_speedkit.schedule.policies import build_policy, first_global_batch
 
 PROBE = "adaptive probe: one unsynchronised micro-batch to measure communication"
 
@@ -230,3 +231,15 @@ def test_adaptive_ceiling_is_whole_micro_batches_and_never_below_the_floor() -> 
     assert adaptive(target=64, max_global_batch=64).ceiling == 4
     policy = adaptive(max_global_batch=16)  # one micro-batch is the most: nothing to probe
     assert (policy.ceiling, policy.accumulation(0), policy.probed) == (1, 1, False)
+
+
+def test_build_policy_picks_the_mode_the_arguments_ask_for() -> None:
+    assert isinstance(build_policy(8, 2, schedule={0: 32}), StepSchedule)
+    assert isinstance(build_policy(8, 2, target_global_batch=64), TargetGlobalBatch)
+    adaptive = build_policy(8, 2, target_global_batch=32, max_global_batch=128, probed=True,
+                            next_check=40)  # fmt: skip
+    assert isinstance(adaptive, AdaptiveToCommunication)
+    assert (adaptive.accumulation(0), adaptive.ceiling, adaptive.next_check) == (2, 8, 40)
+    assert first_global_batch(8, schedule={10: 64}) == 8  # before the first key: one micro-batch
+    assert first_global_batch(8, schedule={0: 64}) == 64
+    assert first_global_batch(8, target_global_batch=256) == 256
