@@ -227,6 +227,8 @@ ROWS = [
         "torch.nn.Module"),
     row("compile_blocks", lambda: kit.compile_blocks(nn.Linear(2, 2), blocks="x"), "blocks", "x",
         "blocks=['x']"),
+    row("checkpoint_blocks", lambda: kit.checkpoint_blocks("model"), "model", "model",
+        "torch.nn.Module"),
     row("checkpoint_blocks", lambda: kit.checkpoint_blocks(nn.Linear(2, 2), fraction=1.5),
         "fraction", 1.5, "(0, 1]"),
     row("fuse_optimizers", lambda: kit.fuse_optimizers("opt"), "optimizers", "opt",
