@@ -10,8 +10,9 @@ How each figure is obtained, and what it costs:
   count, compiled blocks (RegionalCompile, ``torch.compile``) run eagerly and compile
   nothing, so with compiled parts the count waits for a step that ran them compiled
   without compiling (the step ProfilerSchedule's window waits for); a step torch's
-  profiler records is not counted either (up to ``_PROFILED_SKIPS`` steps). Steps
-  before the first count are left out of every figure, as warm-up is.
+  profiler records is not counted either (up to 16 steps). Steps before the first
+  count are left out of every figure, as warm-up is. Which step is counted, and the
+  counts per shape, are :mod:`~lightning_speedkit.measure._flop_book`'s.
 - **Samples** of a step are those of every train loader's batch in it: a dict or list
   of loaders (Lightning's CombinedLoader) trains one batch of each per step.
 - **Time** on CPU is the host clock at the start and end of each batch. On CUDA it
@@ -20,7 +21,9 @@ How each figure is obtained, and what it costs:
   end of the next, and **data wait** is the device's idle gap between the end of
   one batch and the start of the next (on CPU, the host's gap). Both include
   whatever else Lightning does between batches (checkpointing, for instance);
-  validation and epoch boundaries are left out.
+  validation and epoch boundaries are left out. The arithmetic from these times to
+  the figures is :mod:`~lightning_speedkit.measure._throughput`'s, which needs no
+  Trainer and no clock.
 - **Across ranks** one small ``all_gather`` per log interval sums samples/s over
   ranks and gives the straggler ratio (slowest rank's mean step time over the
   median). Nothing else crosses ranks, and per-step hooks never synchronise the
