@@ -66,9 +66,10 @@ class AccumulationScheduler(L.Callback):
     (:class:`~lightning_speedkit.schedule.policies.TargetGlobalBatch`,
     :class:`~lightning_speedkit.schedule.policies.StepSchedule`,
     :class:`~lightning_speedkit.schedule.policies.AdaptiveToCommunication`), built for
-    the fit's micro-batch and world size and asked at each window's first micro-batch;
-    this callback counts the windows, times them for the adaptive policy, and wires the
-    answer into Lightning.
+    the fit's micro-batch and world size and asked at each window's first micro-batch.
+    A Trainer-free core counts the windows and times them for the adaptive policy; this
+    callback tells it where each micro-batch falls and wires the answer into Lightning
+    (or DeepSpeed).
 
     Changes take effect only at optimizer-step boundaries. Each step's loss is the mean
     over its micro-batches, as Lightning does (the loss is divided by the accumulation);
