@@ -69,7 +69,9 @@ class CachedModule:
         self._chance = _chance_layers(module)
         self._stamp: tuple[tuple[int, int], ...] | None = None
         self._fingerprint = ""
-        self._layout: tuple[Any, list[torch.dtype], list[torch.device]] | None = None
+        self._layout: tuple[Any, list[int], int, list[torch.dtype], list[torch.device]] | None = (
+            None
+        )
         self.original = module.forward
 
     def attach(self) -> None:
@@ -175,17 +177,20 @@ class CachedModule:
     # -- storing, checking, serving -------------------------------------------------------
 
     def _leaves(self, out: Any, rows: int) -> tuple[list[torch.Tensor], Any] | None:
-        """``out``'s tensors and its structure; None (and stand down) when not one row per
-        sample."""
+        """``out``'s tensors and its structure (``None`` fields, such as hidden states not
+        asked for, kept as they are); None (and stand down) when not one row per sample."""
         tree_flatten, _ = _compat.tree_flatten_and_map()
         leaves, spec = tree_flatten(out)
-        if not leaves or not all(
-            isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == rows for t in leaves
+        tensors = [t for t in leaves if t is not None]
+        if not tensors or not all(
+            isinstance(t, torch.Tensor) and t.ndim and t.shape[0] == rows for t in tensors
         ):
             self.stand_down("its output is not made of tensors with one row per sample")
             return None
-        self._layout = (spec, [t.dtype for t in leaves], [t.device for t in leaves])
-        return leaves, spec
+        slots = [i for i, t in enumerate(leaves) if t is not None]
+        self._layout = (spec, slots, len(leaves), [t.dtype for t in tensors],
+                        [t.device for t in tensors])  # fmt: skip
+        return tensors, spec
 
     def _keep(
         self,
@@ -234,7 +239,7 @@ class CachedModule:
         self, found: list[Any], hit: list[int], miss: list[int], computed: Any, rows: int
     ) -> Any:
         assert self._layout is not None  # set when the first hit's sample was stored
-        spec, dtypes, devices = self._layout
+        spec, slots, count, dtypes, devices = self._layout
         leaves = []
         fresh: list[torch.Tensor] | None = computed
         for j, (dtype, device) in enumerate(zip(dtypes, devices, strict=True)):
@@ -248,7 +253,10 @@ class CachedModule:
             whole[torch.tensor(hit, device=device)] = served
             whole[torch.tensor(miss, device=device)] = fresh[j].to(dtype)
             leaves.append(whole)
-        return spec.unflatten(leaves)
+        full: list[torch.Tensor | None] = [None] * count
+        for slot, leaf in zip(slots, leaves, strict=True):
+            full[slot] = leaf
+        return spec.unflatten(full)
 
 
 def _rows(values: Any, rows: list[int], total: int) -> Any:

@@ -11,6 +11,7 @@ weights, so that features computed with other weights are never served.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -127,7 +128,8 @@ def choose_modules(model: nn.Module, modules: Any) -> list[tuple[str, nn.Module]
     for item in given:
         if isinstance(item, str):
             if item not in named or not item:
-                close = [n for n in named if n and n.split(".")[-1] == item.split(".")[-1]]
+                ends = [n for n in named if n and n.split(".")[-1] == item.split(".")[-1]]
+                close = ends or difflib.get_close_matches(item, [n for n in named if n], n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
                 tops = ", ".join(repr(n) for n in named if n and "." not in n)
                 _validation.fail(

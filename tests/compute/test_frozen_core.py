@@ -1,0 +1,280 @@
+"""cache_frozen_features without a Trainer: what is served, what runs, what is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_speedkit.compute._frozen_core import cache_frozen_features
+from lightning_speedkit.compute._frozen_modules import fingerprint
+from lightning_speedkit.errors import SpeedkitConfigError
+
+
+class _Tower(nn.Module):
+    """A frozen encoder that counts the rows it ran on."""
+
+    def __init__(self, out: int = 4) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, out)
+        self.rows: list[int] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.rows.append(x.shape[0])
+        return torch.tanh(self.proj(x))
+
+
+class _Model(nn.Module):
+    def __init__(self, tower: nn.Module | None = None) -> None:
+        super().__init__()
+        self.tower = (tower or _Tower()).requires_grad_(False)
+        self.head = nn.Linear(4, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.tower(x))
+
+
+def _data(n: int = 8) -> torch.Tensor:
+    return torch.randn(n, 3, generator=torch.Generator().manual_seed(0))
+
+
+def test_hits_skip_the_module_and_partial_batches_run_only_their_misses() -> None:
+    model, x = _Model(), _data()
+    cache = cache_frozen_features(model, ["tower"], verify=False)
+    with cache.keys(range(4)):
+        first = model(x[:4])
+    with cache.keys([2, 3, 4, 5]):  # two stored, two new
+        mixed = model(x[2:6])
+    with cache.keys([5, 4, 3, 2]):
+        served = model(x[[5, 4, 3, 2]])
+    assert model.tower.rows == [4, 2]
+    plain = model.head(torch.tanh(model.tower.proj(x)))
+    assert torch.equal(first, plain[:4])
+    assert torch.equal(mixed, plain[2:6])
+    assert torch.equal(served, plain[[5, 4, 3, 2]])
+    counts = cache.counts()
+    assert (counts["hits"], counts["misses"], counts["stored"]) == (6, 6, 6)
+    assert counts["store_bytes"] == 6 * 4 * 4
+
+
+def test_without_keys_the_module_runs_as_it_is() -> None:
+    model, x = _Model(), _data()
+    cache = cache_frozen_features(model, ["tower"], verify=False)
+    with cache.keys(range(8)):
+        model(x)
+    model(x)  # validation, inference
+    assert model.tower.rows == [8, 8]
+    assert cache.counts()["hits"] == 0
+
+
+def test_changed_weights_are_misses_never_stale_features() -> None:
+    model, x = _Model(), _data()
+    cache = cache_frozen_features(model, ["tower"], verify=False)
+    with cache.keys(range(8)):
+        model(x)
+    with torch.no_grad():
+        model.tower.proj.bias.add_(1.0)
+    with cache.keys(range(8)):
+        changed = model(x)
+    assert model.tower.rows == [8, 8]
+    assert torch.equal(changed, model.head(torch.tanh(model.tower.proj(x))))
+    state = {k: v.clone() for k, v in model.tower.state_dict().items()}
+    state["proj.bias"] -= 1.0
+    model.tower.load_state_dict(state)  # back to the first weights: a new fingerprint again
+    with cache.keys(range(8)):
+        model(x)
+    assert model.tower.rows == [8, 8, 8]
+    assert cache.counts()["store_bytes"] == 8 * 4 * 4  # features of old weights dropped
+
+
+def test_fingerprint_is_stable_and_sees_every_byte() -> None:
+    torch.manual_seed(0)
+    a = nn.Linear(3, 4)
+    torch.manual_seed(0)
+    b = nn.Linear(3, 4)
+    assert fingerprint(a) == fingerprint(b)
+    with torch.no_grad():
+        b.weight[0, 0] = torch.nextafter(b.weight[0, 0], torch.tensor(1.0))
+    assert fingerprint(a) != fingerprint(b)
+
+
+def test_verify_stands_down_on_a_random_augmentation_and_names_it() -> None:
+    model, x = _Model(), _data()
+    cache = cache_frozen_features(model, ["tower"])
+    with cache.keys(range(8)):
+        model(x)
+    flipped = -x  # the same samples, augmented differently this epoch
+    with pytest.warns(UserWarning, match="random augmentation of its input"), cache.keys(range(8)):
+        out = model(flipped)
+    assert torch.equal(out, model.head(torch.tanh(model.tower.proj(flipped))))
+    with cache.keys(range(8)):
+        model(x)
+    assert model.tower.rows == [8, 8, 8]  # stood down: runs every time
+    counts = cache.counts()
+    assert counts["store_bytes"] == 0
+    assert list(counts["stood_down"]) == ["tower"]
+
+
+def test_verify_passes_and_serves_after_one_recompute() -> None:
+    model, x = _Model(), _data()
+    cache = cache_frozen_features(model, ["tower"])
+    for _ in range(3):
+        with cache.keys(range(8)):
+            model(x)
+    assert model.tower.rows == [8, 8]
+    assert cache.cached["tower"].counts.verified
+
+
+@pytest.mark.parametrize(
+    ("tower", "match"),
+    [
+        (nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.1)), r"`tower.1` is a Dropout with p=0.1"),
+        (nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), r"`tower.1` is a BatchNorm1d in train"),
+    ],
+)
+def test_chance_layers_in_train_mode_are_refused_and_fine_in_eval(
+    tower: nn.Module, match: str
+) -> None:
+    model = _Model(tower)
+    with pytest.raises(
+        SpeedkitConfigError,
+        match=r"^`modules` cannot be cached, got 'tower' \(a string\); " + match,
+    ):
+        cache_frozen_features(model, ["tower"])
+    model.tower.eval()
+    cache = cache_frozen_features(model, ["tower"])
+    model.train()  # as Lightning does at fit start: served no more, said once
+    with pytest.warns(UserWarning, match=match), cache.keys(range(8)):
+        model(_data())
+    assert cache.counts()["plain_calls"] == 1
+
+
+def test_a_trainable_module_is_refused_with_its_parameters() -> None:
+    model = _Model()
+    model.tower.proj.requires_grad_(True)
+    with pytest.raises(
+        SpeedkitConfigError, match=r"parameters that require grad \(proj.weight, proj.bias\)"
+    ):
+        cache_frozen_features(model, ["tower"])
+
+
+def test_a_module_name_or_type_that_matches_nothing_is_refused() -> None:
+    with pytest.raises(SpeedkitConfigError, match=r"did you mean 'tower'"):
+        cache_frozen_features(_Model(), ["towr"])
+    with pytest.raises(SpeedkitConfigError, match=r"matches no submodule"):
+        cache_frozen_features(_Model(), [nn.Conv2d])
+    assert list(cache_frozen_features(_Model(), [_Tower]).modules) == ["tower"]
+
+
+def test_calls_that_cannot_be_served_run_plainly() -> None:
+    model, x = _Model(), _data()
+    cache = cache_frozen_features(model, ["tower"], verify=False)
+    with pytest.warns(UserWarning, match="has no row per sample"), cache.keys(range(5)):
+        model(x)  # 8 rows, 5 keys: a collate step dropped samples the keys do not know of
+    with pytest.warns(UserWarning, match="requires grad"), cache.keys(range(8)):
+        model(x.requires_grad_(True))
+    assert cache.counts()["plain_calls"] == 2
+    assert cache.counts()["stored"] == 0
+
+
+def test_a_module_called_twice_in_a_step_stands_down() -> None:
+    model, x = _Model(), _data()
+    cache = cache_frozen_features(model, ["tower"], verify=False)
+    with cache.keys(range(8)):
+        model.tower(x)
+        with pytest.warns(UserWarning, match="more than once in one step"):
+            model.tower(-x)
+    assert list(cache.counts()["stood_down"]) == ["tower"]
+
+
+def test_bfloat16_store_halves_the_bytes_and_rounds_the_features() -> None:
+    model, x = _Model(), _data()
+    cache = cache_frozen_features(model, ["tower"], dtype=torch.bfloat16, verify=False)
+    with cache.keys(range(8)):
+        model.tower(x)
+    with cache.keys(range(8)):
+        served = model.tower(x)
+    exact = torch.tanh(model.tower.proj(x))
+    assert served.dtype == torch.float32
+    assert torch.equal(served, exact.to(torch.bfloat16).float())
+    assert cache.counts()["store_bytes"] == 8 * 4 * 2
+
+
+def test_budget_in_bytes_stops_storing() -> None:
+    model, x = _Model(), _data()
+    cache = cache_frozen_features(model, ["tower"], budget=3 * 16, verify=False)
+    for _ in range(2):
+        with cache.keys(range(8)):
+            model(x)
+    assert model.tower.rows == [8, 5]
+    counts = cache.counts()
+    assert (counts["stored"], counts["not_stored"], counts["hits"]) == (3, 10, 3)
+
+
+def test_outputs_with_structure_are_served_whole() -> None:
+    class Pair(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(3, 2)
+
+        def forward(
+            self, x: torch.Tensor, scale: float = 1.0
+        ) -> dict[str, tuple[torch.Tensor, ...]]:
+            y = self.proj(x) * scale
+            return {"states": (y, y.sum(-1))}
+
+    model = nn.Sequential(Pair().requires_grad_(False))
+    cache = cache_frozen_features(model, ["0"], verify=False)
+    x = _data()
+    with cache.keys(range(8)):
+        first = model[0](x, scale=2.0)
+    with cache.keys(range(8)):
+        again = model[0](x, scale=2.0)
+    assert torch.equal(again["states"][0], first["states"][0])
+    assert torch.equal(again["states"][1], first["states"][1])
+    assert cache.counts()["hits"] == 8
+    with cache.keys(range(8)):  # another argument: another entry, never the first one's
+        third = model[0](x, scale=3.0)
+    assert torch.equal(third["states"][0], model[0].proj(x) * 3.0)
+
+
+def test_auto_finds_the_frozen_module_called_with_a_batch_tensor() -> None:
+    model, x = _Model(), _data()
+    cache = cache_frozen_features(model)
+    batch = {"x": x}
+    with cache.keys(range(8), batch):
+        model(batch["x"])
+    assert list(cache.modules) == ["tower"]
+    with cache.keys(range(8), batch):
+        model(batch["x"])
+    with cache.keys(range(8), batch):
+        model(batch["x"])
+    assert model.tower.rows == [8, 8, 8]  # found, stored, verified
+    assert cache.counts()["hits"] == 0
+    with cache.keys(range(8), batch):
+        model(batch["x"])
+    assert model.tower.rows == [8, 8, 8]
+    assert cache.counts()["hits"] == 8
+
+
+def test_auto_that_finds_nothing_says_how_to_name_the_module() -> None:
+    model, x = _Model(), _data()
+    cache = cache_frozen_features(model)
+    with (
+        pytest.warns(UserWarning, match=r"found no frozen submodule.*modules=\['vision'\]"),
+        cache.keys(range(8), {"x": x}),
+    ):
+        model(x * 2)  # the tower's input is computed from the batch
+    assert cache.modules == {}
+
+
+def test_remove_puts_the_forward_back_and_the_directory_is_refused() -> None:
+    model = _Model()
+    cache = cache_frozen_features(model, ["tower"])
+    assert "forward" in vars(model.tower)
+    cache.remove()
+    assert "forward" not in vars(model.tower)
+    with pytest.raises(
+        SpeedkitConfigError, match=r"^`directory` asks for a disk store.*later release"
+    ):
+        cache_frozen_features(model, ["tower"], directory="features")

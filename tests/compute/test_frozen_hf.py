@@ -1,0 +1,114 @@
+"""FrozenFeatureCache on a Hugging Face VLM from a tiny config (Llava: CLIP vision + Llama)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_speedkit.compute.frozen_feature_cache import FrozenFeatureCache
+
+transformers = pytest.importorskip("transformers")
+
+_IMAGE_TOKEN, _PATCHES = 63, 16  # a 32 x 32 image in 8 x 8 patches
+
+
+def _llava() -> Any:
+    vision = transformers.CLIPVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        image_size=32,
+        patch_size=8,
+    )
+    text = transformers.LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        vocab_size=64,
+        max_position_embeddings=64,
+    )
+    config = transformers.LlavaConfig(
+        vision_config=vision,
+        text_config=text,
+        image_token_index=_IMAGE_TOKEN,
+        vision_feature_layer=-1,
+        vision_feature_select_strategy="default",
+    )
+    return transformers.LlavaForConditionalGeneration(config)
+
+
+class _Pairs(Dataset[dict[str, torch.Tensor]]):
+    def __len__(self) -> int:
+        return 24
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(i)
+        text = torch.randint(0, 60, (8,), generator=g)
+        return {
+            "pixel_values": torch.randn(3, 32, 32, generator=g),
+            "input_ids": torch.cat([torch.full((_PATCHES,), _IMAGE_TOKEN), text]),
+        }
+
+
+class _Task(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.llava = _llava()
+        self.llava.model.vision_tower.requires_grad_(False)
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        labels = batch["input_ids"].masked_fill(batch["input_ids"] == _IMAGE_TOKEN, -100)
+        loss = self.llava(**batch, labels=labels).loss
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader(_Pairs(), batch_size=6, shuffle=True)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+
+def _fit(cache: FrozenFeatureCache | None) -> tuple[_Task, list[int]]:
+    L.seed_everything(0, verbose=False)
+    task = _Task()
+    rows: list[int] = []
+    embeddings = task.llava.model.vision_tower.embeddings
+    embeddings.register_forward_pre_hook(lambda m, a: rows.append(a[0].shape[0]))
+    trainer = L.Trainer(
+        max_epochs=3,
+        accelerator="cpu",
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[cache] if cache else [],
+    )
+    trainer.fit(task)
+    return task, rows
+
+
+@pytest.mark.parametrize("modules", ["auto", ["llava.model.vision_tower"]])
+def test_llava_losses_are_bitwise_the_plain_runs_and_the_tower_is_skipped(modules: Any) -> None:
+    plain, plain_rows = _fit(None)
+    cache = FrozenFeatureCache(modules=modules)
+    cached, rows = _fit(cache)
+    assert len(plain.losses) == len(cached.losses) == 12
+    assert all(torch.equal(a, b) for a, b in zip(plain.losses, cached.losses, strict=True))
+    assert plain_rows == [6] * 12
+    assert list(cache.cache.modules) == ["llava.model.vision_tower"]  # type: ignore[union-attr]
+    counts = cache.counts
+    assert counts["stored"] == 24
+    assert counts["stood_down"] == {}
+    assert sum(rows) == counts["misses"] + (6 if modules == "auto" else 0)  # auto: batch 1 plain
+    assert counts["hits"] == 72 - sum(rows)
+    if modules != "auto":  # epoch 1 runs 24, epoch 2 verifies on its first batch (6), serves 18
+        assert (counts["misses"], counts["hits"], rows) == (30, 42, [6] * 5)
