@@ -3,7 +3,7 @@
 The same floors are in ``pyproject.toml``; an environment that bypassed them (an
 install with ``--no-deps``, a torch built from source, a conda environment) gets a
 message naming what to upgrade instead of an error deep inside Lightning's
-internals, which the kit reads (see ``_compat.py``) and which change between
+internals, which the kit reads (see ``_compat``) and which change between
 Lightning releases.
 
 Tested: the test suite with torch 2.13.0 (CPU) and Lightning 2.6.6; the demo and

@@ -1,6 +1,6 @@
-"""_compat: the one module that reads torch's and Lightning's private names.
+"""_compat: the one package that reads torch's and Lightning's private names.
 
-Three guards: the package reads no private torch or Lightning name outside _compat.py
+Three guards: the package reads no private torch or Lightning name outside _compat/
 (a scan of the source); every private name _compat reads resolves on the installed
 versions (so an upgrade that removes one fails here, not in a user's run); and a name
 that is gone raises an error naming the version and the feature that needs it.
@@ -35,7 +35,9 @@ from lightning_speedkit import _compat
 
 PACKAGE = Path(lightning_speedkit.__file__).parent
 ROOT = PACKAGE.parent
-COMPAT = PACKAGE / "_compat.py"
+#: The one package that reads private names; everything in it is exempt from the scan.
+COMPAT = PACKAGE / "_compat"
+COMPAT_FILES = sorted(COMPAT.glob("*.py"))
 
 # Private names of Python itself, not of torch or Lightning: allowed anywhere.
 PYTHON_OWN = {
@@ -197,13 +199,13 @@ def _kit_marker(name: str) -> bool:
 
 
 def scan(sources: list[tuple[str, str, ast.Module]]) -> list[tuple[str, int, str, str]]:
-    """Every private name of another library read in ``sources``, _compat.py excepted."""
-    compat = COMPAT.relative_to(ROOT).as_posix()
-    own = _own_private_names([tree for path, _, tree in sources if path != compat])
+    """Every private name of another library read in ``sources``, the _compat package excepted."""
+    compat = COMPAT.relative_to(ROOT).as_posix() + "/"
+    own = _own_private_names([tree for path, _, tree in sources if not path.startswith(compat)])
     own -= _all_inherited(sources)
     found = []
     for path, module_name, tree in sources:
-        if path == compat:
+        if path.startswith(compat):
             continue
         visitor = _Scan(path, module_name, own)
         visitor.visit(tree)
@@ -235,11 +237,11 @@ def findings() -> list[tuple[str, int, str, str]]:
 
 
 def test_no_private_torch_or_lightning_name_outside_compat(findings: list[Any]) -> None:
-    """Pins the list: a private name read outside _compat.py fails here, by file:line."""
+    """Pins the list: a private name read outside _compat/ fails here, by file:line."""
     new = [f"{path}:{line}: {code}" for path, line, name, code in findings
            if _temporary(path, name) is None]  # fmt: skip
     assert not new, (
-        "private torch/Lightning names read outside lightning_speedkit/_compat.py; put each "
+        "private torch/Lightning names read outside lightning_speedkit/_compat/; put each "
         "behind a small function there (see its other functions):\n" + "\n".join(new)
     )
 
@@ -454,11 +456,14 @@ def test_private_name_resolves(reader: str, name: str, reach: Callable[[], Any])
 
 
 def test_table_lists_every_private_name_compat_reads() -> None:
-    """The table above is complete: a private name added to _compat.py must join it."""
-    tree = ast.parse(COMPAT.read_text())
-    visitor = _Scan("_compat.py", "lightning_speedkit._compat", _own_private_names([tree]))
-    visitor.visit(tree)
-    read = {name for _, _, name, _ in visitor.found}
+    """The table above is complete: a private name added to _compat/ must join it."""
+    trees = {path: ast.parse(path.read_text()) for path in COMPAT_FILES}
+    own = _own_private_names(list(trees.values()))
+    read = set()
+    for path, tree in trees.items():
+        visitor = _Scan(path.name, f"lightning_speedkit._compat.{path.stem}", own)
+        visitor.visit(tree)
+        read |= {name for _, _, name, _ in visitor.found}
     hooks = {
         call.args[1].value
         for _, _, module in _sources()
@@ -470,6 +475,7 @@ def test_table_lists_every_private_name_compat_reads() -> None:
     listed = {name for _, name, _ in PRIVATE_NAMES}
     assert read | hooks <= listed, f"add to PRIVATE_NAMES: {sorted((read | hooks) - listed)}"
     assert hooks, "no strategy checks its Lightning hooks: the scan of require_hook is broken"
+    assert len(read) > 10, f"the scan of _compat/ found only {sorted(read)}: it is broken"
 
 
 # --- a name that is gone -------------------------------------------------------------------------
