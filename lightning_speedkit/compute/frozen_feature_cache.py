@@ -23,7 +23,7 @@ from lightning_speedkit.compute._frozen_core import (
 from lightning_speedkit.compute._frozen_loader import batch_keys, with_sample_index
 from lightning_speedkit.compute._frozen_store import budget_bytes
 
-__all__ = ["FrozenFeatureCache"]
+__all__ = ["FrozenFeatureCache", "cache_frozen_features"]
 
 #: The name the callback's change of the train loader goes by in the fit loop's source.
 OWNER = "FrozenFeatureCache"
