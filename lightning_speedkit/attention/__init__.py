@@ -1,5 +1,6 @@
 """Fused attention for any model: AttentionSwap, swap_attention, adapters and backends."""
 
+from lightning_speedkit.attention._documents import packed_documents
 from lightning_speedkit.attention.adapters import (
     AttentionAdapter,
     SwapContext,
@@ -18,6 +19,7 @@ __all__ = [
     "ModuleSwap",
     "SwapContext",
     "SwapReport",
+    "packed_documents",
     "register_adapter",
     "swap_attention",
     "unregister_adapter",

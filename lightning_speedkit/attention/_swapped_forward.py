@@ -25,6 +25,7 @@ from lightning_speedkit._surgery import (
     replaced_forward,
     restore_forward,
 )
+from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._auto_timing import pick_fastest
 from lightning_speedkit.attention._parity import (
     Inputs,
@@ -86,6 +87,8 @@ class _SwappedForward:
     def _fast(self, ctx: SwapContext, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = self.adapter.forward(ctx, *args, **kwargs)
         if out is NotImplemented:
+            if _documents.active() is not None:
+                _documents.warn_own_attention(self.entry.name or type(self.module).__name__)
             return self.original(*args, **kwargs)
         return out
 
@@ -103,7 +106,7 @@ class _SwappedForward:
         example = self.adapter.example_inputs(self.module)
         if example is None:
             return
-        with eval_mode(self.module), torch.enable_grad():
+        with eval_mode(self.module), torch.enable_grad(), _documents.suspended():
             self._check(example[0], example[1], grad=True, time_it=False, label="synthetic")
 
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> Any:
@@ -120,9 +123,10 @@ class _SwappedForward:
 
     def _check_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> bool:
         # The check is not the model's work: no FLOPs counted, and what its runs save for
-        # backward stays theirs (an enclosing activation checkpoint must not count it).
+        # backward stays theirs (an enclosing activation checkpoint must not count it). A
+        # packed batch's documents are left out: both forwards attend over whole rows.
         modes = [(m, m.training) for m in self.module.modules()]
-        with eval_mode(self.module), not_counted(), _keep_saved_tensors():
+        with eval_mode(self.module), not_counted(), _keep_saved_tensors(), _documents.suspended():
             passed = self._check(
                 args,
                 kwargs,

@@ -8,6 +8,7 @@ import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_speedkit import _validation
+from lightning_speedkit.attention._documents import StepDocuments
 from lightning_speedkit.attention.backends import BackendChoice, check_backend
 from lightning_speedkit.attention.swap import (
     SwapReport,
@@ -31,6 +32,12 @@ class AttentionSwap(L.Callback):
     its revert; rank 0's report notes what other ranks had decided), the report
     is printed (rank 0) and ``attention/swapped`` and ``attention/reverted`` are
     logged.
+
+    A packed training batch (``cu_seqlens``/``document_ids``, as
+    :class:`~lightning_speedkit.data.PackingCollate` returns them) is handed to every
+    swapped module for its step (:func:`~lightning_speedkit.attention.packed_documents`):
+    their attention runs per document, and the first packed step warns once about
+    attention that was not swapped (it attends across documents).
 
     Args:
         backend: ``"auto"`` (default: time the candidates on the first real
@@ -76,6 +83,7 @@ class AttentionSwap(L.Callback):
         self.report: SwapReport | None = None
         self._reported = False
         self._loaded: dict[str, Any] = {}
+        self._documents = StepDocuments()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if self.report is not None and swapped_modules(pl_module):
@@ -85,6 +93,16 @@ class AttentionSwap(L.Callback):
         )
         self._reported = False
 
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._documents.enter(batch)  # a packed batch: its documents, for forward and backward
+
+    def on_exception(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
+    ) -> None:
+        self._documents.exit()
+
     def on_train_batch_end(
         self,
         trainer: L.Trainer,
@@ -93,6 +111,7 @@ class AttentionSwap(L.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
+        self._documents.exit(self.report)
         if self._reported or self.report is None:
             return
         self._reported = True
@@ -121,6 +140,7 @@ class AttentionSwap(L.Callback):
         self._loaded = state_dict
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._documents = StepDocuments()  # its warning: once per fit
         state, self._loaded = self._loaded, {}
         if self.report is None:
             return

@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_speedkit import _imports
+from lightning_speedkit.attention import _documents
 from lightning_speedkit.errors import SpeedkitConfigError
 
 log = logging.getLogger(__name__)
@@ -126,6 +127,27 @@ class Attend:
         scale: float | None = None,
         dropout_p: float = 0.0,
     ) -> Tensor:
+        documents = _documents.active()
+        if documents is not None and documents.covers(q, k):  # a packed batch: per document
+            return _documents.per_document(
+                self._attend, documents, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
+                scale=scale, dropout_p=dropout_p,
+            )  # fmt: skip
+        return self._attend(
+            q, k, v, attn_mask=attn_mask, is_causal=is_causal, scale=scale, dropout_p=dropout_p
+        )
+
+    def _attend(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        *,
+        attn_mask: Tensor | None,
+        is_causal: bool,
+        scale: float | None,
+        dropout_p: float,
+    ) -> Tensor:
         key = (q.device.type, q.dtype, q.requires_grad and torch.is_grad_enabled())
         if key not in self._unavailable:
             reason = self._cannot_run(q, attn_mask, key[2])
@@ -158,6 +180,8 @@ class Attend:
         """Restrict ``F.scaled_dot_product_attention`` calls inside to this backend.
 
         For code that calls SDPA itself (timm, Hugging Face, ``nn.MultiheadAttention``).
+        While a packed batch's documents are active, its SDPA calls on the packed rows run
+        per document (:mod:`._documents`).
         A kernel the device lacks is not forced (PyTorch would refuse the call):
         that is reported once, and SDPA picks. ``flex`` cannot be reached this
         way: SDPA picks, said once.
@@ -175,10 +199,10 @@ class Attend:
                 self._unavailable[key] = reason
                 _warn_fallback(self.backend, device_type, reason)
             kernel = None
-        if kernel is None:
-            yield
-            return
-        with sdpa_kernel([kernel]):
+        with contextlib.ExitStack() as stack:
+            if kernel is not None:
+                stack.enter_context(sdpa_kernel([kernel]))
+            stack.enter_context(_documents.sdpa_per_document())  # a packed batch: per document
             yield
 
     def _cannot_run(self, q: Tensor, attn_mask: Tensor | None, needs_grad: bool) -> str | None:

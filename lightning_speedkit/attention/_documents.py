@@ -1,0 +1,345 @@
+"""Packed batches as documents: the boundaries every swapped attention keeps apart.
+
+A packed row holds several documents (:class:`~lightning_speedkit.data.PackingCollate`).
+While :func:`packed_documents` is active, every attention call of a swapped module whose
+query and key are the packed rows (``(rows, heads, S, head_dim)``) runs per document:
+each row is cut at the boundaries, the pieces of equal length are stacked, and each
+stack is one SDPA call with the module's own causal flag. No token attends across a
+boundary, and no ``S x S`` mask is ever built. Calls of another shape (a vision tower's
+patches, a cross-attention's context) run as they are.
+
+The boundaries stay set for the whole step (forward and backward), and the kit's
+activation checkpointing replays them around its recomputation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import itertools
+import logging
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from torch.overrides import TorchFunctionMode
+
+from lightning_speedkit import _surgery
+from lightning_speedkit.errors import SpeedkitConfigError
+
+__all__ = ["Documents", "active", "documents_of", "packed_documents", "per_document"]
+
+log = logging.getLogger(__name__)
+
+#: The batch fields that mark a packed batch (what PackingCollate returns).
+PACKING_FIELDS = ("cu_seqlens", "document_ids")
+#: Fields whose ``(rows, S)`` shape gives a batch's rows when only ``cu_seqlens`` is there.
+_ROW_FIELDS = ("document_ids", "position_ids", "input_ids", "labels")
+
+
+@dataclass(frozen=True)
+class Documents:
+    """A packed batch's documents: for each row, the ``(start, end)`` spans covering it.
+
+    Padding at a row's end is a span of its own: it attends to itself only.
+    """
+
+    rows: int
+    length: int
+    spans: tuple[tuple[tuple[int, int], ...], ...]
+
+    def covers(self, q: Tensor, k: Tensor) -> bool:
+        """Whether an attention call's query and key are this batch's packed rows."""
+        return (
+            q.ndim == 4
+            and k.ndim == 4
+            and q.shape[0] == self.rows
+            and q.shape[-2] == self.length
+            and k.shape[-2] == self.length
+        )
+
+
+_ACTIVE: list[Documents | None] = [None]
+"""The step's documents. A plain global, not thread-local: a backward on autograd's own
+threads recomputes checkpointed blocks under the same boundaries."""
+
+
+def active() -> Documents | None:
+    """The documents attention keeps apart now, or None."""
+    return _ACTIVE[0]
+
+
+@contextlib.contextmanager
+def _documents_set(documents: Documents | None) -> Iterator[None]:
+    previous = _ACTIVE[0]
+    _ACTIVE[0] = documents
+    try:
+        yield
+    finally:
+        _ACTIVE[0] = previous
+
+
+def suspended() -> contextlib.AbstractContextManager[None]:
+    """No documents inside: the parity check compares whole rows both ways."""
+    return _documents_set(None)
+
+
+@contextlib.contextmanager
+def packed_documents(batch: Any) -> Iterator[Documents | None]:
+    """Keep a packed batch's documents apart in every swapped attention, inside the block.
+
+    ``batch`` is what :class:`~lightning_speedkit.data.PackingCollate` returned (a dict
+    with ``cu_seqlens`` and/or ``document_ids``); a batch without them changes nothing.
+    :class:`~lightning_speedkit.AttentionSwap` does this for each training batch; use it
+    without a Trainer, around forward *and* backward (an activation checkpoint recomputes
+    in backward, under the same boundaries). Positions are the model's: pass the batch's
+    ``position_ids`` to a model that takes them.
+
+    Example::
+
+        >>> import torch
+        >>> from lightning_speedkit.data import PackingCollate
+        >>> batch = PackingCollate(max_tokens=6)([{"input_ids": torch.tensor([1, 2, 3])},
+        ...                                       {"input_ids": torch.tensor([4, 5])}])
+        >>> with packed_documents(batch) as documents:
+        ...     documents.spans
+        (((0, 3), (3, 5), (5, 6)),)
+    """
+    documents = documents_of(batch)
+    if documents is None:
+        yield None
+        return
+    with _surgery.call_setting(partial(_documents_set, documents)):
+        yield documents
+
+
+def documents_of(batch: Any) -> Documents | None:
+    """A batch's documents, from its ``document_ids`` and/or ``cu_seqlens``; None if unpacked.
+
+    This reads the boundaries on the host: on a GPU, one device-to-host copy per batch.
+    """
+    if not isinstance(batch, Mapping) or not any(
+        isinstance(batch.get(f), Tensor) for f in PACKING_FIELDS
+    ):
+        return None
+    ids, cu = batch.get("document_ids"), batch.get("cu_seqlens")
+    cu_list = _cu_seqlens(cu) if isinstance(cu, Tensor) else None
+    if isinstance(ids, Tensor):
+        return _from_document_ids(ids, cu_list)
+    assert cu_list is not None  # one of the two is a tensor
+    rows = next((batch[f] for f in _ROW_FIELDS if isinstance(batch.get(f), Tensor)), None)
+    if rows is None or rows.ndim != 2:
+        raise SpeedkitConfigError(
+            f"`cu_seqlens` came without `document_ids` or a 2-D `input_ids`/`position_ids` "
+            f"to say how long a row is (got {None if rows is None else tuple(rows.shape)}); "
+            f"pass the batch PackingCollate returned, `document_ids` included."
+        )
+    return _from_cu_seqlens(cu_list, int(rows.shape[0]), int(rows.shape[1]))
+
+
+def _cu_seqlens(cu: Tensor) -> list[int]:
+    values = [int(v) for v in cu.tolist()]  # SYNC: the boundaries, once per batch
+    if (
+        cu.ndim != 1
+        or not values
+        or values[0] != 0
+        or any(b < a for a, b in itertools.pairwise(values))
+    ):
+        raise SpeedkitConfigError(
+            f"`cu_seqlens` must be 1-D, start at 0 and never decrease (flash-attn's varlen "
+            f"layout), got {values[:8]}{'...' if len(values) > 8 else ''}; pass the "
+            f"`cu_seqlens` PackingCollate returned."
+        )
+    return values
+
+
+def _from_document_ids(ids: Tensor, cu: list[int] | None) -> Documents:
+    if ids.ndim == 1:
+        ids = ids.unsqueeze(0)
+    rows, length = int(ids.shape[0]), int(ids.shape[1])
+    # Where a row changes document: one host read of the boundaries.
+    changes = (ids[:, 1:] != ids[:, :-1]).nonzero().tolist()  # SYNC: once per batch
+    starts: list[list[int]] = [[0] for _ in range(rows)]
+    for row, before in changes:
+        starts[row].append(before + 1)
+    spans = tuple(
+        tuple(zip(row_starts, [*row_starts[1:], length], strict=True)) for row_starts in starts
+    )
+    if cu is not None:
+        real = ids[ids >= 0]
+        lengths = torch.bincount(real).tolist() if real.numel() else []  # SYNC: with the above
+        expected = [b - a for a, b in itertools.pairwise(cu)]
+        if [n for n in lengths if n] != [n for n in expected if n]:
+            raise SpeedkitConfigError(
+                f"`cu_seqlens` and `document_ids` disagree: documents of {expected[:8]} tokens "
+                f"in `cu_seqlens`, {lengths[:8]} in `document_ids`; build both with the same "
+                f"PackingCollate call (or drop one of them)."
+            )
+    return Documents(rows, length, spans)
+
+
+def _from_cu_seqlens(cu: list[int], rows: int, length: int) -> Documents:
+    if cu[-1] != rows * length:
+        raise SpeedkitConfigError(
+            f"`cu_seqlens` ends at {cu[-1]}, but the batch's rows hold {rows} x {length} = "
+            f"{rows * length} tokens; with padding in the rows pass `document_ids` too "
+            f"(PackingCollate returns it), else give `cu_seqlens` over the whole rows."
+        )
+    bounds = sorted(set(cu) | {r * length for r in range(rows + 1)})
+    spans: list[list[tuple[int, int]]] = [[] for _ in range(rows)]
+    for a, b in itertools.pairwise(bounds):
+        spans[a // length].append((a % length, b - (a // length) * length))
+    return Documents(rows, length, tuple(tuple(s) for s in spans))
+
+
+def per_document(
+    run: Callable[..., Tensor],
+    documents: Documents,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    attn_mask: Tensor | None = None,
+    **kwargs: Any,
+) -> Tensor:
+    """``run(q, k, v, attn_mask=..., **kwargs)`` on each document apart, as one output.
+
+    Documents of equal length (in any row) go in one call; ``attn_mask`` (the model's
+    own, over whole rows) is cut to each document's block.
+    """
+    groups: dict[int, list[tuple[int, int, int]]] = {}
+    for row, spans in enumerate(documents.spans):
+        for start, end in spans:
+            groups.setdefault(end - start, []).append((row, start, end))
+    mask = attn_mask
+    if mask is not None:
+        while mask.ndim < 4:
+            mask = mask.unsqueeze(0)
+    pieces: dict[tuple[int, int], Tensor] = {}
+    for members in groups.values():
+
+        def stack(t: Tensor, members: list[tuple[int, int, int]] = members) -> Tensor:
+            return torch.stack([t[r, :, s:e] for r, s, e in members])
+
+        mask_g = None
+        if mask is not None:
+            mask_g = torch.stack(
+                [mask[r if mask.shape[0] > 1 else 0, :, s:e, s:e] for r, s, e in members]
+            )
+        out = run(stack(q), stack(k), stack(v), attn_mask=mask_g, **kwargs)
+        for (r, s, _), piece in zip(members, out.unbind(0), strict=True):
+            pieces[(r, s)] = piece
+    return torch.stack(
+        [
+            torch.cat([pieces[(r, s)] for s, _ in spans], dim=-2)
+            for r, spans in enumerate(documents.spans)
+        ]
+    )
+
+
+_SDPA_SIGNATURE = inspect.Signature(
+    [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+        for name, default in (
+            ("query", inspect.Parameter.empty),
+            ("key", inspect.Parameter.empty),
+            ("value", inspect.Parameter.empty),
+            ("attn_mask", None),
+            ("dropout_p", 0.0),
+            ("is_causal", False),
+            ("scale", None),
+            ("enable_gqa", False),
+        )
+    ]
+)
+
+
+class _SdpaPerDocument(TorchFunctionMode):
+    """SDPA calls on the packed rows run per document (for families that call SDPA)."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        documents = active()
+        if func is not F.scaled_dot_product_attention or documents is None:
+            return func(*args, **kwargs)
+        bound = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+        q, k, v = bound.pop("query"), bound.pop("key"), bound.pop("value")
+        if not documents.covers(q, k):
+            return func(q, k, v, **bound)
+        mask = bound.pop("attn_mask", None)
+        return per_document(func, documents, q, k, v, attn_mask=mask, **bound)
+
+
+@contextlib.contextmanager
+def sdpa_per_document() -> Iterator[None]:
+    """Inside, SDPA on the packed rows runs per document while documents are active."""
+    if active() is None or torch.compiler.is_compiling():
+        yield
+        return
+    with _SdpaPerDocument():
+        yield
+
+
+_WARNED: set[str] = set()
+
+
+def warn_own_attention(name: str) -> None:
+    """A swapped module ran its own attention on a packed batch: say so once."""
+    if name in _WARNED:
+        return
+    _WARNED.add(name)
+    rank_zero_warn(
+        f"A packed batch reached {name!r}'s own attention (a call the swap does not handle), "
+        "which attends across the documents of a row. Call it as the swap handles it (no "
+        "extra mask, no attention weights asked for), or do not pack."
+    )
+
+
+class StepDocuments:
+    """A training step's documents, set from its batch until the step ends (AttentionSwap's).
+
+    After the first packed step it says, once, which attention modules ran their own
+    forward (reverted, skipped, or none found): those attended across documents.
+    """
+
+    def __init__(self) -> None:
+        self._stack: contextlib.ExitStack | None = None
+        self._packed = False
+        self._warned = False
+
+    def enter(self, batch: Any) -> None:
+        """Set ``batch``'s documents (none if it is not packed) for the step."""
+        self.exit()
+        stack = contextlib.ExitStack()
+        self._packed = stack.enter_context(packed_documents(batch)) is not None
+        self._stack = stack
+
+    def exit(self, report: Any = None) -> None:
+        """Clear the step's documents; with the swap's ``report``, warn about what mixed them."""
+        stack, self._stack = self._stack, None
+        if stack is not None:
+            stack.close()
+        if report is None or not self._packed or self._warned:
+            return
+        self._warned = True
+        own = [*(name for name, _ in report.reverted), *(name for name, _ in report.skipped)]
+        if report.modules and not own:
+            return
+        which = ", ".join(repr(name or "(root)") for name in own) or "no attention was found"
+        rank_zero_warn(
+            f"A packed batch (`cu_seqlens`/`document_ids`) reached attention that AttentionSwap "
+            f"did not swap, which attends across the documents of a row: {which}. Swap it "
+            f"(`register_adapter` for a family the kit does not know; `tolerance=` for a module "
+            f"that failed its check), or write the document mask into that module, or do not pack."
+        )
