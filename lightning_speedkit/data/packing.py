@@ -50,8 +50,10 @@ class PackingCollate:
     changes from one batch to the next.
 
     Hugging Face's causal LMs shift ``labels`` inside the model, so a packed row's
-    loss also asks each document's last token for the next document's first: set
-    that label to -100 in the samples (or the loss) where it matters.
+    loss also asks each document's last token for the next document's first. With
+    ``separate_documents=True`` no loss does: each document's first label becomes -100
+    (the loss's ignore index), as transformers' ``DataCollatorWithFlattening`` does, and
+    the shifted loss pairs each document's last token with nothing.
 
     Each sample holds one sequence: its tokens 1-D, ``(N,)``. A ``(1, N)`` tensor, as a
     tokenizer called with ``return_tensors="pt"`` gives every field, is taken as its N
@@ -63,6 +65,9 @@ class PackingCollate:
         pad_id: the value padding positions get.
         pad_values: the padding of per-token fields, by field name.
         token_fields: the fields holding one value per token, packed with the tokens.
+        separate_documents: set each document's first ``labels`` value to -100, so that
+            a loss shifting labels (Hugging Face's causal LMs) never asks a document's
+            last token for the next document's first. Needs ``labels`` in the samples.
 
     Example::
 
@@ -82,6 +87,13 @@ class PackingCollate:
         ...     {"input_ids": [3], "attention_mask": [1], "labels": [3]}])
         >>> batch["labels"].tolist(), batch["attention_mask"].tolist()
         ([[1, 2, 3, -100]], [[1, 1, 1, 0]])
+
+        With ``separate_documents=True`` no shifted label crosses into the next document:
+
+        >>> PackingCollate(max_tokens=4, separate_documents=True)([
+        ...     {"input_ids": [1, 2], "labels": [1, 2]},
+        ...     {"input_ids": [3], "labels": [3]}])["labels"].tolist()
+        [[-100, 2, -100, -100]]
     """
 
     def __init__(
@@ -91,6 +103,7 @@ class PackingCollate:
         pad_id: int = 0,
         pad_values: Mapping[str, int | float] | None = None,
         token_fields: Sequence[str] = TOKEN_FIELDS,
+        separate_documents: bool = False,
     ) -> None:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise SpeedkitConfigError(
@@ -111,6 +124,11 @@ class PackingCollate:
             )
         self.pad_values = {"labels": -100, **(pad_values or {})}
         self.token_fields = tuple(token_fields)
+        if not isinstance(separate_documents, bool):
+            raise SpeedkitConfigError(
+                f"`separate_documents` must be True or False, got {separate_documents!r}."
+            )
+        self.separate_documents = separate_documents
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if not samples:
@@ -170,7 +188,22 @@ class PackingCollate:
                 batch[field] = torch.tensor(values)
             else:
                 batch[field] = values
+        if self.separate_documents:
+            self._separate(batch, places)
         return batch
+
+    def _separate(self, batch: dict[str, Any], places: list[tuple[int, int, int]]) -> None:
+        labels = batch.get("labels")
+        if not isinstance(labels, Tensor) or labels.shape != batch[self.key].shape:
+            raise SpeedkitConfigError(
+                f"`separate_documents=True` sets each document's first label to -100, but the "
+                f"samples carry no per-token 'labels' (got {type(labels).__name__}); add "
+                f"labels to the samples (a copy of {self.key!r} for a causal LM), or pass "
+                f"`separate_documents=False`."
+            )
+        for r, offset, n in places:
+            if n:
+                labels[r, offset] = -100
 
     def _sequence(self, index: int, value: Any) -> Tensor:
         """Sample ``index``'s tokens as one 1-D sequence: a (1, N) tensor (a tokenizer's
