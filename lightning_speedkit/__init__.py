@@ -13,9 +13,11 @@ from lightning_speedkit import _versions  # noqa: F401
 from lightning_speedkit.__about__ import __version__
 from lightning_speedkit.attention import AttentionSwap, register_adapter, swap_attention
 from lightning_speedkit.compute import (
+    FrozenFeatureCache,
     FusedOptimizer,
     MicroBatchTuner,
     RegionalCompile,
+    cache_frozen_features,
     compile_blocks,
     fuse_optimizers,
     tune_micro_batch,
@@ -52,6 +54,7 @@ __all__ = [
     "FSDP2ZeRO2Strategy",
     "FSDPZeRO2Strategy",
     "FlopCount",
+    "FrozenFeatureCache",
     "FusedOptimizer",
     "HangWatchdog",
     "MicroBatchTuner",
@@ -62,6 +65,7 @@ __all__ = [
     "SpeedMonitor",
     "SpeedkitConfigError",
     "__version__",
+    "cache_frozen_features",
     "checkpoint_blocks",
     "compile_blocks",
     "count_flops",

@@ -129,7 +129,12 @@ def test_floors_agree_with_pyproject() -> None:
 
 def test_every_trainer_free_core_is_importable_from_the_package() -> None:
     """Each callback is a thin layer over a function a user can call without a Trainer."""
-    from lightning_speedkit.compute import compile_blocks, fuse_optimizers, tune_micro_batch
+    from lightning_speedkit.compute import (
+        cache_frozen_features,
+        compile_blocks,
+        fuse_optimizers,
+        tune_micro_batch,
+    )
     from lightning_speedkit.distributed import checkpoint_blocks
 
     cores = {
@@ -142,6 +147,7 @@ def test_every_trainer_free_core_is_importable_from_the_package() -> None:
         "compile_blocks": compile_blocks,
         "checkpoint_blocks": checkpoint_blocks,
         "fuse_optimizers": fuse_optimizers,
+        "cache_frozen_features": cache_frozen_features,
     }
     for name, function in cores.items():
         assert name in lightning_speedkit.__all__

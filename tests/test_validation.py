@@ -231,6 +231,13 @@ ROWS = [
         "torch.nn.Module"),
     row("checkpoint_blocks", lambda: kit.checkpoint_blocks(nn.Linear(2, 2), fraction=1.5),
         "fraction", 1.5, "(0, 1]"),
+    row("cache_frozen_features", lambda: kit.cache_frozen_features("model"), "model", "model",
+        "torch.nn.Module"),
+    row("cache_frozen_features", lambda: kit.cache_frozen_features(nn.Linear(2, 2),
+        modules=["nope"]), "modules", "nope", "has no submodules"),
+    row("FrozenFeatureCache", lambda: kit.FrozenFeatureCache(budget="lots"), "budget", "lots",
+        "budget='50%'"),
+    row("FrozenFeatureCache", lambda: kit.FrozenFeatureCache(key=3), "key", 3, "key='index'"),
     row("fuse_optimizers", lambda: kit.fuse_optimizers("opt"), "optimizers", "opt",
         "fuse_optimizers([optimizer])"),
 ]  # fmt: skip

@@ -2,6 +2,10 @@
 
 from lightning_speedkit.compute._memory_probe import memory_limit
 from lightning_speedkit.compute._step_timer import StepMeasurement, timed_measure
+from lightning_speedkit.compute.frozen_feature_cache import (
+    FrozenFeatureCache,
+    cache_frozen_features,
+)
 from lightning_speedkit.compute.fused_optimizer import (
     FusedOptimizer,
     OptimizerSwitch,
@@ -18,12 +22,14 @@ from lightning_speedkit.compute.regional_compile import (
 
 __all__ = [
     "CompileWatch",
+    "FrozenFeatureCache",
     "FusedOptimizer",
     "MicroBatchResult",
     "MicroBatchTuner",
     "OptimizerSwitch",
     "RegionalCompile",
     "StepMeasurement",
+    "cache_frozen_features",
     "compile_blocks",
     "compiled_blocks",
     "fuse_optimizers",

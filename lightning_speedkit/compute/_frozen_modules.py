@@ -132,12 +132,12 @@ def choose_modules(model: nn.Module, modules: Any) -> list[tuple[str, nn.Module]
                 close = ends or difflib.get_close_matches(item, [n for n in named if n], n=1)
                 hint = f"did you mean {close[0]!r}? " if close else ""
                 tops = ", ".join(repr(n) for n in named if n and "." not in n)
-                _validation.fail(
-                    "modules",
-                    item,
-                    "is not a submodule of the model",
-                    f"{hint}pass a name from `model.named_modules()`, e.g. one of {tops}",
+                fix = (
+                    f"{hint}pass a name from `model.named_modules()`, e.g. one of {tops}"
+                    if tops
+                    else "the model has no submodules: cache a model that holds the frozen one"
                 )
+                _validation.fail("modules", item, "is not a submodule of the model", fix)
             names.append(item)
         elif isinstance(item, type) and issubclass(item, nn.Module):
             matched = [n for n, m in named.items() if n and isinstance(m, item)]
