@@ -53,6 +53,10 @@ class Documents:
     length: int
     spans: tuple[tuple[tuple[int, int], ...], ...]
 
+    def covers_rows(self, x: Tensor) -> bool:
+        """Whether a module's ``(rows, S, ...)`` input is this batch's packed rows."""
+        return x.ndim >= 2 and x.shape[0] == self.rows and x.shape[1] == self.length
+
     def covers(self, q: Tensor, k: Tensor) -> bool:
         """Whether an attention call's query and key are this batch's packed rows."""
         return (
@@ -212,16 +216,12 @@ def per_document(
     Documents of equal length (in any row) go in one call; ``attn_mask`` (the model's
     own, over whole rows) is cut to each document's block.
     """
-    groups: dict[int, list[tuple[int, int, int]]] = {}
-    for row, spans in enumerate(documents.spans):
-        for start, end in spans:
-            groups.setdefault(end - start, []).append((row, start, end))
     mask = attn_mask
     if mask is not None:
         while mask.ndim < 4:
             mask = mask.unsqueeze(0)
     pieces: dict[tuple[int, int], Tensor] = {}
-    for members in groups.values():
+    for members in groups(documents):
 
         def stack(t: Tensor, members: list[tuple[int, int, int]] = members) -> Tensor:
             return torch.stack([t[r, :, s:e] for r, s, e in members])
@@ -240,6 +240,15 @@ def per_document(
             for r, spans in enumerate(documents.spans)
         ]
     )
+
+
+def groups(documents: Documents) -> list[list[tuple[int, int, int]]]:
+    """The documents as ``(row, start, end)``, grouped by length (one call per group)."""
+    by_length: dict[int, list[tuple[int, int, int]]] = {}
+    for row, spans in enumerate(documents.spans):
+        for start, end in spans:
+            by_length.setdefault(end - start, []).append((row, start, end))
+    return list(by_length.values())
 
 
 _SDPA_SIGNATURE = inspect.Signature(
@@ -272,6 +281,8 @@ class _SdpaPerDocument(TorchFunctionMode):
         kwargs = kwargs or {}
         documents = active()
         if func is not F.scaled_dot_product_attention or documents is None:
+            # A torch function that calls SDPA inside runs with this mode popped, so its SDPA
+            # call is not seen here: ``nn.MultiheadAttention`` is cut per document before.
             return func(*args, **kwargs)
         bound = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
         q, k, v = bound.pop("query"), bound.pop("key"), bound.pop("value")
@@ -343,3 +354,34 @@ class StepDocuments:
             f"(`register_adapter` for a family the kit does not know; `tolerance=` for a module "
             f"that failed its check), or write the document mask into that module, or do not pack."
         )
+
+
+def per_document_rows(
+    run: Callable[[Tensor, Any, Any], tuple[Tensor, Any]],
+    documents: Documents,
+    x: Tensor,
+    masks: Callable[[list[tuple[int, int, int]]], tuple[Any, Any]],
+    *,
+    batch_first: bool,
+) -> tuple[Tensor, None]:
+    """A module's whole call (``nn.MultiheadAttention``'s) on each group of documents apart.
+
+    ``x`` is ``(rows, S, E)`` (``(S, rows, E)`` unless ``batch_first``); ``masks(group)``
+    gives the call's masks cut to the group; ``run(x, attn_mask, key_padding_mask)``
+    returns ``(output, weights)``.
+    """
+    rows = x if batch_first else x.transpose(0, 1)
+    pieces: dict[tuple[int, int], Tensor] = {}
+    for members in groups(documents):
+        stacked = torch.stack([rows[r, s:e] for r, s, e in members])
+        out, _ = run(stacked if batch_first else stacked.transpose(0, 1), *masks(members))
+        out = out if batch_first else out.transpose(0, 1)
+        for (r, s, _), piece in zip(members, out.unbind(0), strict=True):
+            pieces[(r, s)] = piece
+    out = torch.stack(
+        [
+            torch.cat([pieces[(r, s)] for s, _ in spans], dim=0)
+            for r, spans in enumerate(documents.spans)
+        ]
+    )
+    return (out if batch_first else out.transpose(0, 1)), None

@@ -54,6 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_speedkit import _compat, _imports, _surgery, _validation
+from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._example_inputs import Inputs, device_of, tokens
 from lightning_speedkit.attention._structural import Structure as Structure  # a binding's class
 from lightning_speedkit.attention._structural import (
@@ -223,6 +224,17 @@ def _mha_forward(
 ) -> Any:
     if need_weights:
         return NotImplemented  # the weights come from MHA's own math path
+    documents = _documents.active()
+    mha: Any = ctx.module
+    rows = query if mha.batch_first else query.transpose(0, 1)
+    if documents is not None and query is key is value and documents.covers_rows(rows):
+        masks = _mha_masks(mha, documents, attn_mask, key_padding_mask)
+        with ctx.sdpa_kernel():  # a packed batch: MHA's own call on each group of documents
+            return _documents.per_document_rows(
+                lambda x, m, p: ctx.original(x, x, x, key_padding_mask=p, need_weights=False,
+                                             attn_mask=m, is_causal=is_causal),
+                documents, query, masks, batch_first=mha.batch_first,
+            )  # fmt: skip
     with ctx.sdpa_kernel():
         return ctx.original(
             query,
@@ -234,6 +246,25 @@ def _mha_forward(
             average_attn_weights=average_attn_weights,
             is_causal=is_causal,
         )
+
+
+def _mha_masks(
+    mha: Any, documents: Any, attn_mask: Tensor | None, key_padding_mask: Tensor | None
+) -> Callable[[list[tuple[int, int, int]]], tuple[Tensor | None, Tensor | None]]:
+    """For a group of documents, MHA's ``attn_mask`` (3-D, per head) and padding mask, cut."""
+    heads = mha.num_heads
+
+    def cut(members: list[tuple[int, int, int]]) -> tuple[Tensor | None, Tensor | None]:
+        mask = padding = None
+        if attn_mask is not None:
+            full = attn_mask if attn_mask.ndim == 3 else attn_mask.expand(
+                documents.rows * heads, *attn_mask.shape[-2:])  # fmt: skip
+            mask = torch.cat([full[r * heads : (r + 1) * heads, s:e, s:e] for r, s, e in members])
+        if key_padding_mask is not None:
+            padding = torch.stack([key_padding_mask[r, s:e] for r, s, e in members])
+        return mask, padding
+
+    return cut
 
 
 def _mha_example(module: nn.Module) -> Inputs | None:

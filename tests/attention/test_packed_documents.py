@@ -70,6 +70,26 @@ class NanoGPT(nn.Module):
         return self.lm_head(x)
 
 
+class MHADecoder(nn.Module):
+    """``nn.TransformerEncoderLayer`` blocks with a causal mask: the multihead_attention family."""
+
+    def __init__(self, dim: int = 32, layers: int = 2) -> None:
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(VOCAB, dim), nn.Embedding(16, dim)
+        self.h = nn.ModuleList(
+            nn.TransformerEncoderLayer(dim, 4, 64, dropout=0.0, batch_first=True)
+            for _ in range(layers)
+        )
+        self.lm_head = nn.Linear(dim, VOCAB)
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor) -> Tensor:
+        x = self.wte(input_ids) + self.wpe(position_ids)
+        mask = nn.Transformer.generate_square_subsequent_mask(x.shape[1])
+        for block in self.h:
+            x = block(x, src_mask=mask, is_causal=True)
+        return self.lm_head(x)
+
+
 def _gpt2() -> nn.Module:
     transformers = pytest.importorskip("transformers")
     config = transformers.GPT2Config(
@@ -89,7 +109,9 @@ def _llama() -> nn.Module:
     return transformers.LlamaForCausalLM(config)
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"nanogpt": NanoGPT, "gpt2": _gpt2, "llama": _llama}
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "nanogpt": NanoGPT, "mha": MHADecoder, "gpt2": _gpt2, "llama": _llama,
+}  # fmt: skip
 
 
 def _model(kind: str) -> nn.Module:
@@ -110,7 +132,7 @@ def _samples(seed: int = 0) -> list[dict[str, Tensor]]:
 
 
 def _logits(model: nn.Module, ids: Tensor, positions: Tensor, mask: Tensor | None) -> Tensor:
-    if isinstance(model, NanoGPT):
+    if isinstance(model, (NanoGPT, MHADecoder)):
         return model(ids, positions)
     # Hugging Face: with an attention mask (a tokenizer's), transformers builds no document
     # mask from the positions; without one it does (a dense S x S mask of its own).
