@@ -115,9 +115,11 @@ class Throughput:
         self.interval = dict.fromkeys(FIELDS, 0.0)
 
     def reset(self) -> None:
-        """Forget the run (a new fit; a checkpoint's state may follow)."""
+        """Forget the run (a new fit; a checkpoint's state may follow), and the interval a
+        fit that raised left unlogged: its step times are gone with its clock."""
         self.run, self.run_steps = [], []
         self.recent.clear()
+        self.interval = dict.fromkeys(FIELDS, 0.0)
 
     def update(
         self, *, samples: int, tokens: int | None, flops: tuple[float, float] | None

@@ -76,3 +76,13 @@ def test_the_run_adds_intervals_keeps_the_peak_memory_and_survives_a_checkpoint(
 @pytest.mark.parametrize(("q", "expected"), [(1, 1.0), (50, 2.0), (51, 3.0), (99, 4.0), (100, 4.0)])
 def test_percentiles_are_nearest_rank(q: float, expected: float) -> None:
     assert percentile([3.0, 1.0, 4.0, 2.0], q) == expected
+
+
+def test_a_new_fit_forgets_the_interval_a_fit_that_raised_left_unlogged() -> None:
+    throughput = Throughput(window=4)
+    for _ in range(5):  # five steps counted, never closed: the fit raised before its log
+        throughput.update(samples=4, tokens=None, flops=(1.0, 1.0))
+    throughput.reset()
+    throughput.update(samples=4, tokens=None, flops=(1.0, 1.0))
+    row = throughput.close(step_times=[0.5], waits=[0.0], mem_gib=0.0)
+    assert row == pytest.approx(_row(samples=4, time=0.5, steps=1, model_flops=1.0, hw_flops=1.0))
