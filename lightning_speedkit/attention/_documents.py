@@ -58,14 +58,24 @@ class Documents:
         return x.ndim >= 2 and x.shape[0] == self.rows and x.shape[1] == self.length
 
     def covers(self, q: Tensor, k: Tensor) -> bool:
-        """Whether an attention call's query and key are this batch's packed rows."""
-        return (
-            q.ndim == 4
-            and k.ndim == 4
-            and q.shape[0] == self.rows
-            and q.shape[-2] == self.length
-            and k.shape[-2] == self.length
-        )
+        """Whether an attention call's query and key are this batch's packed rows.
+
+        A call over rows of the packed length whose batch is not the rows' count (heads
+        folded into the batch, ``(rows * heads, 1, S, D)``) cannot be cut without knowing
+        the fold's order: it runs over whole rows, said once.
+        """
+        if q.ndim != 4 or k.ndim != 4 or q.shape[-2] != self.length:
+            return False
+        if q.shape[0] == self.rows and k.shape[-2] == self.length:
+            return True
+        if k.shape[-2] == self.length and q.shape[0] % self.rows == 0:
+            warn_once(
+                f"An attention call over rows of the packed length {self.length} has a batch "
+                f"of {q.shape[0]}, not the batch's {self.rows} rows (heads folded into the "
+                "batch?): it attends across documents. Keep the heads apart, (batch, heads, "
+                "seq, dim), in that module, or do not pack."
+            )
+        return False
 
 
 _ACTIVE: list[Documents | None] = [None]
@@ -305,12 +315,15 @@ def sdpa_per_document() -> Iterator[None]:
 _WARNED: set[str] = set()
 
 
+def warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        rank_zero_warn(message)
+
+
 def warn_own_attention(name: str) -> None:
     """A swapped module ran its own attention on a packed batch: say so once."""
-    if name in _WARNED:
-        return
-    _WARNED.add(name)
-    rank_zero_warn(
+    warn_once(
         f"A packed batch reached {name!r}'s own attention (a call the swap does not handle), "
         "which attends across the documents of a row. Call it as the swap handles it (no "
         "extra mask, no attention weights asked for), or do not pack."

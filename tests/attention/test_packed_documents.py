@@ -405,3 +405,69 @@ def test_attention_swap_on_a_model_without_attention_warns_once_per_fit() -> Non
     packed = [str(w.message) for w in caught if "packed batch" in str(w.message)]
     assert len(packed) == 1
     assert "attends across the documents of a row: no attention was found." in packed[0]
+
+
+# ------------------------------------------------------------------ the traced family
+
+
+class InlineCausal(nn.Module):
+    """Attention only a trace finds (no name the kit knows); heads kept apart or folded."""
+
+    def __init__(self, dim: int = 32, heads: int = 4, fold: bool = False) -> None:
+        super().__init__()
+        self.heads, self.fold = heads, fold
+        self.w_in, self.w_out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.register_buffer("keep", torch.ones(16, 16).tril().bool())
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, n, c = x.shape
+        q, k, v = self.w_in(x).split(c, dim=2)
+        q, k, v = (t.view(b, n, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        if self.fold:  # (b * heads, n, d), as diffusers' old attention
+            q, k, v = (t.reshape(b * self.heads, n, -1) for t in (q, k, v))
+        scores = q @ k.transpose(-2, -1) / (c // self.heads) ** 0.5
+        weights = scores.masked_fill(~self.keep[:n, :n], float("-inf")).softmax(dim=-1)
+        out = (weights @ v).reshape(b, self.heads, n, -1).transpose(1, 2).reshape(b, n, c)
+        return self.w_out(out)
+
+
+class TracedDecoder(NanoGPT):
+    """The nanoGPT-style decoder with inline attention in place of its own."""
+
+    def __init__(self, fold: bool = False) -> None:
+        super().__init__()
+        for block in self.h:
+            assert isinstance(block, Block)
+            block.attn = InlineCausal(fold=fold)  # type: ignore[assignment]
+
+
+def _traced(fold: bool) -> nn.Module:
+    torch.manual_seed(0)
+    model = TracedDecoder(fold)
+    ids = torch.randint(0, VOCAB, (2, 6))
+    report = swap_attention(model, "sdpa", sample=(ids, torch.arange(6).expand(2, 6)))
+    assert [m.family for m in report.modules] == ["traced", "traced"]
+    return model
+
+
+def test_traced_attention_keeps_packed_documents_apart() -> None:
+    model = _traced(fold=False)
+    samples = _samples()
+    batch = PackingCollate(max_tokens=MAX_TOKENS)(samples)
+    reference = _one_by_one(model, samples)
+    reference_grads = _grads(model, reference.sum())
+    with packed_documents(batch):
+        packed = _token_losses(model, batch)
+        packed_grads = _grads(model, packed.sum())
+    assert (packed - reference).abs().max().item() <= 1e-5
+    assert _max_diff(packed_grads, reference_grads) <= 1e-5
+
+
+def test_heads_folded_into_the_batch_are_named_not_guessed() -> None:
+    model = _traced(fold=True)
+    batch = PackingCollate(max_tokens=MAX_TOKENS)(_samples())
+    folding = "batch of 12, not the batch's 3 rows"
+    with pytest.warns(UserWarning, match=folding) as caught, packed_documents(batch):
+        _token_losses(model, batch)
+    folded = [w for w in caught if "heads folded" in str(w.message)]
+    assert len(folded) == 1
