@@ -98,6 +98,19 @@ class AttentionSwap(L.Callback):
     ) -> None:
         self._documents.enter(batch)  # a packed batch: its documents, for forward and backward
 
+    def on_validation_batch_start(
+        self,
+        trainer: L.Trainer,
+        pl_module: L.LightningModule,
+        batch: Any,
+        batch_idx: int,
+        dataloader_idx: int = 0,
+    ) -> None:
+        self._documents.enter(batch)  # packed validation batches: per document too
+
+    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
+        self._documents.exit()
+
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:

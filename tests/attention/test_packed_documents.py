@@ -471,3 +471,21 @@ def test_heads_folded_into_the_batch_are_named_not_guessed() -> None:
         _token_losses(model, batch)
     folded = [w for w in caught if "heads folded" in str(w.message)]
     assert len(folded) == 1
+
+
+def test_packed_validation_batches_keep_documents_apart() -> None:
+    class Validated(_Task):
+        def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+            self.seen.append(active() is not None)
+            self.losses.append(_token_losses(self.model, batch))
+
+    torch.manual_seed(0)
+    task = Validated(NanoGPT())
+    loader = DataLoader(_samples(), batch_size=6, collate_fn=PackingCollate(MAX_TOKENS))
+    trainer = L.Trainer(logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        callbacks=[AttentionSwap(backend="sdpa", verbose=False)])  # fmt: skip
+    trainer.validate(task, loader)
+    assert task.seen == [True]
+    assert active() is None
+    alone = _one_by_one(task.model, _samples())
+    assert (task.losses[0] - alone).abs().max().item() <= 1e-5
