@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_speedkit.errors import SpeedkitConfigError
@@ -23,7 +24,7 @@ class PackingCollate:
 
     Samples are placed greedily, in order, into the current row until the next one
     does not fit, then a new row starts; the end of the last row is padded. A
-    sample longer than ``max_tokens`` is cut to it. The batch carries what an
+    sample longer than ``max_tokens`` is cut to it (said once). The batch carries what an
     attention kernel needs to keep documents apart:
 
     - ``cu_seqlens`` (int32, ``[0, len0, len0+len1, ...]``) over the flattened rows,
@@ -129,6 +130,7 @@ class PackingCollate:
                 f"`separate_documents` must be True or False, got {separate_documents!r}."
             )
         self.separate_documents = separate_documents
+        self._warned_cut = False
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if not samples:
@@ -145,6 +147,14 @@ class PackingCollate:
         # Where each document goes: (row, offset, kept length), greedily in order.
         places: list[tuple[int, int, int]] = []
         row, used = 0, 0
+        longest = max(len(seq) for seq in tokens)
+        if longest > self.max_tokens and not self._warned_cut:
+            self._warned_cut = True
+            rank_zero_warn(
+                f"PackingCollate(max_tokens={self.max_tokens}) cut a sample of {longest} "
+                f"tokens to {self.max_tokens} (its last {longest - self.max_tokens} are not "
+                f"trained on); raise `max_tokens`, or split long samples before packing."
+            )
         for seq in tokens:
             n = min(len(seq), self.max_tokens)
             if used + n > self.max_tokens:

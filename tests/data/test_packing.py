@@ -50,8 +50,12 @@ def test_attention_never_crosses_documents(causal: bool) -> None:
 
 
 def test_overlong_samples_are_cut_and_bad_input_is_named() -> None:
-    batch = PackingCollate(max_tokens=4)(_docs([9]))
+    collate = PackingCollate(max_tokens=4)
+    cut = r"PackingCollate\(max_tokens=4\) cut a sample of 9 tokens to 4 \(its last 5 are not"
+    with pytest.warns(UserWarning, match=cut) as caught:
+        batch, _ = collate(_docs([9])), collate(_docs([7]))  # said once
     assert batch["cu_seqlens"].tolist() == [0, 4]
+    assert len([w for w in caught if "cut a sample" in str(w.message)]) == 1
     with pytest.raises(SpeedkitConfigError, match="`max_tokens`"):
         PackingCollate(max_tokens=0)
     with pytest.raises(SpeedkitConfigError, match="found no 'tokens'"):
