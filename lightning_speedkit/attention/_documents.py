@@ -19,14 +19,14 @@ import inspect
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
-from torch import Tensor
+from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_speedkit import _surgery
@@ -52,6 +52,15 @@ class Documents:
     rows: int
     length: int
     spans: tuple[tuple[tuple[int, int], ...], ...]
+    _positions: Tensor | None = field(default=None, repr=False, compare=False)
+
+    def positions(self, device: torch.device) -> Tensor:
+        """Each token's position in its document, ``(rows, S)``."""
+        if self._positions is None:
+            rows = [torch.cat([torch.arange(e - s) for s, e in spans]) for spans in self.spans]
+            object.__setattr__(self, "_positions", torch.stack(rows))
+        assert self._positions is not None
+        return self._positions.to(device)
 
     def covers_rows(self, x: Tensor) -> bool:
         """Whether a module's ``(rows, S, ...)`` input is this batch's packed rows."""
@@ -92,10 +101,49 @@ def active() -> Documents | None:
 def _documents_set(documents: Documents | None) -> Iterator[None]:
     previous = _ACTIVE[0]
     _ACTIVE[0] = documents
+    hook = _positions_hook() if documents is not None else contextlib.nullcontext()
+    try:
+        with hook:
+            yield
+    finally:
+        _ACTIVE[0] = previous
+
+
+_HOOK: list[Any] = [None, 0]  # the global pre-hook's handle, and how many hold it
+
+
+@contextlib.contextmanager
+def _positions_hook() -> Iterator[None]:
+    """While documents are active, positions a model builds itself restart per document."""
+    if _HOOK[1] == 0:
+        # torch types this hook as returning None; a pre-hook's returned args replace the call's.
+        hook: Callable[..., Any] = _restart_positions
+        _HOOK[0] = nn.modules.module.register_module_forward_pre_hook(hook)
+    _HOOK[1] += 1
     try:
         yield
     finally:
-        _ACTIVE[0] = previous
+        _HOOK[1] -= 1
+        if _HOOK[1] == 0:
+            _HOOK[0].remove()
+
+
+def _restart_positions(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """An ``nn.Embedding`` fed ``torch.arange(S)`` over the packed rows (nanoGPT's
+    ``wpe(torch.arange(t))``) gets each document's positions instead, ``(rows, S)``."""
+    documents = active()
+    if documents is None or not isinstance(module, nn.Embedding) or not args:
+        return None
+    ids = args[0]
+    if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        return None
+    whole_row = ids.ndim == 1 or (ids.ndim == 2 and ids.shape[0] == 1 and documents.rows > 1)
+    if not whole_row or ids.shape[-1] != documents.length:
+        return None
+    arange = torch.arange(documents.length, device=ids.device, dtype=ids.dtype)
+    if not torch.equal(ids.reshape(-1), arange):  # SYNC: only for a row-long 1-D input
+        return None
+    return (documents.positions(ids.device).to(ids.dtype), *args[1:])
 
 
 def suspended() -> contextlib.AbstractContextManager[None]:

@@ -489,3 +489,54 @@ def test_packed_validation_batches_keep_documents_apart() -> None:
     assert active() is None
     alone = _one_by_one(task.model, _samples())
     assert (task.losses[0] - alone).abs().max().item() <= 1e-5
+
+
+# --------------------------------------------------- positions the model builds itself
+
+
+class OwnPositions(NanoGPT):
+    """nanoGPT exactly: ``self.wpe(torch.arange(t))``, no ``position_ids`` taken."""
+
+    def forward(self, input_ids: Tensor, position_ids: Tensor | None = None) -> Tensor:
+        x = self.wte(input_ids) + self.wpe(torch.arange(input_ids.shape[1]))
+        for block in self.h:
+            x = block(x)
+        return self.lm_head(x)
+
+
+@pytest.mark.parametrize("kind", ["nanogpt", "gpt2"])
+def test_positions_a_model_builds_itself_restart_per_document(kind: str) -> None:
+    """nanoGPT's ``arange`` and GPT-2 without ``position_ids``: restarted, exactly."""
+    torch.manual_seed(0)
+    model = OwnPositions() if kind == "nanogpt" else _gpt2()
+    swap_attention(model, "sdpa")
+    samples = [{k: v for k, v in s.items() if k != "attention_mask"} for s in _samples()]
+    batch = PackingCollate(max_tokens=MAX_TOKENS)(samples)
+
+    def logits(ids: Tensor) -> Tensor:
+        return model(ids) if kind == "nanogpt" else model(input_ids=ids).logits
+
+    labels = batch["labels"].flatten()
+    reference = torch.cat([F.cross_entropy(logits(s["input_ids"][None])[0], s["labels"],
+                                           reduction="none") for s in samples])  # fmt: skip
+    reference_grads = _grads(model, reference.sum())
+    with packed_documents(batch):
+        losses = F.cross_entropy(logits(batch["input_ids"]).flatten(0, 1), labels, reduction="none")
+        packed = losses[labels != -100]
+        packed_grads = _grads(model, packed.sum())
+    assert (packed - reference).abs().max().item() <= 1e-5
+    assert _max_diff(packed_grads, reference_grads) <= 1e-5
+    with torch.no_grad():  # outside the documents, the model's own positions again
+        assert logits(batch["input_ids"]).shape == (3, MAX_TOKENS, VOCAB)
+
+
+def test_an_embedding_fed_anything_but_the_row_positions_is_left_alone() -> None:
+    batch = PackingCollate(max_tokens=4)([{"input_ids": torch.arange(2)}] * 4)  # 2 rows of 4
+    embedding = nn.Embedding(8, 1)
+    with torch.no_grad():
+        embedding.weight.copy_(torch.arange(8.0)[:, None])
+    with packed_documents(batch), torch.no_grad():
+        restarted = embedding(torch.arange(4))[..., 0]
+        others = [embedding(ids)[..., 0] for ids in (torch.tensor([3, 2, 1, 0]), torch.arange(3))]
+    assert restarted.tolist() == [[0, 1, 0, 1], [0, 1, 0, 1]]
+    assert [o.tolist() for o in others] == [[3, 2, 1, 0], [0, 1, 2]]
