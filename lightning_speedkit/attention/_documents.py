@@ -66,14 +66,24 @@ class Documents:
         """Whether a module's ``(rows, S, ...)`` input is this batch's packed rows."""
         return x.ndim >= 2 and x.shape[0] == self.rows and x.shape[1] == self.length
 
-    def covers(self, q: Tensor, k: Tensor) -> bool:
+    def covers(self, q: Tensor, k: Tensor, causal: bool = False) -> bool:
         """Whether an attention call's query and key are this batch's packed rows.
 
         A call over rows of the packed length whose batch is not the rows' count (heads
         folded into the batch, ``(rows * heads, 1, S, D)``) cannot be cut without knowing
-        the fold's order: it runs over whole rows, said once.
+        the fold's order, nor a causal call over the rows whose length is not the packed
+        one (a prefix of image tokens): they run over whole rows, said once.
         """
-        if q.ndim != 4 or k.ndim != 4 or q.shape[-2] != self.length:
+        if q.ndim != 4 or k.ndim != 4:
+            return False
+        if q.shape[-2] != self.length:
+            if causal and q.shape[0] == self.rows:
+                warn_once(
+                    f"A causal attention call over the batch's {self.rows} rows has "
+                    f"{q.shape[-2]} tokens per row, not the packed {self.length} (tokens "
+                    "added before the packed ones, an image prefix?): it attends across "
+                    "documents. Pack the whole sequence the attention sees, or do not pack."
+                )
             return False
         if q.shape[0] == self.rows and k.shape[-2] == self.length:
             return True
@@ -344,7 +354,7 @@ class _SdpaPerDocument(TorchFunctionMode):
             return func(*args, **kwargs)
         bound = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
         q, k, v = bound.pop("query"), bound.pop("key"), bound.pop("value")
-        if not documents.covers(q, k):
+        if not documents.covers(q, k, bool(bound.get("is_causal", False))):
             return func(q, k, v, **bound)
         mask = bound.pop("attn_mask", None)
         return per_document(func, documents, q, k, v, attn_mask=mask, **bound)

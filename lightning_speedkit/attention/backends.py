@@ -128,7 +128,7 @@ class Attend:
         dropout_p: float = 0.0,
     ) -> Tensor:
         documents = _documents.active()
-        if documents is not None and documents.covers(q, k):  # a packed batch: per document
+        if documents is not None and documents.covers(q, k, is_causal):  # packed: per document
             return _documents.per_document(
                 self._attend, documents, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                 scale=scale, dropout_p=dropout_p,

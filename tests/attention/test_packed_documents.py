@@ -540,3 +540,28 @@ def test_an_embedding_fed_anything_but_the_row_positions_is_left_alone() -> None
         others = [embedding(ids)[..., 0] for ids in (torch.tensor([3, 2, 1, 0]), torch.arange(3))]
     assert restarted.tolist() == [[0, 1, 0, 1], [0, 1, 0, 1]]
     assert [o.tolist() for o in others] == [[3, 2, 1, 0], [0, 1, 2]]
+
+
+def test_a_causal_call_longer_than_the_packed_rows_is_named() -> None:
+    """The example VLM's decoder: image tokens before the packed text, one row longer."""
+    from speedkit_examples.vlm import VLM, VLMConfig
+
+    torch.manual_seed(0)
+    model = VLM(VLMConfig.preset("tiny", vocab_size=VOCAB))
+    swap_attention(model, "sdpa")
+    batch = PackingCollate(max_tokens=MAX_TOKENS)(_samples())
+    images = torch.randn(3, 3, 32, 32)
+    longer = "causal attention call over the batch's 3 rows has"
+    with pytest.warns(UserWarning, match=longer), packed_documents(batch), torch.no_grad():
+        model(images, batch["input_ids"])
+
+
+def test_packed_bf16_losses_within_the_swaps_bf16_tolerance() -> None:
+    model = _model("nanogpt")
+    samples = _samples()
+    batch = PackingCollate(max_tokens=MAX_TOKENS)(samples)
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        reference = _one_by_one(model, samples)
+        with packed_documents(batch):
+            packed = _token_losses(model, batch)
+    assert (packed - reference).abs().max().item() <= 3e-2 * reference.abs().max().item()
