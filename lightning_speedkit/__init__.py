@@ -11,7 +11,12 @@ from types import SimpleNamespace
 # First: a torch or Lightning older than the floor is refused, with the upgrade to make.
 from lightning_speedkit import _versions  # noqa: F401
 from lightning_speedkit.__about__ import __version__
-from lightning_speedkit.attention import AttentionSwap, register_adapter, swap_attention
+from lightning_speedkit.attention import (
+    AttentionSwap,
+    packed_documents,
+    register_adapter,
+    swap_attention,
+)
 from lightning_speedkit.compute import (
     FrozenFeatureCache,
     FusedOptimizer,
@@ -70,6 +75,7 @@ __all__ = [
     "compile_blocks",
     "count_flops",
     "fuse_optimizers",
+    "packed_documents",
     "peak_flops",
     "plan_memory",
     "register_adapter",

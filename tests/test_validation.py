@@ -238,9 +238,18 @@ ROWS = [
     row("FrozenFeatureCache", lambda: kit.FrozenFeatureCache(budget="lots"), "budget", "lots",
         "budget='50%'"),
     row("FrozenFeatureCache", lambda: kit.FrozenFeatureCache(key=3), "key", 3, "key='index'"),
+    row("packed_documents", lambda: _packed(cu_seqlens=torch.tensor([0, 3, 2])), "cu_seqlens",
+        [0, 3, 2], "never decrease", "PackingCollate"),
+    row("packed_documents", lambda: _packed(cu_seqlens=torch.tensor([0, 3, 4])), "cu_seqlens",
+        [0, 3, 4], "must end at the 1 x 5 = 5 tokens", "document_ids"),
     row("fuse_optimizers", lambda: kit.fuse_optimizers("opt"), "optimizers", "opt",
         "fuse_optimizers([optimizer])"),
 ]  # fmt: skip
+
+
+def _packed(**fields: Any) -> None:
+    with kit.packed_documents({"input_ids": torch.zeros(1, 5, dtype=torch.long), **fields}):
+        pass
 
 
 def _loader() -> torch.utils.data.DataLoader[Any]:

@@ -258,8 +258,9 @@ def _from_document_ids(ids: Tensor, cu: list[int] | None) -> Documents:
 def _from_cu_seqlens(cu: list[int], rows: int, length: int) -> Documents:
     if cu[-1] != rows * length:
         raise SpeedkitConfigError(
-            f"`cu_seqlens` ends at {cu[-1]}, but the batch's rows hold {rows} x {length} = "
-            f"{rows * length} tokens; with padding in the rows pass `document_ids` too "
+            f"`cu_seqlens` must end at the {rows} x {length} = {rows * length} tokens of the "
+            f"batch's rows, got {cu} (ending at {cu[-1]}); with padding in the rows pass "
+            f"`document_ids` too "
             f"(PackingCollate returns it), else give `cu_seqlens` over the whole rows."
         )
     bounds = sorted(set(cu) | {r * length for r in range(rows + 1)})

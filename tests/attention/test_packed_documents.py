@@ -270,7 +270,8 @@ def test_cu_seqlens_that_disagree_with_document_ids_are_refused() -> None:
 def test_cu_seqlens_that_do_not_end_at_the_rows_are_refused() -> None:
     batch = {"input_ids": torch.zeros(1, 9, dtype=torch.long),
              "cu_seqlens": torch.tensor([0, 4, 7], dtype=torch.int32)}  # fmt: skip
-    ends = r"`cu_seqlens` ends at 7, but the batch's rows hold 1 x 9 = 9 tokens; with padding"
+    ends = (r"`cu_seqlens` must end at the 1 x 9 = 9 tokens of the batch's rows, got "
+            r"\[0, 4, 7\] \(ending at 7\); with padding")  # fmt: skip
     with pytest.raises(SpeedkitConfigError, match=ends), packed_documents(batch):
         pass
 
