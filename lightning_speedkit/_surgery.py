@@ -106,6 +106,19 @@ def _uninstall(module: nn.Module) -> None:
 
 
 _CHANGING = [0]
+_FIRST_CALL_WORK = [0]
+
+
+def note_first_call_work() -> None:
+    """The kit did a one-time job inside a module's call (a swap's parity check, attention
+    found by tracing): that call is not how later steps run (checkpoints paused, a second
+    forward), so a FLOP count of its step would not be either."""
+    _FIRST_CALL_WORK[0] += 1
+
+
+def first_call_work() -> int:
+    """How many one-time jobs the kit has done inside module calls, in this process."""
+    return _FIRST_CALL_WORK[0]
 
 
 @contextlib.contextmanager
@@ -114,6 +127,7 @@ def forwards_changing() -> Iterator[None]:
     by tracing that call). Wrappers run their module's forward unwrapped meanwhile
     (:func:`wrappers_paused`): a checkpoint taken in it would recompute, in backward, the
     forward installed at its end, not the one its forward ran."""
+    note_first_call_work()
     _CHANGING[0] += 1
     try:
         yield

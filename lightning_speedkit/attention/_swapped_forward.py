@@ -20,6 +20,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_speedkit._surgery import (
+    note_first_call_work,
     original_forward,
     replace_forward,
     replaced_forward,
@@ -125,6 +126,7 @@ class _SwappedForward:
         # The check is not the model's work: no FLOPs counted, and what its runs save for
         # backward stays theirs (an enclosing activation checkpoint must not count it). A
         # packed batch's documents are left out: both forwards attend over whole rows.
+        note_first_call_work()  # a step unlike later ones: SpeedMonitor counts another
         modes = [(m, m.training) for m in self.module.modules()]
         with eval_mode(self.module), not_counted(), _keep_saved_tensors(), _documents.suspended():
             passed = self._check(

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from lightning_speedkit import _compat
+from lightning_speedkit import _compat, _surgery
 from lightning_speedkit.measure._batch_info import BatchInfo, number
 from lightning_speedkit.measure._flop_owners import Owners
 from lightning_speedkit.measure.flops import _Counter
@@ -175,6 +175,8 @@ class CountSchedule:
         self._compiled_before = 0
         self._settled = True
         self._profiled_skips = 0
+        self._work_before = 0
+        self._redone = 0
 
     def watch(self, compiles: Compilations) -> None:
         """Compiled parts: count only after a step that compiled nothing."""
@@ -203,6 +205,7 @@ class CountSchedule:
         self.drop()  # the previous batch's, if its end hook never ran
         if self._compiles is not None:
             self._compiled_before = self._compiles.compilations
+        self._work_before = _surgery.first_call_work()
         if self.counts(info.key):
             self._session = FlopSession()
 
@@ -231,6 +234,12 @@ class CountSchedule:
         session, self._session = self._session, None
         if session is not None:
             model, hardware = session.close()
+            if _surgery.first_call_work() != self._work_before and self._redone < PROFILED_SKIPS:
+                # The kit did one-time work in this step (a swap's check, attention found by
+                # tracing, checkpoints paused meanwhile): not how later steps run. Count the
+                # next step of this shape instead.
+                self._redone += 1
+                return False
             self.book.add(info.key, Counted(info.samples, info.tokens, model, hardware))
         elif self._compiles is not None:
             # Settled: a whole step ran the compiled parts and compiled nothing.

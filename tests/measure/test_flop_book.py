@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_speedkit import SpeedkitConfigError
+from lightning_speedkit import SpeedkitConfigError, _surgery
 from lightning_speedkit.measure._batch_info import BatchInfo
 from lightning_speedkit.measure._flop_book import (
     PROFILED_SKIPS,
@@ -70,6 +70,34 @@ def test_compiled_parts_are_counted_only_after_a_step_that_compiled_nothing() ->
         schedule.step_end(_info(4))
     assert counted == [False, False, False, True]
     assert compiles.removed  # settled: the watch is no longer needed
+
+
+def test_a_step_in_which_the_kit_did_one_time_work_is_counted_again() -> None:
+    """A swap's parity check (or attention found by tracing) runs in the first step, with
+    checkpoints paused: its count would miss the recomputation later steps do."""
+    book = FlopBook()
+    schedule = CountSchedule(book, max_counts=8, profiling=lambda: False)
+    schedule.step_start(_info(2))
+    _matmul(2)
+    _surgery.note_first_call_work()
+    assert schedule.step_end(_info(2)) is False
+    assert book.counted == {}
+    schedule.step_start(_info(2))
+    assert schedule.counting  # the next step of the shape is counted instead
+    _matmul(2)
+    _matmul(2)  # e.g. the recomputation the first step did not do
+    assert schedule.step_end(_info(2)) is True
+    assert book.counted == {_info(2).key: Counted(2, None, 256.0, 256.0)}
+
+
+def test_one_time_work_that_never_ends_still_leaves_a_count() -> None:
+    book = FlopBook()
+    schedule = CountSchedule(book, max_counts=8, profiling=lambda: False)
+    for _ in range(PROFILED_SKIPS + 1):
+        schedule.step_start(_info(2))
+        _surgery.note_first_call_work()
+        schedule.step_end(_info(2))
+    assert _info(2).key in book.counted
 
 
 def test_a_profiled_step_waits_up_to_the_limit() -> None:
