@@ -19,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat, _validation
+from lightning_speedkit._loggers import log_metrics
 from lightning_speedkit.compute._fit_requirements import global_batch_scheduler, loader_to_tune
 from lightning_speedkit.compute._loader_rescale import (
     BATCH_COUNTS,
@@ -235,8 +236,7 @@ class MicroBatchTuner(L.Callback):
         global_batch = self._scheduler.target_global_batch or self._chosen
         rate = self.result.best_samples_per_sec if self.result is not None else None
         metrics = _metrics(self._chosen, global_batch, trainer.world_size, rate)
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        log_metrics(trainer, metrics)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":  # the next fit requests the user's loaders and counts as they are

@@ -35,6 +35,7 @@ from torch import nn
 
 from lightning_speedkit import _compat, _surgery, _validation
 from lightning_speedkit._blocks import CacheOff, block_instances, repeated_block_types
+from lightning_speedkit._loggers import log_metrics
 from lightning_speedkit.compute._recompile_advice import recompile_advice
 from lightning_speedkit.errors import SpeedkitConfigError
 
@@ -468,8 +469,7 @@ class RegionalCompile(L.Callback):
         graphs, recompiles, seconds = self._logged
         metrics = {"compile/seconds": seconds, "compile/graphs": float(graphs),
                    "compile/recompiles": float(recompiles)}  # fmt: skip
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=trainer.global_step)
+        log_metrics(trainer, metrics)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":

@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat, _validation
+from lightning_speedkit._loggers import log_metrics
 from lightning_speedkit.data import _verdict
 from lightning_speedkit.data._compute_threads import ComputeThreads
 from lightning_speedkit.data._train_loader import (
@@ -177,7 +178,7 @@ class NumWorkersTuner(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self._best:
-            _log(trainer, _verdict.start_metrics(self._best, self.result))
+            log_metrics(trainer, _verdict.start_metrics(self._best, self.result))
 
     # -- the verdict: loader rate against the model's consumption rate -------------------------
 
@@ -193,7 +194,7 @@ class NumWorkersTuner(L.Callback):
         self.bottleneck = _verdict.verdict(self._pace.times, self.result.best_batches_per_sec)
         rank_zero_info(_verdict.verdict_message(self.bottleneck))
         model_rate = self.bottleneck["model_batches_per_sec"]
-        _log(trainer, {"data/model_batches_per_sec": model_rate})
+        log_metrics(trainer, {"data/model_batches_per_sec": model_rate})
         bound = self.bottleneck["data_bound"]
         found = self._spare_cores_search(trainer, model_rate) if bound else None
         faster = None if found is None else found.to_json()
@@ -241,7 +242,7 @@ class NumWorkersTuner(L.Callback):
             self.result = replace(in_use, pending=dict(found.best), pending_reason=why)
             when = f"at the next epoch ({why})"
         rank_zero_info(f"NumWorkersTuner: the train loader switches to it {when}.")
-        _log(trainer, {"data/num_workers": float(found.best["num_workers"])})
+        log_metrics(trainer, {"data/num_workers": float(found.best["num_workers"])})
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._next_epoch.epoch_ended(trainer)  # after the epoch's validation
@@ -250,12 +251,6 @@ class NumWorkersTuner(L.Callback):
         found = self._next_epoch.epoch_started()
         if found is not None:
             self.result = found  # the loader in use now
-
-
-def _log(trainer: L.Trainer, metrics: dict[str, float]) -> None:
-    """Hand ``metrics`` to every logger at the Trainer's step."""
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)
 
 
 #: The clock the verdict times training steps with (a test can set its own).

@@ -157,9 +157,3 @@ def adaptive_applies(trainer: L.Trainer) -> bool:
 def from_rank_zero(trainer: L.Trainer) -> Callable[[Any], Any]:
     """Hands rank 0's object to every rank: a collective, which every rank must reach."""
     return lambda obj: trainer.strategy.broadcast(obj, src=0)
-
-
-def log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
-    """Log ``metrics`` to every logger of the Trainer at its global step."""
-    for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)

@@ -12,6 +12,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_speedkit import _combined, _compat, _validation
+from lightning_speedkit._loggers import log_metrics
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure._clock import Stamps
 from lightning_speedkit.schedule import _accumulation_wiring as wiring
@@ -380,7 +381,7 @@ def _keep_measurement(
     measurements.append(measured)
     chose = windows.policy.accumulation(trainer.global_step) if windows.policy else 0
     log.debug("AccumulationScheduler measured %s, chose %d", measured, chose)
-    wiring.log_metrics(trainer, {"accumulation/comm_share": measured.share})
+    log_metrics(trainer, {"accumulation/comm_share": measured.share})
 
 
 def _keep_change(
@@ -404,7 +405,7 @@ def _keep_change(
                "accumulation/global_batch": float(change.global_batch)}  # fmt: skip
     if windows.lr_scaling is not None:
         metrics["accumulation/lr_scale"] = windows.lr.factor
-    wiring.log_metrics(trainer, metrics)
+    log_metrics(trainer, metrics)
     if verbose:
         rank_zero_info(
             f"AccumulationScheduler: step {change.step}: {change.accumulation} micro-batch(es) "

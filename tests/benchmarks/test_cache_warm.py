@@ -7,9 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.modules import load_module
-
-from ..conftest import SMALL_CORPUS
+from tests.conftest import SMALL_CORPUS
+from tests.helpers.modules import load_on_small_corpus
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cache_warm.py"
 
@@ -17,14 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "cache_warm.py"
 def test_cache_warm_runs_and_writes_its_table(
     small_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    module = load_module(SCRIPT)
-    init = module.VLMDataModule.__init__
-
-    def small(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        kwargs["corpus"] = SMALL_CORPUS
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(module.VLMDataModule, "__init__", small)
+    module = load_on_small_corpus(SCRIPT, monkeypatch)
     out = tmp_path / "warm.json"
     report = module.main(["--data-dir", str(small_corpus), "--rounds", "2", "--workers", "1",
                           "--out", str(out)])  # fmt: skip

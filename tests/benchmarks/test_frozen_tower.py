@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.modules import load_module
-
-from ..conftest import SMALL_CORPUS
+from tests.helpers.modules import load_on_small_corpus
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "frozen_tower.py"
 
@@ -17,14 +15,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "frozen_tower.py"
 def test_frozen_tower_runs_side_by_side_and_writes_its_table(
     small_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    module = load_module(SCRIPT)
-    init = module.VLMDataModule.__init__
-
-    def small(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        kwargs["corpus"] = SMALL_CORPUS
-        init(self, *args, **kwargs)
-
-    monkeypatch.setattr(module.VLMDataModule, "__init__", small)
+    module = load_on_small_corpus(SCRIPT, monkeypatch)
     out = tmp_path / "frozen.json"
     report = module.main(["--data-dir", str(small_corpus), "--batches", "2", "--batch-size", "4",
                           "--epochs", "3", "--rounds", "1", "--out", str(out)])  # fmt: skip

@@ -7,9 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.modules import load_module
-
-from ..conftest import SMALL_CORPUS
+from tests.helpers.modules import load_on_small_corpus
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "monitor_overhead.py"
 
@@ -18,9 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "monitor_overhead.
 def test_monitor_overhead_runs_and_writes_its_table(
     small_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    module = load_module(SCRIPT)
-    # The benchmark builds the default corpus; point it at the small one.
-    monkeypatch.setattr(module.VLMDataModule, "__init__", _small(module.VLMDataModule.__init__))
+    module = load_on_small_corpus(SCRIPT, monkeypatch)  # not the default corpus
     out = tmp_path / "overhead.json"
     report = module.main([
         "--data-dir", str(small_corpus), "--repeats", "1", "--steps", "4", "--warmup", "3",
@@ -34,11 +30,3 @@ def test_monitor_overhead_runs_and_writes_its_table(
     assert report["speed_monitor_flop_counts"] >= 1
     cost = report["flop_count_cost"]
     assert cost["counted_step_ms"] > cost["plain_step_ms"] > 0
-
-
-def _small(init):  # type: ignore[no-untyped-def]
-    def patched(self, *args, **kwargs):  # type: ignore[no-untyped-def]
-        kwargs["corpus"] = SMALL_CORPUS
-        init(self, *args, **kwargs)
-
-    return patched
