@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -46,6 +47,10 @@ class SwapReport:
     _swaps: dict[str, _SwappedForward] = field(default_factory=dict, repr=False, compare=False)
     _decided: dict[str, dict[str, Any]] = field(default_factory=dict, repr=False, compare=False)
     """Decisions for modules not found yet (a resumed run's, for traced modules)."""
+    _auto_picks: dict[Hashable, tuple[str, float | None]] = field(
+        default_factory=dict, repr=False, compare=False
+    )
+    """``auto``'s pick (backend, speedup) for each kind of call: one timing per kind."""
 
     @property
     def swapped(self) -> list[str]:

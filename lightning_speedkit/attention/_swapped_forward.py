@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -60,6 +60,7 @@ class _SwappedForward:
         binding: Any,
         tolerance: float | None,
         measure: bool,
+        picks: dict[Hashable, tuple[str, float | None]] | None = None,
     ) -> None:
         self.module = module
         self.entry = entry
@@ -68,6 +69,7 @@ class _SwappedForward:
         self.tolerance = tolerance
         self.measure = measure
         self._attends: dict[str, Attend] = {}
+        self._picks = {} if picks is None else picks  # auto's, shared by a swap's modules
         first = "sdpa" if entry.requested == "auto" else entry.requested
         self.ctx = SwapContext(module, self.original, self._attend(first), binding)
         self.checked_forward = False
@@ -214,7 +216,7 @@ class _SwappedForward:
             self._revert(failure)
             return False
         if time_it and (len(passing) > 1 or self.measure):
-            backend, error_value, entry.speedup = pick_fastest(own, passing)
+            backend, error_value, entry.speedup = self._pick(own, passing, copies, grad)
         else:
             backend, error_value, _ = passing[0]
         attend = self._attend(backend)
@@ -224,6 +226,27 @@ class _SwappedForward:
         entry.checked = label
         entry.status = "active"
         return True
+
+    def _pick(
+        self, own: Run, passing: list[tuple[str, float, Run]], inputs: Inputs, grad: bool
+    ) -> tuple[str, float, float | None]:
+        """The fastest passing backend; ``auto`` times it once per kind of call.
+
+        Modules of one class called on inputs of one shape (a model's blocks) do the same
+        work: timing each anew would pick by noise, and blocks that differ only in their
+        backend compile to one graph each (dynamo guards on the backend), which soon runs
+        past dynamo's recompile limit and leaves the later blocks uncompiled.
+        """
+        if self.entry.requested != "auto":
+            return pick_fastest(own, passing)
+        kind = _call_kind(self.module, self.entry, inputs, grad)
+        known = self._picks.get(kind)
+        for backend, error_value, _ in passing:
+            if known is not None and backend == known[0]:
+                return backend, error_value, known[1]
+        backend, error_value, speedup = pick_fastest(own, passing)
+        self._picks[kind] = (backend, speedup)  # the later modules of its kind take it
+        return backend, error_value, speedup
 
     def _fails_in_training(
         self,
@@ -322,6 +345,13 @@ class _SwappedForward:
             f"AttentionSwap kept {self.entry.name or type(self.module).__name__!r}'s own "
             f"attention ({self.entry.family}): {reason}."
         )
+
+
+def _call_kind(module: nn.Module, entry: ModuleSwap, inputs: Inputs, grad: bool) -> Hashable:
+    """What makes two modules' calls the same work: class, family, input shapes and dtypes."""
+    shapes = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors(inputs))
+    cls = type(module)
+    return (cls.__module__, cls.__qualname__, entry.family, entry.detail, grad, shapes)
 
 
 def _keep_saved_tensors() -> Any:

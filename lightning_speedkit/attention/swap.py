@@ -22,7 +22,9 @@ How a swap works:
    forward ran) and the module's own output otherwise. Without a sample, each module is
    also checked at swap time on a small synthetic input of its own.
 3. ``backend="auto"`` times the candidate backends on those real inputs, with
-   backward, and keeps the fastest that passes.
+   backward, and keeps the fastest that passes: once per kind of call (module class
+   and input shapes), so a model's like blocks share one backend and, compiled, one
+   graph.
 4. Under ``torch.distributed``, :func:`agree_across_ranks` makes every rank run
    rank 0's decisions (AttentionSwap calls it after the first training batch).
 
@@ -183,7 +185,9 @@ def _swap_modules(
                     excluded.append(name)
                 break
             entry = ModuleSwap(name=name, family=adapter.family, requested=backend)
-            swap = _SwappedForward(module, entry, adapter, binding, tolerance, measure)
+            swap = _SwappedForward(
+                module, entry, adapter, binding, tolerance, measure, report._auto_picks
+            )
             replace_forward(module, swap)
             report.modules.append(entry)
             report._swaps[name] = swap
@@ -257,7 +261,9 @@ class _TracedSwaps:
         report, backend = self.report, self.backend
         entry = ModuleSwap(name=name, family="traced", requested=backend, detail=found.detail)
         binding = TracedAttention(found.detail)
-        swap = _SwappedForward(found.owner, entry, TRACED, binding, self.tolerance, self.measure)
+        swap = _SwappedForward(
+            found.owner, entry, TRACED, binding, self.tolerance, self.measure, report._auto_picks
+        )
         replace_forward(found.owner, swap)
         report.modules.append(entry)
         report._swaps[name] = swap

@@ -718,3 +718,58 @@ def test_an_averaged_model_of_a_swap_without_sample_swaps_its_copy_apart() -> No
     assert report.swapped == ["common.attention", "late.attention"]
     copied_entries = [s.entry for s in swapped_modules(averaged).values()]
     assert not any(e is c for e in report.modules for c in copied_entries)
+
+
+def test_auto_times_each_kind_of_call_once_and_its_modules_share_the_pick(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Timing noise once gave a model's 28 like blocks four different backends on a GPU;
+    # compiled, each backend is one more graph of the block, past dynamo's recompile limit.
+    from lightning_speedkit.attention import _swapped_forward
+
+    timed: list[str] = []
+
+    def fake_pick(own: Any, passing: Any, **_: Any) -> tuple[str, float, float]:
+        backend, error, _run = passing[len(timed) % len(passing)]  # differs on every call
+        timed.append(backend)
+        return backend, error, 1.5 + len(timed)
+
+    monkeypatch.setattr(_swapped_forward, "pick_fastest", fake_pick)
+    model = _vlm()  # two vision and two decoder blocks
+    report = swap_attention(model, "auto", sample=_vlm_inputs())
+    by_class: dict[str, set[tuple[str | None, float | None]]] = {}
+    for m in report.modules:
+        owner = type(model.get_submodule(m.name)).__name__
+        by_class.setdefault(owner, set()).add((m.backend, m.speedup))
+    assert len(report.modules) == 4
+    assert len(timed) == len(by_class) == 2  # once per attention class, not once per module
+    assert all(len(picks) == 1 for picks in by_class.values()), by_class
+
+
+def test_auto_times_a_module_again_when_the_shared_pick_fails_its_parity(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from lightning_speedkit.attention import _swapped_forward
+
+    model = _vlm()
+    calls: list[list[str]] = []
+    real = _swapped_forward.pick_fastest
+
+    def spy(own: Any, passing: Any, **kw: Any) -> Any:
+        calls.append([backend for backend, _, _ in passing])
+        return real(own, passing, **kw)
+
+    monkeypatch.setattr(_swapped_forward, "pick_fastest", spy)
+    report = swap_attention(model, "auto", sample=_vlm_inputs())
+    kinds = dict(report._auto_picks)
+    assert len(kinds) == 2
+    assert len(calls) == 2
+    # A pick no later module of its kind can run: the next such module is timed anew.
+    for kind in kinds:
+        report._auto_picks[kind] = ("no-such-backend", None)
+    for swap in report._swaps.values():
+        swap.checked_forward = swap.checked_backward = False
+    images, ids = _vlm_inputs()
+    model(images, ids)
+    assert len(calls) == 4  # one new timing per kind; its later modules take that
+    assert {b for b, _ in report._auto_picks.values()} != {"no-such-backend"}

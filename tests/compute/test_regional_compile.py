@@ -583,3 +583,38 @@ def test_the_shape_warning_quotes_the_size_guard() -> None:
     assert len(ours) == 1
     assert "batch shapes keep changing" in ours[0]
     assert "size mismatch at index 1. expected 4, actual 5" in ours[0]
+
+
+# --- with the attention swap's ``auto`` ------------------------------------------------------
+
+
+def test_auto_swapped_blocks_of_one_class_compile_to_one_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # On an H200 `auto`'s per-module timing gave the VLM's 28 blocks four backends; each
+    # was one more graph of the block's forward, and past dynamo's limit of 8 the rest
+    # ran uncompiled. Here the timing is rigged to differ on every call.
+    from lightning_speedkit import swap_attention
+    from lightning_speedkit.attention import _swapped_forward
+    from speedkit_examples.vlm import VLM, VLMConfig
+
+    timed: list[str] = []
+
+    def fake_pick(own: Any, passing: Any, **_: Any) -> tuple[str, float, float]:
+        backend, error, _run = passing[len(timed) % len(passing)]
+        timed.append(backend)
+        return backend, error, 2.0
+
+    monkeypatch.setattr(_swapped_forward, "pick_fastest", fake_pick)
+    torch.manual_seed(0)
+    model = VLM(VLMConfig.preset("tiny", vocab_size=35))
+    images, ids = torch.randn(2, 3, 32, 32), torch.randint(0, 35, (2, 12))
+    swap_attention(model, "auto")
+    model(images, ids).sum().backward()  # each swapped module's check, eagerly
+    compile_blocks(model, backend="eager")
+    watch = CompileWatch().install()
+    model(images, ids).sum().backward()
+    model(images, ids).sum().backward()
+    watch.remove()
+    assert (watch.graphs, watch.recompiles) == (2, 0)  # one per block class
+    assert len(timed) == 2  # auto timed once per attention class
