@@ -208,6 +208,8 @@ class SpeedMonitor(L.Callback):
     ) -> None:
         self._counts.drop()  # the previous batch's, if its end hook never ran
         self._batches += 1
+        if self._batches == 1:  # this fit's peak: not an earlier fit's, nor a tuner's trials
+            _reset_memory_peak(self._device)
         self._info = info = self._describe(batch)
         self._counts.step_start(info)
         self._clock.batch_start()
@@ -349,6 +351,11 @@ def _compute_dtype(precision: str) -> torch.dtype:
     if precision.startswith("64"):
         return torch.float64
     return torch.float32
+
+
+def _reset_memory_peak(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # allocator counter: no sync
 
 
 def _memory_peak_gib(device: torch.device) -> float:
