@@ -208,8 +208,7 @@ class SpeedMonitor(L.Callback):
     ) -> None:
         self._counts.drop()  # the previous batch's, if its end hook never ran
         self._batches += 1
-        if self._batches == 1:  # this fit's peak: not an earlier fit's, nor a tuner's trials
-            _reset_memory_peak(self._device)
+        _reset_memory_peak(self._device, self._batches)
         self._info = info = self._describe(batch)
         self._counts.step_start(info)
         self._clock.batch_start()
@@ -353,8 +352,9 @@ def _compute_dtype(precision: str) -> torch.dtype:
     return torch.float32
 
 
-def _reset_memory_peak(device: torch.device) -> None:
-    if device.type == "cuda":
+def _reset_memory_peak(device: torch.device, batch: int) -> None:
+    """At the fit's first batch: its peak is not an earlier fit's, nor a tuner's trials."""
+    if batch == 1 and device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)  # allocator counter: no sync
 
 

@@ -490,8 +490,9 @@ def test_the_cuda_memory_peak_is_this_fits_own(monkeypatch: pytest.MonkeyPatch) 
     # Three fits in one process on an H200 all reported the first one's peak, 15.19 GiB.
     resets: list[torch.device] = []
     monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", resets.append)
-    sm._reset_memory_peak(torch.device("cuda", 1))
-    sm._reset_memory_peak(torch.device("cpu"))
+    for batch in (1, 2, 3):
+        sm._reset_memory_peak(torch.device("cuda", 1), batch)
+    sm._reset_memory_peak(torch.device("cpu"), 1)
     assert resets == [torch.device("cuda", 1)]
 
 
