@@ -1,18 +1,19 @@
 """The records of ``bash benchmarks/gpu_suite.sh quick``: the device, the tests, the summary.
 
 The quick stage runs each of its parts under ``timeout`` and calls this script after
-each part (and after each test file), so that whatever a time limit cuts off, what had
+each part (and after its tests), so that whatever a time limit cuts off, what had
 finished is on disk as JSON:
 
     python benchmarks/quick_record.py device RESULTS  # quick_device.json: torch's view
-    python benchmarks/quick_record.py tests RESULTS   # quick_tests.json, from quick_tests.tsv
+    python benchmarks/quick_record.py tests RESULTS   # quick_tests.json, from pytest's JUnit
+                                                      # XML, or its -v lines if cut off
     python benchmarks/quick_record.py summary RESULTS --setting STEPS=80 ...
                                                       # quick_summary.json, from quick_parts.tsv
 
-The shell writes one tab-separated line per test file (file, exit status, seconds,
-limit, JUnit XML path relative to RESULTS) and per part (name, exit status, seconds,
-limit, result files separated by commas); an empty exit status means it did not run,
-for want of time. Only ``device`` imports torch.
+The shell writes one tab-separated line per part (name, exit status, seconds, limit,
+result files separated by commas; an empty exit status means it did not run, for want
+of time) and one for the tests' pytest run when it ends (exit status, seconds). Only
+``device`` imports torch.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 import xml.etree.ElementTree as ET
 from datetime import datetime, timezone
@@ -36,7 +38,7 @@ PACKAGES = ("lightning", "torchmetrics", "transformers", "timm", "triton", "flas
 
 
 _COUNTS = ("tests", "passed", "failed", "errors", "skipped")
-"""What a test file's record counts, from its JUnit XML (None where pytest wrote none)."""
+"""What a test file's record counts."""
 
 
 _OUTCOMES = (("failure", "failed"), ("error", "errors"), ("skipped", "skipped"))
@@ -105,54 +107,95 @@ def device_record() -> dict[str, Any]:
     }
 
 
-def _junit(path: Path) -> dict[str, Any] | None:
-    """Counts and the failing tests of one JUnit XML file; None if pytest wrote none."""
+def _junit_cases(path: Path) -> list[dict[str, str]] | None:
+    """Each test case of a JUnit XML file; None if pytest wrote none (it was cut off)."""
     if not path.exists():
         return None
     try:
         root = ET.parse(path).getroot()
     except ET.ParseError:
         return None
-    counts = dict.fromkeys(_COUNTS, 0)
-    problems = []
+    cases = []
     for case in root.iter("testcase"):
-        counts["tests"] += 1
         outcome = next((kind for tag, kind in _OUTCOMES if case.find(tag) is not None), "passed")
-        counts[outcome] += 1
-        if outcome in ("failed", "errors"):
-            detail = case.find("failure" if outcome == "failed" else "error")
-            message = (detail.get("message") or "") if detail is not None else ""
-            problems.append({
-                "test": "::".join(n for n in (case.get("classname"), case.get("name")) if n),
-                "outcome": outcome,
-                "message": message.splitlines()[0][:300] if message else "",
-            })  # fmt: skip
-    return {**counts, "problems": problems}
+        detail = case.find({"failed": "failure", "errors": "error"}.get(outcome, "-"))
+        message = (detail.get("message") or "") if detail is not None else ""
+        cases.append({
+            "module": _dotted(case.get("classname") or ""),
+            "test": "::".join(n for n in (case.get("classname"), case.get("name")) if n),
+            "outcome": outcome,
+            "message": message.splitlines()[0][:300] if message else "",
+        })  # fmt: skip
+    return cases
+
+
+def _dotted(path: str) -> str:
+    """A test module's path as dots, ``..`` and ``.py`` left out: JUnit's classname form."""
+    path = path[:-3] if path.endswith(".py") else path
+    return ".".join(part for part in re.split(r"[/\\.]", path) if part)
+
+
+def _same_module(a: str, b: str) -> bool:
+    """One module named two ways (relative to another directory, or absolute)."""
+    return a == b or a.endswith("." + b) or b.endswith("." + a)
+
+
+_LOGGED = re.compile(r"^(\S+?\.py)::(\S+) (PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+_LOGGED_OUTCOME = {"PASSED": "passed", "XPASS": "passed", "FAILED": "failed",
+                   "ERROR": "errors", "SKIPPED": "skipped", "XFAIL": "skipped"}  # fmt: skip
+
+
+def _logged_cases(path: Path) -> list[dict[str, str]]:
+    """Each test pytest -v reported as it ended (a run cut off before its JUnit XML)."""
+    if not path.exists():
+        return []
+    cases = []
+    for line in path.read_text(errors="replace").splitlines():
+        found = _LOGGED.match(line)
+        if found:
+            file, name, word = found.groups()
+            cases.append({"module": _dotted(file), "test": f"{file}::{name}",
+                          "outcome": _LOGGED_OUTCOME[word], "message": ""})  # fmt: skip
+    return cases
 
 
 def pytest_record(results: Path) -> dict[str, Any]:
-    """Each test file run so far (``quick_tests.tsv``), with its JUnit counts."""
+    """The tests part's one pytest run: each file's counts and failures, what was cut off.
+
+    From the JUnit XML when pytest finished, else from its ``-v`` lines so far; the
+    files it was given (``quick_tests_files.txt``) with no test reported are listed as
+    not reached. ``quick_tests.tsv`` (exit status, seconds) exists once pytest ended.
+    """
+    cases = _junit_cases(results / "quick_tests.xml")
+    complete = cases is not None
+    if cases is None:
+        cases = _logged_cases(results / "quick_tests_progress.log")
+    listed = results / "quick_tests_files.txt"
+    names = listed.read_text().split() if listed.exists() else []
+    unlisted = {c["module"] for c in cases if not any(
+        _same_module(c["module"], _dotted(n)) for n in names)}  # fmt: skip
+    names += sorted(unlisted)  # a test pytest ran from elsewhere (a conftest's import)
     files = []
-    for file, exit_text, seconds, limit, junit in _rows(results / "quick_tests.tsv"):
-        status = _status(exit_text)
-        counts = _junit(results / junit) if junit else None
-        files.append({
-            "file": file,
-            "exit": status,
-            "seconds": int(seconds) if seconds else None,
-            "limit_s": int(limit) if limit else None,
-            "timed_out": status in TIMED_OUT,
-            "ran": status is not None,
-            **(counts or {**dict.fromkeys(_COUNTS), "problems": []}),
-        })  # fmt: skip
-    totals = {key: sum(f[key] or 0 for f in files) for key in _COUNTS}
+    for name in names:
+        own = [c for c in cases if _same_module(c["module"], _dotted(name))]
+        counts = dict.fromkeys(_COUNTS, 0)
+        for case in own:
+            counts["tests"] += 1
+            counts[case["outcome"]] += 1
+        problems = [{k: c[k] for k in ("test", "outcome", "message")}
+                    for c in own if c["outcome"] in ("failed", "errors")]  # fmt: skip
+        files.append({"file": name, "ran": bool(own), **counts, "problems": problems})
+    (ended,) = _rows(results / "quick_tests.tsv") or [["", ""]]
+    status = _status(ended[0])
     return {
         "date": _now(),
+        "exit": status,
+        "seconds": int(ended[1]) if ended[1] else None,
+        "complete": complete,
         "files": files,
         "totals": {
-            **totals,
-            "files_timed_out": sum(f["timed_out"] for f in files),
-            "files_not_run": sum(not f["ran"] for f in files),
+            **{key: sum(f[key] for f in files) for key in _COUNTS},
+            "files_not_reached": sum(not f["ran"] for f in files),
         },
     }
 

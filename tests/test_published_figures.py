@@ -87,3 +87,31 @@ def test_data_page_quotes_the_published_range() -> None:
     assert found is not None
     ratios = _speedups()
     assert (float(found[1]), float(found[2])) == (round(min(ratios), 2), round(max(ratios), 2))
+
+
+H200 = REPO / "benchmarks" / "results" / "gpu_suite" / "2026-11-28_h200"
+
+
+def _section(title: str) -> str:
+    text = (REPO / "docs" / "benchmarks.md").read_text()
+    start = text.index(f"## {title}")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def test_the_h200_hand_tuned_table_is_its_record() -> None:
+    section = _section("The GPU check on an H200 (2026-11-28)")
+    runs = json.loads((H200 / "quick_hand_tuned_cuda.json").read_text())["rounds"][0]
+    speeds = [runs[name]["samples_per_sec"] for name in ("plain", "kit", "hand")]
+    row = next(line for line in section.splitlines() if line.startswith("| samples/s |"))
+    cells = [cell.split("(")[0].strip() for cell in row.split("|")[2:5]]
+    assert cells == [f"{v:.1f}" for v in speeds]
+    assert f"({speeds[1] / speeds[0]:.2f}x)" in row.replace("**", "")
+    assert f"**{speeds[1] / speeds[2]:.2f}x**" in section
+    mfu = next(line for line in section.splitlines() if line.startswith("| MFU |"))
+    assert re.findall(r"\d+\.\d%", mfu) == [f"{100 * runs[n]['mfu']:.1f}%"
+                                           for n in ("plain", "kit", "hand")]  # fmt: skip
+    after = json.loads((H200 / "hand_tuned_cuda_plain_kit_after_fix.json").read_text())
+    plain, kit = (after["rounds"][0][n]["samples_per_sec"] for n in ("plain", "kit"))
+    assert f"plain {plain:.1f}, kit {kit:.1f} samples/s (**{kit / plain:.2f}x**)" in " ".join(
+        section.split()
+    )
