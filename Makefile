@@ -37,8 +37,10 @@ docs: venv
 	$(BIN)/mkdocs build --strict --quiet --site-dir $(VENV)/site
 
 # Two test processes, a test file each at a time (tests in a file share fixtures and
-# some time against each other); PYTEST_WORKERS= runs them in this process.
-PYTEST_WORKERS ?= -n 2 --dist loadfile
+# some time against each other); PYTEST_WORKERS= runs them in this process. A worker
+# that dies fails the run at once (-v names the file it had): xdist's replacement
+# worker once left the run waiting until CI's limit.
+PYTEST_WORKERS ?= -n 2 --dist loadfile --max-worker-restart=0
 # The slowest tests are listed at the end of every run: the suite has a 20-minute budget.
 PYTEST_DURATIONS ?= --durations=20
 
