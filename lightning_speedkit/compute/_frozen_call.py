@@ -10,7 +10,7 @@ stored sample runs as it came, so the first epoch is the plain run's, bit for bi
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,18 +27,26 @@ from lightning_speedkit.compute._frozen_modules import (
 )
 from lightning_speedkit.compute._frozen_store import FeatureStore
 
-__all__ = ["CachedModule", "Scope"]
+__all__ = ["CachedModule", "Scope", "same_tensor"]
 
 
 @dataclass
 class Scope:
-    """What every cached module of one cache shares: the store, the step's keys, settings."""
+    """What every cached module of one cache shares: the store, the step's keys, settings.
+
+    ``fields`` are the step's batch tensors by field (a dict batch's key, a list batch's
+    position); ``stand_ins`` the rows whose inputs the loader left out (:mod:`._frozen_skip`)
+    and ``refetch(keys, field)`` what reads their real inputs again.
+    """
 
     store: FeatureStore
     dtype: torch.dtype | None
     verify: bool
     keys: Sequence[Hashable] | None = None
     warned: set[str] = field(default_factory=set)
+    fields: dict[Hashable, torch.Tensor] = field(default_factory=dict)
+    stand_ins: Sequence[int] = ()
+    refetch: Callable[[Sequence[Hashable], Hashable], Any] | None = None
 
     def warn_once(self, message: str) -> None:
         if message not in self.warned:
@@ -55,6 +63,7 @@ class ModuleCounts:
     stored: int = 0
     not_stored: int = 0
     plain_calls: int = 0
+    refetched: int = 0
     verified: bool = False
     stood_down: str | None = None
 
@@ -73,6 +82,9 @@ class CachedModule:
             None
         )
         self.original = module.forward
+        self.field: Hashable | None = None  # the batch field its input is, as the batch has it
+        self.ready: set[Hashable] = set()  # keys stored under the current weights
+        self.drops = 0  # times its stored features were dropped (weights changed, stood down)
 
     def attach(self) -> None:
         self.original = self.module.forward
@@ -87,49 +99,93 @@ class CachedModule:
         """Stop serving for good: forget the stored features and say why, once."""
         self.counts.stood_down = reason
         self.scope.store.drop(where=self.name)
+        self.ready.clear()
+        self.drops += 1
         self.scope.warn_once(f"FrozenFeatureCache stopped serving `{self.name}`: {reason}.")
 
     # -- the call -----------------------------------------------------------------------
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         keys = self.scope.keys
-        if keys is None or self.counts.stood_down is not None:
+        if keys is None:
             return self.original(*args, **kwargs)
+        if self.counts.stood_down is not None:
+            return self._run(args, kwargs)
         self.calls += 1
         if self.calls > 1:
             self.stand_down(
                 "it ran more than once in one step, so its calls cannot be told "
                 "apart by sample; cache a module that runs once per batch"
             )
-            return self.original(*args, **kwargs)
+            return self._run(args, kwargs)
+        self.field = self._batch_field(args, kwargs)
         signature, why = self._signature(args, kwargs, len(keys))
         why = why or why_not_now(self.name, self.module, self._chance) or self._trainable()
         if why is not None:
             self.counts.plain_calls += 1
             self.scope.warn_once(f"FrozenFeatureCache runs `{self.name}` without the store: {why}.")
-            return self.original(*args, **kwargs)
+            return self._run(args, kwargs)
         base = (self.name, self._weights_fingerprint(), signature)
         found = [self.scope.store.get((*base, key)) for key in keys]
         hit = [i for i, entry in enumerate(found) if entry is not None]
         miss = [i for i, entry in enumerate(found) if entry is None]
         if not hit or (self.scope.verify and not self.counts.verified):
-            out = self.original(*args, **kwargs)  # as the plain run computes it
+            out = self._run(args, kwargs)  # as the plain run computes it
             leaves = self._leaves(out, len(keys))
             if leaves is not None and (not hit or self._check(leaves, found, hit)):
                 self._keep(leaves, base, [keys[i] for i in miss], miss)
             return out
         computed = None
         if miss:
-            computed = self.original(
-                *_rows(args, miss, len(keys)), **_rows(kwargs, miss, len(keys))
-            )
+            computed = self._run(args, kwargs, miss)
             leaves = self._leaves(computed, len(miss))
             if leaves is None:
-                return self.original(*args, **kwargs)
+                return self._run(args, kwargs)
             self._keep(leaves, base, [keys[i] for i in miss], list(range(len(miss))))
             computed = leaves[0]
         self.counts.hits += len(hit)
         return self._assemble(found, hit, miss, computed, len(keys))
+
+    def _run(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], rows: list[int] | None = None
+    ) -> Any:
+        """The module's own forward on ``rows`` of the batch (all when None), with the real
+        inputs of any stand-in row among them read again first."""
+        keys, stand = self.scope.keys, self.scope.stand_ins
+        if keys is not None and stand and (rows is None or set(rows) & set(stand)):
+            args, kwargs = self._real_inputs(args, kwargs, keys)
+        if rows is not None and keys is not None:
+            args, kwargs = _rows(args, rows, len(keys)), _rows(kwargs, rows, len(keys))
+        return self.original(*args, **kwargs)
+
+    def _batch_field(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable | None:
+        """Which batch field this call's input is, as the batch carries it (or None)."""
+        given = [*args, *kwargs.values()]
+        for name, tensor in self.scope.fields.items():
+            if any(same_tensor(value, tensor) for value in given):
+                return name
+        return None
+
+    def _real_inputs(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], keys: Sequence[Hashable]
+    ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``args`` and ``kwargs`` with the stand-in rows of the batch field filled in."""
+        stand = list(self.scope.stand_ins)
+        tensor = self.scope.fields.get(self.field) if self.field is not None else None
+        if tensor is None or self.scope.refetch is None:
+            raise RuntimeError(
+                f"FrozenFeatureCache: `{self.name}` must run on rows whose inputs the loader "
+                f"left out, and its input is not a batch field it can read again"
+            )
+        real = self.scope.refetch([keys[i] for i in stand], self.field)
+        whole = tensor.clone()
+        whole[torch.tensor(stand, device=whole.device)] = real.to(whole.device, whole.dtype)
+        self.counts.refetched += len(stand)
+
+        def swap(value: Any) -> Any:
+            return whole if value is tensor or same_tensor(value, tensor) else value
+
+        return tuple(swap(v) for v in args), {k: swap(v) for k, v in kwargs.items()}
 
     def _trainable(self) -> str | None:
         if any(p.requires_grad for p in self.module.parameters()):
@@ -145,6 +201,8 @@ class CachedModule:
             fresh = fingerprint(self.module)
             if fresh != self._fingerprint and self._fingerprint:
                 self.scope.store.drop(where=self.name)  # features of weights gone by
+                self.ready.clear()
+                self.drops += 1
             self._stamp, self._fingerprint = stamp, fresh
         return self._fingerprint
 
@@ -209,6 +267,7 @@ class CachedModule:
         for row, key in zip(rows, keys, strict=True):
             if self.scope.store.put((*base, key), tuple(t[row].clone() for t in host)):
                 self.counts.stored += 1
+                self.ready.add(key)
             else:
                 self.counts.not_stored += 1
 
@@ -257,6 +316,21 @@ class CachedModule:
         for slot, leaf in zip(slots, leaves, strict=True):
             full[slot] = leaf
         return spec.unflatten(full)
+
+
+def same_tensor(value: Any, field: torch.Tensor) -> bool:
+    """Whether ``value`` is the batch tensor ``field`` (the object, or a view of all of it)."""
+    if value is field:
+        return True
+    return (
+        isinstance(value, torch.Tensor)
+        and value.device == field.device
+        and value.dtype == field.dtype
+        and value.shape == field.shape
+        and value.stride() == field.stride()
+        and value.numel() > 0
+        and value.data_ptr() == field.data_ptr()
+    )
 
 
 def _rows(values: Any, rows: list[int], total: int) -> Any:

@@ -8,25 +8,26 @@ samples the current batch holds, and the modules serve those already stored.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Hashable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
 from lightning_speedkit import _compat, _validation
-from lightning_speedkit.compute._frozen_call import CachedModule, ModuleCounts, Scope
+from lightning_speedkit.compute._frozen_call import CachedModule, ModuleCounts, Scope, same_tensor
 from lightning_speedkit.compute._frozen_modules import (
     choose_modules,
     frozen_candidates,
     topmost,
     why_not_cacheable,
 )
+from lightning_speedkit.compute._frozen_skip import SkipPlan
 from lightning_speedkit.compute._frozen_store import FeatureStore, budget_bytes
 
 __all__ = ["FrozenFeatures", "cache_frozen_features", "refuse_directory"]
 
-_COUNTERS = ("hits", "misses", "stored", "not_stored", "plain_calls")
+_COUNTERS = ("hits", "misses", "stored", "not_stored", "plain_calls", "refetched")
 
 
 class FrozenFeatures:
@@ -44,6 +45,10 @@ class FrozenFeatures:
         self._found: set[str] = set()
         self._probes: list[Any] = []
         self._loaded: dict[str, Any] = {}  # counters of modules "auto" has not found yet
+        self._plan: SkipPlan | None = None  # the loader's: which samples come without inputs
+        self._primed = False  # the plan holds every sample ready before it was given
+        self._drops = 0  # the modules' drops of stored features the plan has taken in
+        self.skipped = 0  # rows that came with their cached inputs left out
         if not self._auto:
             for name, module in choose_modules(model, modules):
                 why = why_not_cacheable(name, module)
@@ -71,13 +76,27 @@ class FrozenFeatures:
 
     # -- the step ------------------------------------------------------------------------------
 
-    def start_step(self, keys: Sequence[Hashable], batch: Any = None) -> None:
+    def use_loader(
+        self, plan: SkipPlan | None, refetch: Callable[[Sequence[Hashable], Hashable], Any] | None
+    ) -> None:
+        """The loader's plan of which samples come without the cached modules' inputs
+        (:mod:`._frozen_skip`), and what reads a left-out input again; None: no plan."""
+        self._plan, self._scope.refetch, self._primed = plan, refetch, False
+
+    def start_step(
+        self, keys: Sequence[Hashable], batch: Any = None, stand_ins: Sequence[int] = ()
+    ) -> None:
         """The batch about to run holds the samples ``keys`` (one per row, in order).
 
-        With ``modules="auto"`` and nothing found yet, ``batch`` is watched: the frozen
-        submodules called with one of its tensors are cached at :meth:`end_step`.
+        ``stand_ins`` are the rows whose cached inputs the loader left out (a module never
+        runs on them: their real inputs are read again first). With ``modules="auto"`` and
+        nothing found yet, ``batch`` is watched: the frozen submodules called with one of
+        its tensors are cached at :meth:`end_step`.
         """
         self._scope.keys = list(keys)
+        self._scope.stand_ins = list(stand_ins)
+        self._scope.fields = _fields(batch)
+        self.skipped += len(stand_ins)
         for cached in self.cached.values():
             cached.calls = 0
         if self._auto and not self.cached and not self._probes and batch is not None:
@@ -85,12 +104,41 @@ class FrozenFeatures:
 
     def end_step(self) -> None:
         """The batch has run: calls without keys run the modules as they are."""
-        self._scope.keys = None
+        keys = self._scope.keys
+        self._scope.keys, self._scope.fields, self._scope.stand_ins = None, {}, ()
         if self._probes:
             for handle in self._probes:
                 handle.remove()
             self._probes = []
             self._choose_found()
+        if self._plan is not None and keys:
+            self._plan_ready(keys)
+
+    def _plan_ready(self, keys: Sequence[Hashable]) -> None:
+        """Tell the loader which samples may now come without the cached modules' inputs:
+        those every module has stored (and checked), when each module's input is a field."""
+        plan, cached = self._plan, list(self.cached.values())
+        assert plan is not None
+        drops = sum(c.drops for c in cached)
+        if drops != self._drops:  # features dropped: those samples need their inputs again
+            self._drops, self._primed = drops, False
+            plan.clear()
+        usable = bool(cached) and all(
+            c.field is not None
+            and c.counts.stood_down is None
+            and (c.counts.verified or not self._scope.verify)
+            for c in cached
+        )
+        if not usable:
+            if plan.ready_count():
+                plan.clear()
+            self._primed = False
+            return
+        if not self._primed:  # newly usable (checked, or a new loader): all stored so far
+            self._primed = plan.set_fields({str(c.field) for c in cached})
+            keys = list(set.intersection(*(c.ready for c in cached)))
+        ready = [k for k in keys if all(k in c.ready for c in cached)]
+        plan.mark([int(k) for k in ready if isinstance(k, int)])
 
     @contextlib.contextmanager
     def keys(self, batch_keys: Sequence[Hashable], batch: Any = None) -> Iterator[None]:
@@ -122,7 +170,7 @@ class FrozenFeatures:
         def probe(name: str) -> Any:
             def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
                 given = [*args, *kwargs.values()]
-                if any(_same(value, field) for value in given for field in fields):
+                if any(same_tensor(value, field) for value in given for field in fields):
                     self._found.add(name)
 
             return hook
@@ -153,6 +201,7 @@ class FrozenFeatures:
         per = {name: cached.counts for name, cached in self.cached.items()}
         totals: dict[str, Any] = {k: sum(getattr(c, k) for c in per.values()) for k in _COUNTERS}
         totals["store_bytes"] = self.store.bytes
+        totals["inputs_skipped"] = self.skipped
         totals["stood_down"] = {n: c.stood_down for n, c in per.items() if c.stood_down}
         return totals
 
@@ -179,19 +228,13 @@ class FrozenFeatures:
                 cached.attach()
 
 
-def _same(value: Any, field: torch.Tensor) -> bool:
-    """Whether ``value`` is the batch tensor ``field`` (the object, or a view of all of it)."""
-    if value is field:
-        return True
-    return (
-        isinstance(value, torch.Tensor)
-        and value.device == field.device
-        and value.dtype == field.dtype
-        and value.shape == field.shape
-        and value.stride() == field.stride()
-        and value.numel() > 0
-        and value.data_ptr() == field.data_ptr()
-    )
+def _fields(batch: Any) -> dict[Hashable, torch.Tensor]:
+    """A batch's tensors by field: a dict's keys, a list's or tuple's positions."""
+    if isinstance(batch, Mapping):
+        return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    if isinstance(batch, (list, tuple)):
+        return {i: v for i, v in enumerate(batch) if isinstance(v, torch.Tensor)}
+    return {}
 
 
 def refuse_directory(directory: Any) -> None:

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from lightning_speedkit import _compat, _validation
+from lightning_speedkit.compute._frozen_skip import SkipPlan
 from lightning_speedkit.data.rebuild import _batching
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "IndexedDataset",
     "SampleIndex",
     "batch_keys",
+    "batch_rows",
     "with_sample_index",
 ]
 
@@ -37,29 +39,36 @@ INDEX_FIELD = "speedkit_index"
 
 
 class SampleIndex:
-    """The dataset indices of a batch's samples: a plain object, so that moving the batch to
-    a device, pinning it or measuring its size leaves it alone."""
+    """The dataset indices of a batch's samples, and the rows whose cached inputs are
+    stand-ins (:mod:`._frozen_skip`): a plain object, so that moving the batch to a device,
+    pinning it or measuring its size leaves it alone."""
 
-    __slots__ = ("indices",)
+    __slots__ = ("indices", "stand_ins")
 
-    def __init__(self, indices: list[int]) -> None:
+    def __init__(self, indices: list[int], stand_ins: list[int] | None = None) -> None:
         self.indices = indices
+        self.stand_ins = stand_ins or []
 
     def __repr__(self) -> str:
-        return f"SampleIndex({self.indices})"
+        return f"SampleIndex({self.indices}, stand_ins={self.stand_ins})"
 
 
 class IndexedDataset(Dataset[Any]):
-    """``dataset`` whose items come as ``(index, item)``."""
+    """``dataset`` whose items come as ``(index, item, stand-in)``: with a ``plan``, a
+    ready sample is built without the fields it names (``speedkit_getitem``)."""
 
-    def __init__(self, dataset: Dataset[Any]) -> None:
+    def __init__(self, dataset: Dataset[Any], plan: SkipPlan | None = None) -> None:
         self.dataset = dataset
+        self.plan = plan
 
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int) -> tuple[int, Any]:
-        return int(index), self.dataset[index]
+    def __getitem__(self, index: int) -> tuple[int, Any, bool]:
+        without = self.plan.without(int(index)) if self.plan is not None else frozenset()
+        if without:
+            return int(index), self.dataset.speedkit_getitem(index, without), True  # type: ignore[attr-defined]
+        return int(index), self.dataset[index], False
 
     def __getattr__(self, name: str) -> Any:  # the user's dataset's own attributes
         if name == "dataset":
@@ -73,9 +82,11 @@ class IndexedCollate:
     def __init__(self, collate_fn: Callable[[list[Any]], Any] | None) -> None:
         self.collate_fn = collate_fn or default_collate
 
-    def __call__(self, pairs: list[tuple[int, Any]]) -> Any:
-        batch = self.collate_fn([item for _, item in pairs])
-        index = SampleIndex([i for i, item in pairs if item is not None])
+    def __call__(self, triples: list[tuple[Any, ...]]) -> Any:
+        batch = self.collate_fn([t[1] for t in triples])
+        kept = [t for t in triples if t[1] is not None]  # what the user's collate keeps
+        stand_ins = [row for row, t in enumerate(kept) if len(t) > 2 and t[2]]
+        index = SampleIndex([t[0] for t in kept], stand_ins)
         if isinstance(batch, MutableMapping):
             batch[INDEX_FIELD] = index
             return batch
@@ -90,8 +101,9 @@ class IndexedCollate:
         )
 
 
-def with_sample_index(loader: DataLoader[Any]) -> DataLoader[Any]:
-    """``loader`` built again with its samples' dataset indices carried in each batch."""
+def with_sample_index(loader: DataLoader[Any], plan: SkipPlan | None = None) -> DataLoader[Any]:
+    """``loader`` built again with its samples' dataset indices carried in each batch (and,
+    with a ``plan``, ready samples built without the fields it names)."""
     if isinstance(loader.dataset, IterableDataset):
         _validation.fail(
             "key",
@@ -102,7 +114,7 @@ def with_sample_index(loader: DataLoader[Any]) -> DataLoader[Any]:
     if isinstance(loader.collate_fn, IndexedCollate):
         return loader  # carries them already
     changes: dict[str, Any] = {
-        "dataset": IndexedDataset(loader.dataset),
+        "dataset": IndexedDataset(loader.dataset, plan),
         "collate_fn": IndexedCollate(loader.collate_fn),
     }
     if type(loader) is not DataLoader:
@@ -128,21 +140,30 @@ def with_sample_index(loader: DataLoader[Any]) -> DataLoader[Any]:
 
 
 def batch_keys(batch: Any, key: str) -> list[Hashable]:
-    """The samples ``batch`` holds, by ``key``; the index field taken out of the batch.
+    """The samples ``batch`` holds, by ``key`` (see :func:`batch_rows`)."""
+    return batch_rows(batch, key)[0]
+
+
+def batch_rows(batch: Any, key: str) -> tuple[list[Hashable], list[int]]:
+    """The samples ``batch`` holds, by ``key``, and its rows whose cached inputs are
+    stand-ins; the index field taken out of the batch.
 
     Example::
 
-        >>> batch = {"x": torch.zeros(2), INDEX_FIELD: SampleIndex([7, 3])}
-        >>> batch_keys(batch, "index"), sorted(batch)
-        ([7, 3], ['x'])
-        >>> batch_keys({"id": torch.tensor([5, 6])}, "id")
-        [5, 6]
+        >>> batch = {"x": torch.zeros(2), INDEX_FIELD: SampleIndex([7, 3], stand_ins=[1])}
+        >>> batch_rows(batch, "index"), sorted(batch)
+        (([7, 3], [1]), ['x'])
+        >>> batch_rows({"id": torch.tensor([5, 6])}, "id")
+        ([5, 6], [])
     """
     if key == "index":
+        index = None
         if isinstance(batch, Mapping) and isinstance(batch.get(INDEX_FIELD), SampleIndex):
-            return list(batch.pop(INDEX_FIELD).indices)  # type: ignore[attr-defined]
-        if isinstance(batch, list) and batch and isinstance(batch[-1], SampleIndex):
-            return list(batch.pop().indices)
+            index = batch.pop(INDEX_FIELD)  # type: ignore[attr-defined]
+        elif isinstance(batch, list) and batch and isinstance(batch[-1], SampleIndex):
+            index = batch.pop()
+        if index is not None:
+            return list(index.indices), list(index.stand_ins)
         _validation.fail(
             "key",
             key,
@@ -169,5 +190,5 @@ def batch_keys(batch: Any, key: str) -> list[Hashable]:
     value = batch[key]
     if isinstance(value, torch.Tensor):
         # SYNC: a field on an accelerator is read to the host; keep ids in a list to avoid it.
-        return list(value.tolist())
-    return list(value)
+        return list(value.tolist()), []
+    return list(value), []

@@ -20,7 +20,12 @@ from lightning_speedkit.compute._frozen_core import (
     cache_frozen_features,
     refuse_directory,
 )
-from lightning_speedkit.compute._frozen_loader import batch_keys, with_sample_index
+from lightning_speedkit.compute._frozen_loader import (
+    IndexedDataset,
+    batch_rows,
+    with_sample_index,
+)
+from lightning_speedkit.compute._frozen_skip import SkipPlan, can_skip, refetch_field
 from lightning_speedkit.compute._frozen_store import budget_bytes
 
 __all__ = ["FrozenFeatureCache", "cache_frozen_features"]
@@ -99,13 +104,28 @@ class FrozenFeatureCache(L.Callback):
         else:  # a later fit of the same model: the store is still good
             self.cache.attach()
         if self.key == "index":
-            _compat.change_train_loader(trainer, OWNER, _carry_index)
+            _compat.change_train_loader(trainer, OWNER, self._carry_index)
+
+    def _carry_index(self, loader: Any) -> Any:
+        """The train loader again, carrying each sample's index; with a dataset that builds
+        samples without some fields, served samples come without the cached inputs."""
+        loader = carry_index(loader)
+        wrapper = loader.dataset
+        if not isinstance(wrapper, IndexedDataset) or self.cache is None:
+            return loader
+        if wrapper.plan is None and can_skip(wrapper.dataset):
+            wrapper.plan = SkipPlan(len(wrapper))
+        if wrapper.plan is not None:
+            read = refetch_field(wrapper.dataset, getattr(loader.collate_fn, "collate_fn", None))
+            self.cache.use_loader(wrapper.plan, read)
+        return loader
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.cache is not None:
-            self.cache.start_step(batch_keys(batch, self.key), batch)
+            keys, stand_ins = batch_rows(batch, self.key)
+            self.cache.start_step(keys, batch, stand_ins)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any
@@ -135,7 +155,7 @@ class FrozenFeatureCache(L.Callback):
             self.cache.load_state_dict(self._state)
 
 
-def _carry_index(loader: Any) -> Any:
+def carry_index(loader: Any) -> Any:
     if not isinstance(loader, DataLoader):
         _validation.fail(
             "key",

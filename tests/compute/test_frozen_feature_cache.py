@@ -45,9 +45,13 @@ def _fit(
     *,
     seed: int = 0,
     task: VLMTask | None = None,
+    extra: tuple[Callback, ...] = (),
+    workers: int = 0,
 ) -> tuple[VLMTask, _Losses, list[int]]:
     L.seed_everything(seed, verbose=False)
-    data = VLMDataModule(data_dir, batch_size=16, corpus=SMALL_CORPUS, progress=False)
+    data = VLMDataModule(
+        data_dir, batch_size=16, corpus=SMALL_CORPUS, progress=False, num_workers=workers
+    )
     cfg = VLMConfig.preset("tiny", data.tokenizer.vocab_size, freeze_vision=True)
     task = task or VLMTask(cfg, pad_id=data.tokenizer.pad_id)
     runs = _tower_runs(task)
@@ -61,7 +65,7 @@ def _fit(
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
-        callbacks=[losses, *([cache] if cache else [])],
+        callbacks=[losses, *extra, *([cache] if cache else [])],
     )
     trainer.fit(task, datamodule=data)
     return task, losses, runs
@@ -133,6 +137,7 @@ def test_state_dict_holds_counters_not_features(small_corpus: Path) -> None:
             "stored": 96,
             "not_stored": 0,
             "plain_calls": 0,
+            "refetched": 0,
             "verified": False,
             "stood_down": None,
         }
