@@ -17,10 +17,11 @@ import lightning as L
 import torch
 from lightning.pytorch.loggers import CSVLogger
 
+from lightning_speedkit._demo_kit import TowerShare, cache_note, frozen_notes
+
 # Re-exported (``X as X``): the CLI, the tests and benchmarks/hand_tuned.py import them from here.
 from lightning_speedkit._demo_kit import _Kit as _Kit
 from lightning_speedkit._demo_kit import _KitVLMData as _KitVLMData
-from lightning_speedkit._demo_kit import cache_note
 from lightning_speedkit._demo_results import DemoConfig as DemoConfig
 from lightning_speedkit._demo_results import DemoResult as DemoResult
 from lightning_speedkit._demo_results import comparison_table as comparison_table
@@ -75,7 +76,11 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
     """One run of the example VLM; ``run`` is "plain" (Lightning as it is) or "kit"."""
     L.seed_everything(config.seed, workers=True, verbose=False)
     tokenizer = CaptionTokenizer()
-    model_cfg = VLMConfig.preset(config.size, tokenizer.vocab_size)  # type: ignore[arg-type]
+    model_cfg = VLMConfig.preset(
+        config.size,  # type: ignore[arg-type]
+        tokenizer.vocab_size,
+        freeze_vision=config.freeze_vision,
+    )
     data_class = _KitVLMData if run == "kit" else VLMDataModule
     datamodule = data_class.for_model(
         model_cfg, config.data_dir, batch_size=config.batch_size, num_workers=config.num_workers
@@ -91,13 +96,17 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
     strategy: str | DDPPowerSGDStrategy = "auto"
     if config.devices > 1:  # several processes: DDP, and the kit compresses its gradients
         strategy = DDPPowerSGDStrategy(rank=POWERSGD_RANK) if run == "kit" else "ddp"
+    tower = TowerShare(config.warmup_steps) if config.freeze_vision and run == "plain" else None
+    callbacks: list[L.Callback] = [tower] if tower is not None else []
+    if kit is not None:
+        callbacks = [*kit.callbacks(), kit.cache_at_start]
     fitted = fit_and_measure(
         config,
         run,
         task,
         datamodule,
         peak,
-        callbacks=[*kit.callbacks(), kit.cache_at_start] if kit is not None else [],
+        callbacks=callbacks,
         strategy=strategy,
         accumulate_grad_batches=accumulation if run == "plain" else 1,
     )
@@ -105,6 +114,8 @@ def _train(config: DemoConfig, run: str, peak: PeakSetting) -> DemoResult | None
         return None
     result, trainer = fitted
     notes = kit.notes(config) if kit is not None else []
+    if config.freeze_vision:
+        notes += frozen_notes(kit.frozen if kit is not None else None, tower)
     if isinstance(datamodule, _KitVLMData):
         cache = datamodule.sample_cache
         if cache is not None:

@@ -2,21 +2,110 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import lightning as L
+import torch
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat
 from lightning_speedkit._demo_results import DemoConfig
 from lightning_speedkit.attention import AttentionSwap
 from lightning_speedkit.compute import FusedOptimizer, RegionalCompile
+from lightning_speedkit.compute.frozen_feature_cache import FrozenFeatureCache
 from lightning_speedkit.data import NumWorkersTuner, SampleCache, SpeedDataModuleMixin
 from lightning_speedkit.measure import ProfilerSchedule
 from lightning_speedkit.schedule import AccumulationScheduler, accumulation_for
 from speedkit_examples.vlm import VLMDataModule
 from speedkit_examples.vlm.data import Batch
+
+
+class TowerShare(L.Callback):
+    """The share of each training step the vision tower's forward takes, after ``skip``
+    batches: what caching a frozen tower's features can remove at most (``1 / (1 - s)``).
+
+    Timed around the tower and around the step: with CUDA events on a GPU, read once when
+    training ends, and with the host clock on a CPU (where the work is done when the
+    call returns).
+    """
+
+    def __init__(self, skip: int) -> None:
+        self.skip = skip
+        self.share: float | None = None
+        self._spans: dict[str, list[tuple[Any, Any]]] = {"tower": [], "step": []}
+        self._open: dict[str, Any] = {}
+        self._batches = 0
+        self._cuda = False
+        self._handles: list[Any] = []
+
+    def _mark(self) -> Any:
+        if not self._cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()  # SYNC-free: read once, at the end of training
+        return event
+
+    def _start(self, what: str) -> None:
+        if self._batches > self.skip:
+            self._open[what] = self._mark()
+
+    def _end(self, what: str) -> None:
+        began = self._open.pop(what, None)
+        if began is not None:
+            self._spans[what].append((began, self._mark()))
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._cuda = trainer.strategy.root_device.type == "cuda"
+        tower = pl_module.get_submodule("model.vision")
+        self._handles = [
+            tower.register_forward_pre_hook(lambda *_: self._start("tower")),
+            tower.register_forward_hook(lambda *_: self._end("tower")),
+        ]
+
+    def on_train_batch_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self._batches += 1
+        self._start("step")
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        self._end("step")
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for handle in self._handles:
+            handle.remove()
+        if self._cuda:
+            torch.cuda.synchronize()  # SYNC: once, to read the events
+
+        def seconds(spans: list[tuple[Any, Any]]) -> float:
+            if self._cuda:
+                return sum(a.elapsed_time(b) for a, b in spans) / 1e3
+            return sum(b - a for a, b in spans)
+
+        step = seconds(self._spans["step"])
+        self.share = seconds(self._spans["tower"]) / step if step > 0 else None
+
+
+def frozen_notes(cache: FrozenFeatureCache | None, tower: TowerShare | None) -> list[str]:
+    """What the frozen tower cost the plain run, and what the kit's cache did about it."""
+    notes = []
+    if tower is not None and tower.share is not None:
+        notes.append(
+            f"plain: the frozen vision tower's forward took {tower.share:.1%} of the step "
+            f"(timed around it): a cache of its features gives at most "
+            f"1/(1-s) = {1 / (1 - min(tower.share, 0.99)):.2f}x"
+        )
+    if cache is not None:
+        counts = cache.counts
+        notes.append(
+            f"kit: FrozenFeatureCache: {counts.get('hits', 0):,} samples' tower features "
+            f"served from memory ({counts.get('store_bytes', 0) / 2**20:.1f} MiB), "
+            f"{counts.get('misses', 0):,} run; the loader was told it need not produce "
+            f"{counts.get('inputs_skipped', 0):,} samples' images (not decoded, or served "
+            "as SampleCache holds them); MFU still counts the tower's FLOPs"
+        )
+    return notes
 
 
 class _CacheAtStart(L.Callback):
@@ -118,6 +207,8 @@ class _Kit:
     accumulation: AccumulationScheduler | None
     """With a global batch: the same micro-batches per optimizer step as plain's."""
     swap: AttentionSwap
+    frozen: FrozenFeatureCache | None = None
+    """With ``--freeze-vision``: the tower's features served after the first epoch."""
     cache_at_start: _CacheAtStart = field(default_factory=_CacheAtStart)
     """Not a lever: where the cache's samples came from (the notes)."""
 
@@ -149,10 +240,11 @@ class _Kit:
                 verbose=False,
             ),
             swap=AttentionSwap(verbose=False),
+            frozen=FrozenFeatureCache() if config.freeze_vision else None,
         )
 
     def callbacks(self) -> list[L.Callback]:
-        optional = (self.accumulation, self.compile)
+        optional = (self.accumulation, self.compile, self.frozen)
         levers: list[L.Callback] = [lever for lever in optional if lever is not None]
         return [self.swap, *levers, self.fused, self.tuner, self.profiler]
 

@@ -30,6 +30,8 @@ class DemoConfig:
     log_every_n_steps: int = 50
     runs: tuple[str, ...] = ("plain", "kit")
     """Which runs to do: the plain Lightning baseline and/or the kit."""
+    freeze_vision: bool = False
+    """Both runs train with the vision tower frozen; the kit caches its features."""
 
 
 @dataclass

@@ -4,6 +4,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -607,3 +608,24 @@ def test_speak_of_flags_leaves_paths_and_unknown_names_alone() -> None:
         "`--data-dir`='/srv/data_dir/x' or --data-dir."
     )
     assert speak_of_flags("`heads=3`, heads, `other`", flags) == "`--heads 3`, heads, `other`"
+
+
+@pytest.mark.slow
+def test_demo_freeze_vision_serves_the_towers_features_after_the_first_epoch(
+    demo_corpus: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # 4,096 samples in batches of 64: 64 steps an epoch, so 150 steps reach the third.
+    code = main(["demo", "--steps", "150", "--batch-size", "64", "--freeze-vision",
+                 "--data-dir", str(demo_corpus), "--output-dir", str(tmp_path),
+                 "--accelerator", "cpu"])  # fmt: skip
+    assert code == 0
+    out = capsys.readouterr().out
+    share = re.search(r"plain: the frozen vision tower's forward took (\d+\.\d)% of the step", out)
+    assert share is not None, out
+    assert 0 < float(share.group(1)) < 100
+    served = re.search(r"kit: FrozenFeatureCache: ([\d,]+) samples' tower features served", out)
+    assert served is not None, out
+    # epoch 2's first batch is the check; from its second batch on every sample is served
+    assert int(served.group(1).replace(",", "")) >= (150 - 2 * 64) * 64
+    plain, kit = json.loads((tmp_path / "demo.json").read_text())
+    assert kit["loss_start"] == pytest.approx(plain["loss_start"], rel=1e-4)

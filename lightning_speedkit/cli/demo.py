@@ -105,6 +105,14 @@ def _add_training_flags(demo: argparse.ArgumentParser, defaults: DemoConfig) -> 
         help="DataLoader workers of the plain run (default: %(default)s)",
     )
     demo.add_argument(
+        "--freeze-vision",
+        action="store_true",
+        help=(
+            "train both runs with the vision tower frozen; the kit adds FrozenFeatureCache, "
+            "and the plain run says what share of its step the tower took"
+        ),
+    )
+    demo.add_argument(
         "--global-batch",
         type=positive_int,
         default=None,
@@ -183,6 +191,7 @@ def run(args: argparse.Namespace) -> int:
         output_dir=args.output_dir,
         seed=args.seed,
         runs=(args.only,) if args.only else ("plain", "kit"),
+        freeze_vision=args.freeze_vision,
     )
     try:
         result = run_demo(config)

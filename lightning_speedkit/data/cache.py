@@ -140,6 +140,19 @@ class SampleCache(Dataset[Any]):
             self._keep(key, sample)
         return sample
 
+    def speedkit_getitem(self, index: int, without: frozenset[str]) -> Any:
+        """Sample ``index`` for a loader that needs no ``without`` fields of it (the
+        frozen-feature cache's protocol): the kept sample as it is when in memory (it
+        costs nothing), else the wrapped dataset's own ``speedkit_getitem`` where it has
+        one (not kept: it lacks those fields), else read and kept as ``__getitem__`` does."""
+        key = _key(index)
+        if key is not None and key in self._samples:
+            return self[index]
+        skip = getattr(self.dataset, "speedkit_getitem", None)
+        if callable(skip):
+            return skip(index, without)
+        return self[index]
+
     def _keep(self, index: int, sample: Any) -> bool:
         """Keep ``sample`` if the budget has room; whether it was kept."""
         size = sample_nbytes(sample)

@@ -142,3 +142,17 @@ def test_only_a_dataset_that_says_so_is_asked_for_samples_without_fields() -> No
     assert can_skip(Numbers())
     assert not can_skip(torch.utils.data.TensorDataset(torch.zeros(2)))
     assert can_skip(CaptionShardDataset.__new__(CaptionShardDataset))
+
+
+def test_a_sample_cache_serves_what_it_holds_and_asks_the_dataset_for_the_rest() -> None:
+    from lightning_speedkit.data import SampleCache
+
+    cache = SampleCache(Numbers(), max_bytes=2 * Numbers()[0]["x"].nbytes + 64)
+    _ = cache[0], cache[1]  # kept in memory
+    kept = cache.speedkit_getitem(0, frozenset({"x"}))
+    assert kept is cache[0]  # as it is: no cost, and nothing is left out
+    fresh = cache.speedkit_getitem(5, frozenset({"x"}))
+    assert fresh["x"].tolist() == [-1.0, -1.0]  # the dataset's stand-in, not kept
+    assert 5 not in {k for k in cache._samples}
+    plain = SampleCache(torch.utils.data.TensorDataset(torch.arange(4.0)))
+    assert plain.speedkit_getitem(2, frozenset({"x"})) == (torch.tensor(2.0),)
