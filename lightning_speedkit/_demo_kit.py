@@ -103,7 +103,7 @@ def frozen_notes(cache: FrozenFeatureCache | None, tower: TowerShare | None) -> 
             f"served from memory ({counts.get('store_bytes', 0) / 2**20:.1f} MiB), "
             f"{counts.get('misses', 0):,} run; the loader was told it need not produce "
             f"{counts.get('inputs_skipped', 0):,} samples' images (not decoded, or served "
-            "as SampleCache holds them); MFU still counts the tower's FLOPs"
+            "as SampleCache holds them); MFU counts only the FLOPs that ran"
         )
     return notes
 

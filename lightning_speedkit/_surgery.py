@@ -121,6 +121,20 @@ def first_call_work() -> int:
     return _FIRST_CALL_WORK[0]
 
 
+_SERVED_FLOPS = [0.0]
+
+
+def note_served_flops(flops: float) -> None:
+    """A module's work was served from a store instead of run (FrozenFeatureCache): the
+    FLOPs it would have spent, which a step's FLOP count must not include."""
+    _SERVED_FLOPS[0] += flops
+
+
+def served_flops() -> float:
+    """FLOPs served instead of run so far in this process (a step reads the difference)."""
+    return _SERVED_FLOPS[0]
+
+
 @contextlib.contextmanager
 def forwards_changing() -> Iterator[None]:
     """Around a call at whose end the kit may replace forwards the call ran (attention found

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_speedkit import _compat
+from lightning_speedkit._surgery import note_served_flops
 from lightning_speedkit.compute._frozen_modules import (
     _chance_layers,
     fingerprint,
@@ -26,6 +27,7 @@ from lightning_speedkit.compute._frozen_modules import (
     why_not_now,
 )
 from lightning_speedkit.compute._frozen_store import FeatureStore
+from lightning_speedkit.measure.flops import model_flops_so_far
 
 __all__ = ["CachedModule", "Scope", "same_tensor"]
 
@@ -85,6 +87,7 @@ class CachedModule:
         self.field: Hashable | None = None  # the batch field its input is, as the batch has it
         self.ready: set[Hashable] = set()  # keys stored under the current weights
         self.drops = 0  # times its stored features were dropped (weights changed, stood down)
+        self.flops_per_row: float | None = None  # its forward's model FLOPs per sample, counted
 
     def attach(self) -> None:
         self.original = self.module.forward
@@ -144,6 +147,8 @@ class CachedModule:
             self._keep(leaves, base, [keys[i] for i in miss], list(range(len(miss))))
             computed = leaves[0]
         self.counts.hits += len(hit)
+        if self.flops_per_row is not None:  # a FLOP count of this step must leave them out
+            note_served_flops(self.flops_per_row * len(hit))
         return self._assemble(found, hit, miss, computed, len(keys))
 
     def _run(
@@ -156,7 +161,13 @@ class CachedModule:
             args, kwargs = self._real_inputs(args, kwargs, keys)
         if rows is not None and keys is not None:
             args, kwargs = _rows(args, rows, len(keys)), _rows(kwargs, rows, len(keys))
-        return self.original(*args, **kwargs)
+        before = model_flops_so_far()  # under a FLOP count: learn what a row costs
+        out = self.original(*args, **kwargs)
+        after = model_flops_so_far()
+        run = len(rows) if rows is not None else len(keys) if keys is not None else 0
+        if before is not None and after is not None and run:
+            self.flops_per_row = (after - before) / run
+        return out
 
     def _batch_field(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable | None:
         """Which batch field this call's input is, as the batch carries it (or None)."""

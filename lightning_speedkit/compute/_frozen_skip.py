@@ -55,6 +55,7 @@ class SkipPlan:
         >>> plan.without(2)
         frozenset()
         >>> plan.set_fields(["images"])
+        True
         >>> plan.mark([2, 3])
         >>> plan.without(2), plan.without(0), plan.ready_count()
         (frozenset({'images'}), frozenset(), 2)

@@ -177,6 +177,9 @@ class CountSchedule:
         self._profiled_skips = 0
         self._work_before = 0
         self._redone = 0
+        self._served_before = 0.0
+        self.served = 0.0
+        """FLOPs the last ended step served from a store instead of running."""
 
     def watch(self, compiles: Compilations) -> None:
         """Compiled parts: count only after a step that compiled nothing."""
@@ -206,6 +209,7 @@ class CountSchedule:
         if self._compiles is not None:
             self._compiled_before = self._compiles.compilations
         self._work_before = _surgery.first_call_work()
+        self._served_before = _surgery.served_flops()
         if self.counts(info.key):
             self._session = FlopSession()
 
@@ -230,10 +234,17 @@ class CountSchedule:
         return True
 
     def step_end(self, info: BatchInfo) -> bool:
-        """A training step ended: book its count, if counted (returned); settle the compiles."""
+        """A training step ended: book its count, if counted (returned); settle the compiles.
+
+        ``served`` is then the FLOPs this step's modules did not spend, served from a
+        store (FrozenFeatureCache): the book keeps a shape's FLOPs with nothing served,
+        and each step's own figure is that less what it served (:func:`step_flops`).
+        """
         session, self._session = self._session, None
+        self.served = _surgery.served_flops() - self._served_before
         if session is not None:
             model, hardware = session.close()
+            model, hardware = model + self.served, hardware + self.served
             if _surgery.first_call_work() != self._work_before and self._redone < PROFILED_SKIPS:
                 # The kit did one-time work in this step (a swap's check, attention found by
                 # tracing, checkpoints paused meanwhile): not how later steps run. Count the
@@ -250,11 +261,19 @@ class CountSchedule:
 
 
 def step_flops(
-    info: BatchInfo, batch: Any, book: FlopBook, given: Callable[[Any], float] | None
+    info: BatchInfo,
+    batch: Any,
+    book: FlopBook,
+    given: Callable[[Any], float] | None,
+    served: float = 0.0,
 ) -> tuple[float, float] | None:
     """(model, hardware) FLOPs of one step: the user's ``flops_per_batch`` for both when
-    given, else the book's count or estimate (None before any count)."""
+    given, else the book's count or estimate (None before any count), less ``served``,
+    the work the step's modules served from a store instead of running."""
     if given is not None:
         flops = number(given(batch), "flops_per_batch")
         return flops, flops
-    return book.for_batch(info)
+    counted = book.for_batch(info)
+    if counted is None or not served:
+        return counted
+    return max(counted[0] - served, 0.0), max(counted[1] - served, 0.0)

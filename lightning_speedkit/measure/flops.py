@@ -94,7 +94,29 @@ def not_counted() -> Iterator[None]:
         _PAUSED -= 1
 
 
+_ACTIVE: list[_Counter] = []
+
+
+def model_flops_so_far() -> int | None:
+    """The running FLOP count's model FLOPs so far (None when nothing is counting): what a
+    call costs is the difference across it."""
+    if not _ACTIVE:
+        return None
+    counter = _ACTIVE[-1]
+    return counter.total - counter.recomputed
+
+
 class _Counter(TorchDispatchMode):
+    def __enter__(self) -> _Counter:
+        _ACTIVE.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            super().__exit__(*exc)
+        finally:
+            _ACTIVE.remove(self)
+
     def __init__(self, tracker: Owners) -> None:
         super().__init__()
         self.tracker = tracker

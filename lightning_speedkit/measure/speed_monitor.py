@@ -240,7 +240,7 @@ class SpeedMonitor(L.Callback):
         if info is not None:
             self._counts.step_end(info)
         if keep and info is not None:
-            flops = step_flops(info, batch, self.flops, self.flops_per_batch)
+            flops = step_flops(info, batch, self.flops, self.flops_per_batch, self._counts.served)
             self._throughput.update(samples=info.samples, tokens=info.tokens, flops=flops)
         every = self.log_every_n_steps or _compat.log_every_n_steps(trainer)
         if self._batches % every == 0:

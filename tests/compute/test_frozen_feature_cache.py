@@ -174,3 +174,21 @@ def test_bad_arguments_are_refused_at_construction(kwargs: dict[str, Any], messa
 def test_a_module_name_that_does_not_exist_is_refused_at_setup(small_corpus: Path) -> None:
     with pytest.raises(SpeedkitConfigError, match=r"`modules` is not a submodule.*'model.vision'"):
         _fit(small_corpus, 1, FrozenFeatureCache(modules=["vision"]))
+
+
+def test_speed_monitor_counts_the_flops_that_ran_not_the_served_towers(
+    small_corpus: Path,
+) -> None:
+    from lightning_speedkit import SpeedMonitor, count_flops
+
+    plain_monitor = SpeedMonitor(warmup_steps=0, log_every_n_steps=6)
+    task, _, _ = _fit(small_corpus, 3, None, extra=(plain_monitor,))
+    monitor = SpeedMonitor(warmup_steps=0, log_every_n_steps=6)  # one figure per epoch
+    cache = FrozenFeatureCache(modules=["model.vision"])
+    _fit(small_corpus, 3, cache, extra=(monitor,))
+    images = torch.zeros(16, 3, task.config.image_size, task.config.image_size)
+    tower = count_flops(task.model.vision, images).model / 16
+    plain = plain_monitor.last_metrics["flops_per_sample"]
+    # Epoch 3 is served whole: its steps spent the model's FLOPs less the tower's.
+    assert monitor.last_metrics["flops_per_sample"] == pytest.approx(plain - tower, rel=1e-9)
+    assert tower > 0.05 * plain  # the check means something: the tower is a real share
