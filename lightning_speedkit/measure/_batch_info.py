@@ -1,15 +1,21 @@
 """What SpeedMonitor reads of a training batch: its shape signature, samples and tokens.
 
-Host metadata only (shapes and dtypes, never values), so reading a batch costs no
-device sync. A step of several train loaders (Lightning's CombinedLoader) trains one
-batch of each: its samples and tokens are summed over them.
+The signature and the samples are host metadata (shapes and dtypes, never values).
+Tokens are counted twice: the token positions the step computed over (the largest 2-D
+integer tensor's size, padding included: what the FLOP fit goes by) and the real tokens
+(padding left out: what ``tokens_per_sec`` reports). Where the batch says which positions
+are padding, a packed batch's ``document_ids`` or ``cu_seqlens`` or an
+``attention_mask``, the real count is a 0-d tensor reduced on the batch's device and
+read once per log interval, so reading a batch still costs no device sync. A step of
+several train loaders (Lightning's CombinedLoader) trains one batch of each: its
+samples and tokens are summed over them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
 
@@ -27,6 +33,14 @@ class BatchInfo:
     signature: tuple[tuple[tuple[int, ...], str], ...]
     samples: int
     tokens: int | None
+    real_tokens: int | torch.Tensor | None = field(default=None, compare=False)
+    """Tokens that are not padding (a 0-d tensor on the batch's device when counted from
+    its values); None: as ``tokens``."""
+
+    @property
+    def throughput_tokens(self) -> int | torch.Tensor | None:
+        """The tokens ``tokens_per_sec`` counts: the real ones where known."""
+        return self.tokens if self.real_tokens is None else self.real_tokens
 
     @cached_property
     def key(self) -> str:
@@ -55,10 +69,44 @@ def number(value: Any, argument: str) -> float:
     return float(value)
 
 
-def tokens(tensors: list[torch.Tensor]) -> int | None:
-    """Tokens of one loader's batch: its largest 2-D integer tensor (``input_ids``)."""
+def _ids(tensors: list[torch.Tensor]) -> torch.Tensor | None:
+    """One loader's token tensor: its largest 2-D integer tensor (``input_ids``)."""
     ids = [t for t in tensors if t.ndim == 2 and not t.is_floating_point() and not t.is_complex()]
-    return max((t.numel() for t in ids), default=None)
+    return max(ids, key=lambda t: t.numel(), default=None)
+
+
+def tokens(tensors: list[torch.Tensor]) -> int | None:
+    """Token positions of one loader's batch: its largest 2-D integer tensor's size."""
+    ids = _ids(tensors)
+    return None if ids is None else ids.numel()
+
+
+def real_tokens(batch: Any, tensors: list[torch.Tensor]) -> int | torch.Tensor | None:
+    """Tokens of one loader's batch that are not padding, where the batch says which are.
+
+    In this order: a packed batch's ``document_ids`` (tokens of document 0 or more: -1
+    is PackingCollate's padding), its ``cu_seqlens`` (the tokens its documents cover),
+    an ``attention_mask`` shaped as the tokens (its nonzero entries); else every token
+    position. Labels are not read: -100 marks a token the loss ignores (a prompt), which
+    the model still ran. Device reductions, never read here (no sync).
+
+    Example::
+
+        >>> ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
+        >>> int(real_tokens({"input_ids": ids, "attention_mask": (ids > 0).long()}, [ids]))
+        5
+    """
+    ids = _ids(tensors)
+    if isinstance(batch, Mapping):
+        documents, cu = batch.get("document_ids"), batch.get("cu_seqlens")
+        mask = batch.get("attention_mask")
+        if isinstance(documents, torch.Tensor) and documents.ndim in (1, 2):
+            return (documents >= 0).sum()
+        if isinstance(cu, torch.Tensor) and cu.ndim == 1 and cu.numel():
+            return cu[-1] - cu[0]
+        if isinstance(mask, torch.Tensor) and ids is not None and mask.shape == ids.shape:
+            return (mask != 0).sum()
+    return None if ids is None else ids.numel()
 
 
 class BatchReader:
@@ -66,9 +114,12 @@ class BatchReader:
 
     Args:
         samples_per_batch: ``batch -> samples``; by default the first dimension of each
-            loader's first tensor. A batch with no tensor counts as one sample, said once.
-        tokens_per_batch: ``batch -> tokens``; by default each loader's largest 2-D
-            integer tensor, summed; None when there is none.
+            loader's first tensor (a packed batch's: its documents, ``len(cu_seqlens) - 1``).
+            A batch with no tensor counts as one sample, said once.
+        tokens_per_batch: ``batch -> tokens``, for the FLOP fit and ``tokens_per_sec``
+            alike; by default each loader's largest 2-D integer tensor, summed (None when
+            there is none), and for ``tokens_per_sec`` only its real tokens
+            (:func:`real_tokens`).
 
     Example::
 
@@ -77,6 +128,15 @@ class BatchReader:
         >>> info = reader.read(batch, [batch])
         >>> info.samples, info.tokens
         (4, 64)
+
+        A packed batch counts its documents as samples and its real tokens apart:
+
+        >>> from lightning_speedkit.data import PackingCollate
+        >>> packed = PackingCollate(max_tokens=4)([{"input_ids": [1, 2, 3]},
+        ...                                       {"input_ids": [4, 5]}])
+        >>> info = reader.read(packed, [packed])
+        >>> info.samples, info.tokens, int(info.real_tokens)
+        (2, 8, 5)
     """
 
     def __init__(
@@ -98,16 +158,26 @@ class BatchReader:
             samples = sum(
                 self._samples(part, found) for part, found in zip(parts, tensors, strict=True)
             )
-        count: int | None
         if self.tokens_per_batch is not None:
             count = int(number(self.tokens_per_batch(batch), "tokens_per_batch"))
-        else:
-            counts = [n for found in tensors if (n := tokens(found)) is not None]
-            count = sum(counts) if counts else None
-        return BatchInfo(signature, samples, count)
+            return BatchInfo(signature, samples, count)
+        counts = [n for found in tensors if (n := tokens(found)) is not None]
+        reals = [
+            r
+            for part, found in zip(parts, tensors, strict=True)
+            if (r := real_tokens(part, found)) is not None
+        ]
+        real: int | torch.Tensor | None = None
+        for each in reals:
+            real = each if real is None else real + each
+        return BatchInfo(signature, samples, sum(counts) if counts else None, real)
 
     def _samples(self, batch: Any, tensors: list[torch.Tensor]) -> int:
-        """Samples of one loader's batch: the first dimension of its first tensor."""
+        """Samples of one loader's batch: a packed batch's documents (its ``cu_seqlens``
+        has one entry more), else the first dimension of its first tensor."""
+        cu = batch.get("cu_seqlens") if isinstance(batch, Mapping) else None
+        if isinstance(cu, torch.Tensor) and cu.ndim == 1 and cu.numel():
+            return int(cu.shape[0]) - 1
         if tensors and tensors[0].ndim:
             return int(tensors[0].shape[0])
         if not self._said_samples:

@@ -5,7 +5,9 @@ caller passes each timed step's samples, tokens and FLOPs (:meth:`Throughput.upd
 and, once per log interval, the step times and data waits its clock measured
 (:meth:`Throughput.close`), so tests give exact numbers. Across ranks, the caller
 gathers each rank's :meth:`~Throughput.close` row and hands the rows back
-(:meth:`Throughput.add`); :func:`figures` turns rows into the logged figures.
+(:meth:`Throughput.add`); :func:`figures` turns rows into the logged figures. A
+step's tokens may be a 0-d tensor on the device (real tokens counted from a batch's
+padding mask): they are summed and read once, when the interval closes.
 
 MFU is model FLOPs per second over the device's peak FLOP/s, HFU the same with
 hardware FLOPs (recomputation included): PaLM (Chowdhery et al. 2022), appendix B.
@@ -18,6 +20,8 @@ import statistics
 from collections import deque
 from collections.abc import Callable
 from typing import Any
+
+import torch
 
 #: Per-rank raw sums of a log interval, in the order of a gathered row.
 FIELDS = ("samples", "tokens", "time", "steps", "model_flops", "hw_flops", "wait", "mem_gib")
@@ -113,6 +117,7 @@ class Throughput:
         self.run_steps: list[float] = []  # this rank's step times (s), whole run
         self.recent: deque[float] = deque(maxlen=window)
         self.interval = dict.fromkeys(FIELDS, 0.0)
+        self._device_tokens: list[torch.Tensor] = []  # the interval's, read at close
 
     def reset(self) -> None:
         """Forget the run (a new fit; a checkpoint's state may follow), and the interval a
@@ -120,14 +125,23 @@ class Throughput:
         self.run, self.run_steps = [], []
         self.recent.clear()
         self.interval = dict.fromkeys(FIELDS, 0.0)
+        self._device_tokens = []
 
     def update(
-        self, *, samples: int, tokens: int | None, flops: tuple[float, float] | None
+        self,
+        *,
+        samples: int,
+        tokens: int | torch.Tensor | None,
+        flops: tuple[float, float] | None,
     ) -> None:
-        """One timed step: its samples, tokens and (model, hardware) FLOPs, when known."""
+        """One timed step: its samples, tokens (a number, or a 0-d tensor kept unread until
+        the interval closes) and (model, hardware) FLOPs, when known."""
         acc = self.interval
         acc["samples"] += samples
-        acc["tokens"] += tokens or 0
+        if isinstance(tokens, torch.Tensor):
+            self._device_tokens.append(tokens.detach().reshape(()))
+        else:
+            acc["tokens"] += tokens or 0
         acc["steps"] += 1
         if flops is not None:
             acc["model_flops"] += flops[0]
@@ -137,6 +151,9 @@ class Throughput:
         """End the log interval with its step times and data waits (seconds) and the peak
         memory; this rank's row of :data:`FIELDS` sums, to gather across ranks."""
         acc, self.interval = self.interval, dict.fromkeys(FIELDS, 0.0)
+        pending, self._device_tokens = self._device_tokens, []
+        if pending:  # SYNC: log time only, the interval's token counts in one read
+            acc["tokens"] += float(torch.stack([t.long() for t in pending]).sum())
         acc["time"] = sum(step_times)
         acc["wait"] = sum(waits)
         acc["mem_gib"] = mem_gib

@@ -15,6 +15,11 @@ How each figure is obtained, and what it costs:
   counts per shape, are :mod:`~lightning_speedkit.measure._flop_book`'s.
 - **Samples** of a step are those of every train loader's batch in it: a dict or list
   of loaders (Lightning's CombinedLoader) trains one batch of each per step.
+- **Tokens** per second are the real ones: padding that a batch marks (PackingCollate's
+  ``document_ids``/``cu_seqlens``, an ``attention_mask``) is left out, counted on the
+  device and read at log time. FLOPs are what ran: the count prices AttentionSwap's
+  per-document attention calls on a packed batch, and padded positions in the linear
+  layers. A packed batch's samples are its documents.
 - **Time** on CPU is the host clock at the start and end of each batch. On CUDA it
   is a pair of CUDA events per batch, recorded without waiting and read once per
   log interval: the step time is the device time from the end of one batch to the
@@ -101,15 +106,21 @@ class SpeedMonitor(L.Callback):
         flops_per_batch: ``batch -> FLOPs`` of one training step on one device,
             replacing the automatic count (e.g. a formula you trust). Used for
             both MFU and HFU.
-        tokens_per_batch: ``batch -> tokens``. By default the largest 2-D integer
-            tensor in the batch counts (e.g. ``input_ids``, padding included; with
-            several train loaders, each loader's, summed); with none,
-            ``tokens_per_sec`` is not logged.
-        samples_per_batch: ``batch -> samples``; by default the first dimension
-            of the first tensor in the batch, found through mappings (``dict``, Hugging
-            Face's ``BatchEncoding``), lists, tuples and dataclasses, summed over the
-            loaders' batches of a step with several train loaders. A batch with no
-            tensor counts as one sample, and that is said once.
+        tokens_per_batch: ``batch -> tokens``. By default ``tokens_per_sec`` counts the
+            real tokens: where a batch marks its padding (a packed batch's
+            ``document_ids`` or ``cu_seqlens``, else an ``attention_mask`` shaped as the
+            tokens) the tokens that are not padding, counted on the device and read at
+            log time; otherwise the size of its largest 2-D integer tensor
+            (``input_ids``). ``labels`` of -100 are not read: a prompt the loss ignores
+            still ran. With several train loaders, each loader's, summed; with no
+            integer tensor, ``tokens_per_sec`` is not logged. Your function replaces both
+            this and the token positions the FLOP estimate goes by.
+        samples_per_batch: ``batch -> samples``; by default a packed batch's documents
+            (``len(cu_seqlens) - 1``), else the first dimension of the first tensor in
+            the batch, found through mappings (``dict``, Hugging Face's
+            ``BatchEncoding``), lists, tuples and dataclasses, summed over the loaders'
+            batches of a step with several train loaders. A batch with no tensor counts
+            as one sample, and that is said once.
         peak_flops: dense peak FLOP/s of one device for MFU. ``"auto"`` (default)
             looks the device up in :data:`~lightning_speedkit.measure.peak.PEAK_TABLE`
             and, on CPU, times a matmul; ``"measure"`` always times a matmul; a
@@ -231,8 +242,7 @@ class SpeedMonitor(L.Callback):
         overstate throughput by one batch per gap. Steps before the first FLOP count
         (still compiling, or profiled) are start-up too: they would add samples and no
         FLOPs. A counted step is slower, so it is not timed either."""
-        info = self._info
-        counted_now = self._counts.counting
+        info, counted_now = self._info, self._counts.counting
         priced = self.flops_per_batch is not None or bool(self.flops.counted)
         keep = self._clock.batch_end(
             not counted_now and priced and self._batches > self.warmup_steps
@@ -241,7 +251,8 @@ class SpeedMonitor(L.Callback):
             self._counts.step_end(info)
         if keep and info is not None:
             flops = step_flops(info, batch, self.flops, self.flops_per_batch, self._counts.served)
-            self._throughput.update(samples=info.samples, tokens=info.tokens, flops=flops)
+            real = info.throughput_tokens  # padding left out where the batch marks it
+            self._throughput.update(samples=info.samples, tokens=real, flops=flops)
         every = self.log_every_n_steps or _compat.log_every_n_steps(trainer)
         if self._batches % every == 0:
             self._flush(trainer)
