@@ -109,51 +109,16 @@ def active() -> Documents | None:
 
 @contextlib.contextmanager
 def _documents_set(documents: Documents | None) -> Iterator[None]:
+    from lightning_speedkit.attention._own_calls import model_hooks  # it reads these documents
+
     previous = _ACTIVE[0]
     _ACTIVE[0] = documents
-    hook = _positions_hook() if documents is not None else contextlib.nullcontext()
+    hooks = model_hooks() if documents is not None else contextlib.nullcontext()
     try:
-        with hook:
+        with hooks:
             yield
     finally:
         _ACTIVE[0] = previous
-
-
-_HOOK: list[Any] = [None, 0]  # the global pre-hook's handle, and how many hold it
-
-
-@contextlib.contextmanager
-def _positions_hook() -> Iterator[None]:
-    """While documents are active, positions a model builds itself restart per document."""
-    if _HOOK[1] == 0:
-        # torch types this hook as returning None; a pre-hook's returned args replace the call's.
-        hook: Callable[..., Any] = _restart_positions
-        _HOOK[0] = nn.modules.module.register_module_forward_pre_hook(hook)
-    _HOOK[1] += 1
-    try:
-        yield
-    finally:
-        _HOOK[1] -= 1
-        if _HOOK[1] == 0:
-            _HOOK[0].remove()
-
-
-def _restart_positions(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-    """An ``nn.Embedding`` fed ``torch.arange(S)`` over the packed rows (nanoGPT's
-    ``wpe(torch.arange(t))``) gets each document's positions instead, ``(rows, S)``."""
-    documents = active()
-    if documents is None or not isinstance(module, nn.Embedding) or not args:
-        return None
-    ids = args[0]
-    if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32):
-        return None
-    whole_row = ids.ndim == 1 or (ids.ndim == 2 and ids.shape[0] == 1 and documents.rows > 1)
-    if not whole_row or ids.shape[-1] != documents.length:
-        return None
-    arange = torch.arange(documents.length, device=ids.device, dtype=ids.dtype)
-    if not torch.equal(ids.reshape(-1), arange):  # SYNC: only for a row-long 1-D input
-        return None
-    return (documents.positions(ids.device).to(ids.dtype), *args[1:])
 
 
 def suspended() -> contextlib.AbstractContextManager[None]:
@@ -338,7 +303,7 @@ _SDPA_SIGNATURE = inspect.Signature(
 
 
 class _SdpaPerDocument(TorchFunctionMode):
-    """SDPA calls on the packed rows run per document (for families that call SDPA)."""
+    """SDPA calls on the packed rows run per document (the kit's and the model's own)."""
 
     def __torch_function__(
         self,
@@ -393,7 +358,8 @@ class StepDocuments:
     """A training step's documents, set from its batch until the step ends (AttentionSwap's).
 
     After the first packed step it says, once, which attention modules ran their own
-    forward (reverted, skipped, or none found): those attended across documents.
+    forward (reverted, skipped, or none found) without calling SDPA on the packed rows:
+    those attended across documents.
     """
 
     def __init__(self) -> None:
@@ -408,16 +374,25 @@ class StepDocuments:
         self._packed = stack.enter_context(packed_documents(batch)) is not None
         self._stack = stack
 
-    def exit(self, report: Any = None) -> None:
-        """Clear the step's documents; with the swap's ``report``, warn about what mixed them."""
+    def exit(self, report: Any = None, model: nn.Module | None = None) -> None:
+        """Clear the step's documents; with the swap's ``report`` on ``model``, warn about
+        what mixed them (a module whose own SDPA calls ran per document did not)."""
+        from lightning_speedkit.attention._own_calls import own_sdpa_modules
+
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
         if report is None or not self._packed or self._warned:
             return
         self._warned = True
-        own = [*(name for name, _ in report.reverted), *(name for name, _ in report.skipped)]
-        if report.modules and not own:
+        kept_apart = own_sdpa_modules()
+        named = dict(model.named_modules()) if model is not None else {}
+        own = [
+            name
+            for name, _ in (*report.reverted, *report.skipped)
+            if named.get(name) not in kept_apart
+        ]
+        if (report.modules or kept_apart) and not own:
             return
         which = ", ".join(repr(name or "(root)") for name in own) or "no attention was found"
         rank_zero_warn(

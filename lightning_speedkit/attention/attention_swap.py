@@ -124,7 +124,7 @@ class AttentionSwap(L.Callback):
         batch: Any,
         batch_idx: int,
     ) -> None:
-        self._documents.exit(self.report)
+        self._documents.exit(self.report, pl_module)
         if self._reported or self.report is None:
             return
         self._reported = True

@@ -1,0 +1,164 @@
+"""What a model computes itself on a packed batch: its own SDPA calls, the positions it builds.
+
+While a packed batch's documents are active (:mod:`._documents`), three global module
+hooks watch every module call:
+
+* the outermost call runs under a torch-function mode in which any
+  ``F.scaled_dot_product_attention`` call over the packed rows runs per document, the
+  model's own included (a custom Llama- or nanoGPT-style attention that calls SDPA
+  itself, which no family swaps: it is fused already). Rotary positions need nothing
+  more: they enter attention only as the difference between a query's and a key's
+  position, the same within a document wherever it sits in its row, so the tables a model
+  builds from its own ``torch.arange(T)`` or slices from a precomputed buffer give each
+  document what it gets alone (up to the rounding of the angles at the row's offsets);
+* an ``nn.Embedding`` fed ``torch.arange(S)`` over the packed rows (nanoGPT's learned
+  positions) gets each document's positions instead;
+* absolute positions added from a table of the packed length with no row axis (a
+  sinusoidal ``pe[:T]``, a learned ``pos_embed[:, :T]``) cannot be cut generally: they
+  run on from one document into the next, said once with the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from lightning_speedkit.attention import _documents
+
+__all__ = ["model_hooks", "own_sdpa_modules"]
+
+_HOOKS: list[Any] = [None, 0]  # the global hooks' handles, and how many hold them
+_LOCAL = threading.local()  # per thread: the module calls open now, and the mode of the outermost
+#: Modules whose own SDPA calls ran per document since the last :func:`own_sdpa_modules`.
+_OWN_SDPA: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+_ADDS = {torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__, Tensor.__iadd__, Tensor.add_}
+
+
+@contextlib.contextmanager
+def model_hooks() -> Iterator[None]:
+    """While documents are active, the model's own calls keep them apart (see above)."""
+    if _HOOKS[1] == 0:
+        # torch types a pre-hook as returning None; its returned args replace the call's.
+        restart: Callable[..., Any] = _restart_positions
+        register = nn.modules.module
+        _HOOKS[0] = (
+            register.register_module_forward_pre_hook(restart),
+            register.register_module_forward_pre_hook(_enter_call),
+            register.register_module_forward_hook(_exit_call, always_call=True),
+        )
+    _HOOKS[1] += 1
+    try:
+        yield
+    finally:
+        _HOOKS[1] -= 1
+        if _HOOKS[1] == 0:
+            for handle in _HOOKS[0]:
+                handle.remove()
+
+
+def own_sdpa_modules() -> set[nn.Module]:
+    """The modules whose own SDPA calls ran per document since the last call; cleared."""
+    modules = set(_OWN_SDPA)
+    _OWN_SDPA.clear()
+    return modules
+
+
+def _calls() -> list[nn.Module]:
+    calls: list[nn.Module] | None = getattr(_LOCAL, "calls", None)
+    if calls is None:
+        calls = _LOCAL.calls = []
+    return calls
+
+
+def _enter_call(module: nn.Module, args: tuple[Any, ...]) -> None:
+    if torch.compiler.is_compiling():
+        return
+    calls = _calls()
+    if not calls:
+        if _documents.active() is None:
+            return
+        _LOCAL.mode = _OwnCalls()
+        _LOCAL.mode.__enter__()
+    calls.append(module)
+
+
+def _exit_call(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    calls = _calls()
+    if not calls:
+        return
+    calls.pop()
+    if not calls:
+        mode, _LOCAL.mode = _LOCAL.mode, None
+        mode.__exit__(None, None, None)
+
+
+class _OwnCalls(_documents._SdpaPerDocument):
+    """SDPA on the packed rows per document, and absolute position tables named."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        if func is F.scaled_dot_product_attention:
+            calls = _calls()
+            if calls:
+                _OWN_SDPA.add(calls[-1])
+        elif func in _ADDS and len(args) == 2:
+            _name_position_table(*args)
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _name_position_table(a: Any, b: Any) -> None:
+    """Warn once about a table of the packed length added over the rows (positions)."""
+    documents = _documents.active()
+    if documents is None or not isinstance(a, Tensor) or not isinstance(b, Tensor):
+        return
+    for x, table in ((a, b), (b, a)):
+        if x.ndim != 3 or not table.is_floating_point() or table.shape[-1] != x.shape[-1]:
+            continue
+        n, rows = documents.length, documents.rows
+        batch_first = x.shape[:2] == (rows, n) and (
+            (table.ndim == 2 and table.shape[0] == n)
+            or (table.ndim == 3 and table.shape[:2] == (1, n) and rows > 1)
+        )
+        seq_first = x.shape[:2] == (n, rows) and rows > 1 and table.shape[:-1] in ((n, 1), (n,))
+        if batch_first or seq_first:
+            _documents.warn_once(
+                f"A table of {n} positions with no row axis (shape {tuple(table.shape)}) was "
+                f"added to the packed rows {tuple(x.shape)}: absolute positions the model "
+                "builds itself (a sinusoidal `pe[:T]`, a learned `pos_embed[:, :T]`) run on "
+                "from one document into the next. Give the model's forward a `position_ids` "
+                "argument and index its table with the batch's `position_ids` "
+                "(`pe[position_ids]`), or do not pack."
+            )
+            return
+
+
+def _restart_positions(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+    """An ``nn.Embedding`` fed ``torch.arange(S)`` over the packed rows (nanoGPT's
+    ``wpe(torch.arange(t))``) gets each document's positions instead, ``(rows, S)``."""
+    documents = _documents.active()
+    if documents is None or not isinstance(module, nn.Embedding) or not args:
+        return None
+    ids = args[0]
+    if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32):
+        return None
+    whole_row = ids.ndim == 1 or (ids.ndim == 2 and ids.shape[0] == 1 and documents.rows > 1)
+    if not whole_row or ids.shape[-1] != documents.length:
+        return None
+    arange = torch.arange(documents.length, device=ids.device, dtype=ids.dtype)
+    if not torch.equal(ids.reshape(-1), arange):  # SYNC: only for a row-long 1-D input
+        return None
+    return (documents.positions(ids.device).to(ids.dtype), *args[1:])
