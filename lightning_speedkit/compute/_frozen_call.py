@@ -38,7 +38,8 @@ class Scope:
 
     ``fields`` are the step's batch tensors by field (a dict batch's key, a list batch's
     position); ``stand_ins`` the rows whose inputs the loader left out (:mod:`._frozen_skip`)
-    and ``refetch(keys, field)`` what reads their real inputs again.
+    and ``refetch(keys, field)`` what reads their real inputs again. ``data`` is the
+    dataset's fingerprint (empty when the keys identify samples by themselves).
     """
 
     store: FeatureStore
@@ -49,6 +50,7 @@ class Scope:
     fields: dict[Hashable, torch.Tensor] = field(default_factory=dict)
     stand_ins: Sequence[int] = ()
     refetch: Callable[[Sequence[Hashable], Hashable], Any] | None = None
+    data: str = ""
 
     def warn_once(self, message: str) -> None:
         if message not in self.warned:
@@ -98,10 +100,14 @@ class CachedModule:
         vars(self.module).pop("forward", None)
         vars(self.module).pop("_speedkit_frozen", None)
 
-    def stand_down(self, reason: str) -> None:
-        """Stop serving for good: forget the stored features and say why, once."""
+    def stand_down(self, reason: str, wrong: bool = False) -> None:
+        """Stop serving for good: forget the stored features and say why, once. ``wrong``:
+        they proved wrong, and their disk shards go too."""
         self.counts.stood_down = reason
-        self.scope.store.drop(where=self.name)
+        if wrong:
+            self.scope.store.reject(self.name)
+        else:
+            self.scope.store.drop(where=self.name)
         self.ready.clear()
         self.drops += 1
         self.scope.warn_once(f"FrozenFeatureCache stopped serving `{self.name}`: {reason}.")
@@ -128,15 +134,18 @@ class CachedModule:
             self.counts.plain_calls += 1
             self.scope.warn_once(f"FrozenFeatureCache runs `{self.name}` without the store: {why}.")
             return self._run(args, kwargs)
-        base = (self.name, self._weights_fingerprint(), signature)
+        dtype = str(self.scope.dtype or "as computed")
+        base = (self.name, self._weights_fingerprint(), signature, self.scope.data, dtype)
         found = [self.scope.store.get((*base, key)) for key in keys]
         hit = [i for i, entry in enumerate(found) if entry is not None]
         miss = [i for i, entry in enumerate(found) if entry is None]
-        if not hit or (self.scope.verify and not self.counts.verified):
+        check = bool(hit) and self.scope.verify and not self.counts.verified
+        if not hit or check or self._layout is None:  # the layout: a cache warm from disk
             out = self._run(args, kwargs)  # as the plain run computes it
             leaves = self._leaves(out, len(keys))
-            if leaves is not None and (not hit or self._check(leaves, found, hit)):
+            if leaves is not None and (not check or self._check(leaves, found, hit)):
                 self._keep(leaves, base, [keys[i] for i in miss], miss)
+                self.ready.update(keys[i] for i in hit)
             return out
         computed = None
         if miss:
@@ -147,6 +156,7 @@ class CachedModule:
             self._keep(leaves, base, [keys[i] for i in miss], list(range(len(miss))))
             computed = leaves[0]
         self.counts.hits += len(hit)
+        self.ready.update(keys[i] for i in hit)  # also those found on disk
         if self.flops_per_row is not None:  # a FLOP count of this step must leave them out
             note_served_flops(self.flops_per_row * len(hit))
         return self._assemble(found, hit, miss, computed, len(keys))
@@ -299,7 +309,8 @@ class CachedModule:
                     f"(largest difference {(again.float() - stored.float()).abs().max():.3g}): "
                     "most likely a random augmentation of its input (random crops, flips, color "
                     "jitter) or randomness inside it. Augment before caching only with a fixed "
-                    "per-sample transform, or remove FrozenFeatureCache"
+                    "per-sample transform, or remove FrozenFeatureCache",
+                    wrong=True,
                 )
                 return False
         self.counts.verified = True

@@ -16,6 +16,8 @@ from torch import nn
 
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit.compute._frozen_call import CachedModule, ModuleCounts, Scope, same_tensor
+from lightning_speedkit.compute._frozen_disk import DiskStore, prepare_directory
+from lightning_speedkit.compute._frozen_loader import dataset_fingerprint
 from lightning_speedkit.compute._frozen_modules import (
     choose_modules,
     frozen_candidates,
@@ -25,7 +27,7 @@ from lightning_speedkit.compute._frozen_modules import (
 from lightning_speedkit.compute._frozen_skip import SkipPlan
 from lightning_speedkit.compute._frozen_store import FeatureStore, budget_bytes
 
-__all__ = ["FrozenFeatures", "cache_frozen_features", "refuse_directory"]
+__all__ = ["FrozenFeatures", "cache_frozen_features"]
 
 _COUNTERS = ("hits", "misses", "stored", "not_stored", "plain_calls", "refetched")
 
@@ -35,7 +37,8 @@ class FrozenFeatures:
 
     Attributes:
         modules: the cached submodules by name (empty until ``"auto"`` has found them).
-        store: the features kept, in host memory, within the budget.
+        store: the features kept, in host memory within the budget, and with a
+            ``directory`` on disk too (``store.disk``).
     """
 
     def __init__(self, model: nn.Module, modules: Any, store: FeatureStore, scope: Scope) -> None:
@@ -106,6 +109,7 @@ class FrozenFeatures:
         """The batch has run: calls without keys run the modules as they are."""
         keys = self._scope.keys
         self._scope.keys, self._scope.fields, self._scope.stand_ins = None, {}, ()
+        self._forget_lost()
         if self._probes:
             for handle in self._probes:
                 handle.remove()
@@ -139,6 +143,43 @@ class FrozenFeatures:
             keys = list(set.intersection(*(c.ready for c in cached)))
         ready = [k for k in keys if all(k in c.ready for c in cached)]
         plan.mark([int(k) for k in ready if isinstance(k, int)])
+
+    def _forget_lost(self) -> None:
+        """Samples whose features were only in a disk shard that failed to write are no
+        longer ready (the loader must bring their inputs again)."""
+        lost = self.store.take_lost()
+        for cached in self.cached.values():
+            gone = {key[-1] for key in lost if key[0] == cached.name}
+            if gone:
+                cached.ready -= gone
+                cached.drops += 1
+
+    # -- the data and the disk -----------------------------------------------------------------
+
+    def use_dataset(self, dataset: Any) -> None:
+        """Key features by ``dataset`` too (its :func:`dataset_fingerprint`): with sample keys
+        that are dataset indices, another dataset's index ``i`` is another sample. Features
+        of the dataset used before leave the memory store."""
+        data = dataset_fingerprint(dataset)
+        if data == self._scope.data:
+            return
+        if self._scope.data:
+            self.store.drop()
+            for cached in self.cached.values():
+                cached.ready.clear()
+                cached.drops += 1
+        self._scope.data = data
+
+    def flush(self) -> None:
+        """Write the features the disk store holds in its buffer (none without ``directory``)."""
+        if self.store.disk is not None:
+            self.store.disk.flush()
+        self._forget_lost()
+
+    def refresh(self) -> None:
+        """Look for shards other processes (the other ranks) completed since the last look."""
+        if self.store.disk is not None:
+            self.store.disk.refresh()
 
     @contextlib.contextmanager
     def keys(self, batch_keys: Sequence[Hashable], batch: Any = None) -> Iterator[None]:
@@ -201,6 +242,7 @@ class FrozenFeatures:
         per = {name: cached.counts for name, cached in self.cached.items()}
         totals: dict[str, Any] = {k: sum(getattr(c, k) for c in per.values()) for k in _COUNTERS}
         totals["store_bytes"] = self.store.bytes
+        totals["disk_bytes"] = self.store.disk_bytes
         totals["inputs_skipped"] = self.skipped
         totals["stood_down"] = {n: c.stood_down for n, c in per.items() if c.stood_down}
         return totals
@@ -217,7 +259,9 @@ class FrozenFeatures:
                 self._loaded[name] = dict(counts)
 
     def remove(self) -> None:
-        """Put every cached module's own forward back (the store stays, for :meth:`attach`)."""
+        """Put every cached module's own forward back (the store stays, for :meth:`attach`);
+        buffered features are written to the disk store."""
+        self.flush()
         for cached in self.cached.values():
             cached.detach()
 
@@ -237,17 +281,6 @@ def _fields(batch: Any) -> dict[Hashable, torch.Tensor]:
     return {}
 
 
-def refuse_directory(directory: Any) -> None:
-    """The disk store is not there yet: a ``directory`` is refused with what to do."""
-    if directory is not None:
-        _validation.fail(
-            "directory",
-            directory,
-            "asks for a disk store, which is not available yet (it arrives in a later release)",
-            "pass `directory=None`; features are kept in host memory within `budget`",
-        )
-
-
 def cache_frozen_features(
     model: nn.Module,
     modules: Any = "auto",
@@ -256,6 +289,7 @@ def cache_frozen_features(
     dtype: torch.dtype | None = None,
     verify: bool = True,
     directory: Any = None,
+    dataset: Any = None,
 ) -> FrozenFeatures:
     """Serve frozen submodules' outputs from a per-sample store instead of running them.
 
@@ -280,8 +314,15 @@ def cache_frozen_features(
         verify: on the first reuse, run the module anyway and compare with the stored
             features; on a mismatch (a random augmentation of the input) stop serving,
             with a warning. Costs one batch's forward, once.
-        directory: a disk store for what passes the budget; not available yet (it comes
-            in a later release): pass None.
+        directory: a folder for a disk store (created if missing): every stored feature
+            is also written there, in memory-mapped shards, and what passes the budget is
+            served from there. A later cache (another process, a resumed fit) on the same
+            weights and data starts warm from it; several processes (DDP ranks) may share
+            one. Buffered rows are written every 64 MiB and by :meth:`~FrozenFeatures.flush`
+            (and ``remove()``). Refused with the fix when it is a file or not writable.
+        dataset: the dataset the keys index (a fingerprint of it keys the features):
+            pass it when the keys are dataset indices, so that another dataset's features
+            are never served; None when the keys identify samples by themselves.
 
     Returns:
         The cache: ``keys(...)`` to run a batch, ``counts()``, ``remove()``.
@@ -299,7 +340,6 @@ def cache_frozen_features(
         >>> counts["misses"], counts["hits"]  # epoch 0 runs, epoch 1 verifies, epoch 2 serves
         (8, 4)
     """
-    refuse_directory(directory)
     if not isinstance(model, nn.Module):
         _validation.fail("model", model, "must be a torch.nn.Module", "pass the model itself")
     verify = _validation.boolean("verify", verify)
@@ -310,6 +350,10 @@ def cache_frozen_features(
             "must be a floating torch.dtype or None",
             "pass e.g. `dtype=torch.bfloat16`, or None to keep the output's",
         )
-    store = FeatureStore(budget_bytes(budget))
+    disk = DiskStore(prepare_directory(directory)) if directory is not None else None
+    store = FeatureStore(budget_bytes(budget), disk)
     scope = Scope(store=store, dtype=dtype, verify=verify)
-    return FrozenFeatures(model, modules, store, scope)
+    cache = FrozenFeatures(model, modules, store, scope)
+    if dataset is not None:
+        cache.use_dataset(dataset)
+    return cache

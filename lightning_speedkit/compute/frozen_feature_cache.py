@@ -15,11 +15,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat, _validation
-from lightning_speedkit.compute._frozen_core import (
-    FrozenFeatures,
-    cache_frozen_features,
-    refuse_directory,
-)
+from lightning_speedkit.compute._frozen_core import FrozenFeatures, cache_frozen_features
+from lightning_speedkit.compute._frozen_disk import check_directory
 from lightning_speedkit.compute._frozen_loader import (
     IndexedDataset,
     batch_rows,
@@ -54,7 +51,12 @@ class FrozenFeatureCache(L.Callback):
             (a list, or a tensor: on an accelerator that tensor is read to the host, a sync).
         budget: host memory the store may use: bytes, or a share of the free memory
             (``"50%"``). Past it nothing more is stored and those samples run every time.
-        directory: a disk store beyond the budget; arrives in a later release: pass None.
+        directory: a folder for a disk store (created if missing). Every stored feature is
+            written there too, in memory-mapped shards (at each epoch's end, and every
+            64 MiB), and what passes ``budget`` is served from there. A later fit (a new
+            process, a resumed run) on the same weights and dataset starts warm; the ranks
+            of a DDP or ZeRO-2 job may share one folder and serve each other's features
+            from the next epoch on. Refused with the fix when it is a file or not writable.
         dtype: storage dtype; None keeps the output's (exact). ``"bfloat16"`` halves a
             float32 store and rounds the served features: the numerics change.
         verify: recompute the first reused batch and compare; on a mismatch (random
@@ -76,7 +78,7 @@ class FrozenFeatureCache(L.Callback):
         dtype: torch.dtype | str | None = None,
         verify: bool = True,
     ) -> None:
-        refuse_directory(directory)
+        self.directory = check_directory(directory)
         self.key = _validation.text("key", key, example="index")
         budget_bytes(budget, free=0 if isinstance(budget, str) else None)  # checked now
         if isinstance(dtype, str):
@@ -98,8 +100,9 @@ class FrozenFeatureCache(L.Callback):
         _compat.drop_train_loader_change(trainer, OWNER)  # a fit that raised
         if self.cache is None or self.cache.model is not pl_module:
             self.cache = cache_frozen_features(
-                pl_module, self.modules, budget=self.budget, dtype=self.dtype, verify=self.verify
-            )
+                pl_module, self.modules, budget=self.budget, dtype=self.dtype,
+                verify=self.verify, directory=self.directory,
+            )  # fmt: skip
             self.cache.load_state_dict(self._state)
         else:  # a later fit of the same model: the store is still good
             self.cache.attach()
@@ -113,6 +116,7 @@ class FrozenFeatureCache(L.Callback):
         wrapper = loader.dataset
         if not isinstance(wrapper, IndexedDataset) or self.cache is None:
             return loader
+        self.cache.use_dataset(wrapper.dataset)  # an index means a sample of this dataset
         if wrapper.plan is None and can_skip(wrapper.dataset):
             wrapper.plan = SkipPlan(len(wrapper))
         if wrapper.plan is not None:
@@ -132,6 +136,14 @@ class FrozenFeatureCache(L.Callback):
     ) -> None:
         if self.cache is not None:
             self.cache.end_step()
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.cache is None or self.directory is None:
+            return
+        self.cache.flush()  # this rank's features of the epoch, on disk
+        if trainer.world_size > 1:
+            trainer.strategy.barrier("FrozenFeatureCache")  # every rank's, once per epoch
+        self.cache.refresh()
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit" or self.cache is None:

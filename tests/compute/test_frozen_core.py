@@ -269,13 +269,9 @@ def test_auto_that_finds_nothing_says_how_to_name_the_module() -> None:
     assert cache.modules == {}
 
 
-def test_remove_puts_the_forward_back_and_the_directory_is_refused() -> None:
+def test_remove_puts_the_forward_back() -> None:
     model = _Model()
     cache = cache_frozen_features(model, ["tower"])
     assert "forward" in vars(model.tower)
     cache.remove()
     assert "forward" not in vars(model.tower)
-    with pytest.raises(
-        SpeedkitConfigError, match=r"^`directory` asks for a disk store.*later release"
-    ):
-        cache_frozen_features(model, ["tower"], directory="features")

@@ -8,13 +8,15 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 from lightning_speedkit.compute._frozen_loader import INDEX_FIELD
 from lightning_speedkit.compute.frozen_feature_cache import FrozenFeatureCache
 from lightning_speedkit.errors import SpeedkitConfigError
 from speedkit_examples.vlm import VLMConfig, VLMDataModule, VLMTask
 from tests.conftest import SMALL_CORPUS
+
+ROW = 16 * 64 * 4  # a sample's features: 16 image tokens x 64 wide, float32
 
 
 class _Losses(Callback):
@@ -47,6 +49,7 @@ def _fit(
     task: VLMTask | None = None,
     extra: tuple[Callback, ...] = (),
     workers: int = 0,
+    ckpt_path: Path | None = None,
 ) -> tuple[VLMTask, _Losses, list[int]]:
     L.seed_everything(seed, verbose=False)
     data = VLMDataModule(
@@ -60,14 +63,14 @@ def _fit(
         max_epochs=epochs,
         accelerator="cpu",
         logger=False,
-        enable_checkpointing=False,
+        enable_checkpointing=any(isinstance(c, ModelCheckpoint) for c in extra),
         enable_progress_bar=False,
         enable_model_summary=False,
         num_sanity_val_steps=0,
         limit_val_batches=0,
         callbacks=[losses, *extra, *([cache] if cache else [])],
     )
-    trainer.fit(task, datamodule=data)
+    trainer.fit(task, datamodule=data, ckpt_path=ckpt_path)
     return task, losses, runs
 
 
@@ -114,6 +117,42 @@ def test_a_second_fit_starts_warm_and_changed_weights_miss(small_corpus: Path) -
     assert cache.counts["store_bytes"] == 96 * 16 * 64 * 4
 
 
+def test_a_new_cache_with_the_same_directory_starts_warm_with_the_plain_losses(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    _, plain, _ = _fit(small_corpus, 2, None)
+    first = FrozenFeatureCache(modules=["model.vision"], directory=tmp_path)
+    _fit(small_corpus, 1, first)
+    (shard,) = tmp_path.rglob("*.bin")  # epoch 1's 96 samples, written at its end
+    assert shard.stat().st_size == first.counts["disk_bytes"] == 96 * ROW
+    # a new model and a new cache, as a new process has them: only the folder is shared
+    cache = FrozenFeatureCache(modules=["model.vision"], directory=tmp_path, budget=0)
+    _, cached, runs = _fit(small_corpus, 2, cache)
+    assert runs == [16]  # the first batch runs once, to check the features read back
+    assert all(torch.equal(a, b) for a, b in zip(plain.losses, cached.losses, strict=True))
+    counts = cache.counts
+    assert (counts["hits"], counts["misses"], counts["stored"]) == (176, 16, 0)
+    assert (counts["store_bytes"], counts["disk_bytes"]) == (0, 96 * ROW)
+    assert len(list(tmp_path.rglob("*.bin"))) == 1  # nothing written twice
+
+
+def test_a_resumed_fit_with_the_same_directory_starts_warm(
+    small_corpus: Path, tmp_path: Path
+) -> None:
+    checkpoints = ModelCheckpoint(tmp_path / "ckpt", save_top_k=-1)
+    first = FrozenFeatureCache(modules=["model.vision"], directory=tmp_path / "features")
+    _fit(small_corpus, 1, first, extra=(checkpoints,))
+    (checkpoint,) = (tmp_path / "ckpt").glob("*.ckpt")
+    cache = FrozenFeatureCache(modules=["model.vision"], directory=tmp_path / "features")
+    _, _, runs = _fit(small_corpus, 2, cache, ckpt_path=checkpoint)
+    # counters come from the checkpoint; the features from the folder: epoch 2 runs one
+    # batch (to learn the output's structure; the check was done before) and serves 80
+    assert runs == [16]
+    assert cache.state_dict()["model.vision"]["hits"] == 80
+    assert cache.state_dict()["model.vision"]["misses"] == 96 + 16
+    assert cache.counts["disk_bytes"] == 96 * ROW
+
+
 def test_budget_stops_storing_and_the_rest_runs(small_corpus: Path) -> None:
     row = 16 * 64 * 4
     cache = FrozenFeatureCache(modules=["model.vision"], budget=40 * row, verify=False)
@@ -155,10 +194,8 @@ def test_a_missing_key_field_names_the_fix(small_corpus: Path) -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        (
-            {"directory": "features"},
-            "`directory` asks for a disk store, which is not available yet",
-        ),
+        ({"directory": 7}, "`directory` must be a path or None"),
+        ({"directory": __file__}, "`directory` is a file"),
         ({"budget": "half"}, "`budget` must be a number of bytes or a share"),
         ({"budget": "150%"}, "`budget` must be a number of bytes or a share"),
         ({"dtype": "int8"}, "`dtype` is not one of the choices"),
