@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import errno
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -171,7 +172,7 @@ def test_a_crash_mid_write_leaves_nothing_that_is_read_as_a_shard(
             raise KeyboardInterrupt  # the process dies between the data and its index
         replace(source, target)
 
-    monkeypatch.setattr(_frozen_disk.os, "replace", crash_before_the_index)
+    monkeypatch.setattr(os, "replace", crash_before_the_index)
     with pytest.raises(KeyboardInterrupt):
         cache.flush()
     monkeypatch.undo()
@@ -180,7 +181,7 @@ def test_a_crash_mid_write_leaves_nothing_that_is_read_as_a_shard(
     torn = data.with_name("torn.json")  # an index whose data file is short
     torn.write_text(data.with_suffix(".json").name)
     data.with_name("short.bin").write_bytes(data.read_bytes()[:40])
-    index = _frozen_disk.json.dumps({"version": 1, "group": "?", "layout": [], "keys": [0]})
+    index = json.dumps({"version": 1, "group": "?", "layout": [], "keys": [0]})
     data.with_name("short.json").write_text(index)
     later = cache_frozen_features(fresh, ["0"], directory=tmp_path, verify=False)
     _epoch(later, fresh, x)
@@ -246,7 +247,7 @@ def test_a_directory_that_cannot_hold_shards_is_refused_with_the_fix(
         cache_frozen_features(_model(), ["0"], directory=afile)
     with pytest.raises(SpeedkitConfigError, match=r"^`directory` is under a file \(.*features\)"):
         check_directory(afile / "cache")
-    monkeypatch.setattr(_frozen_disk.os, "access", lambda path, mode: False)  # as for non-root
+    monkeypatch.setattr(os, "access", lambda path, mode: False)  # as for non-root
     with pytest.raises(SpeedkitConfigError, match=r"^`directory` cannot be written to"):
         check_directory(tmp_path / "new" / "cache")
     assert not (tmp_path / "new").exists()  # nothing created on the way
