@@ -38,6 +38,9 @@ log = logging.getLogger(__name__)
 
 #: The batch fields that mark a packed batch (what PackingCollate returns).
 PACKING_FIELDS = ("cu_seqlens", "document_ids")
+#: The same fields as transformers' ``DataCollatorWithFlattening`` names them
+#: (``return_flash_attn_kwargs=True``, ``return_seq_idx=True``), read when ours are absent.
+_HF_NAMES = {"cu_seqlens": "cu_seq_lens_q", "document_ids": "seq_idx"}
 #: Fields whose ``(rows, S)`` shape gives a batch's rows when only ``cu_seqlens`` is there.
 _ROW_FIELDS = ("document_ids", "position_ids", "input_ids", "labels")
 
@@ -131,7 +134,10 @@ def packed_documents(batch: Any) -> Iterator[Documents | None]:
     """Keep a packed batch's documents apart in every swapped attention, inside the block.
 
     ``batch`` is what :class:`~lightning_speedkit.data.PackingCollate` returned (a dict
-    with ``cu_seqlens`` and/or ``document_ids``); a batch without them changes nothing.
+    with ``cu_seqlens`` and/or ``document_ids``) or transformers'
+    ``DataCollatorWithFlattening`` with ``return_seq_idx=True`` and/or
+    ``return_flash_attn_kwargs=True``; a batch without them changes nothing. SDPA calls
+    the model makes itself on the packed rows run per document too.
     :class:`~lightning_speedkit.AttentionSwap` does this for each training batch; use it
     without a Trainer, around forward *and* backward (an activation checkpoint recomputes
     in backward, under the same boundaries). Positions are the model's: pass the batch's
@@ -156,15 +162,19 @@ def packed_documents(batch: Any) -> Iterator[Documents | None]:
 
 
 def documents_of(batch: Any) -> Documents | None:
-    """A batch's documents, from its ``document_ids`` and/or ``cu_seqlens``; None if unpacked.
+    """A batch's documents, from its ``document_ids`` and/or ``cu_seqlens`` (or
+    transformers' ``seq_idx`` and ``cu_seq_lens_q``); None if unpacked.
 
     This reads the boundaries on the host: on a GPU, one device-to-host copy per batch.
     """
-    if not isinstance(batch, Mapping) or not any(
-        isinstance(batch.get(f), Tensor) for f in PACKING_FIELDS
-    ):
+    if not isinstance(batch, Mapping):
         return None
-    ids, cu = batch.get("document_ids"), batch.get("cu_seqlens")
+    ids, cu = (
+        batch[f] if isinstance(batch.get(f), Tensor) else batch.get(_HF_NAMES[f])
+        for f in ("document_ids", "cu_seqlens")
+    )
+    if not isinstance(ids, Tensor) and not isinstance(cu, Tensor):
+        return None
     cu_list = _cu_seqlens(cu) if isinstance(cu, Tensor) else None
     if isinstance(ids, Tensor):
         return _from_document_ids(ids, cu_list)
@@ -255,6 +265,32 @@ def per_document(
         while mask.ndim < 4:
             mask = mask.unsqueeze(0)
     pieces: dict[tuple[int, int], Tensor] = {}
+    _CUTTING[0] += 1  # the pieces' SDPA calls are not cut again by an enclosing mode
+    try:
+        _cut(run, documents, q, k, v, mask, pieces, kwargs)
+    finally:
+        _CUTTING[0] -= 1
+    return torch.stack(
+        [
+            torch.cat([pieces[(r, s)] for s, _ in spans], dim=-2)
+            for r, spans in enumerate(documents.spans)
+        ]
+    )
+
+
+_CUTTING = [0]  # how many per_document calls are running their pieces now
+
+
+def _cut(
+    run: Callable[..., Tensor],
+    documents: Documents,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    mask: Tensor | None,
+    pieces: dict[tuple[int, int], Tensor],
+    kwargs: dict[str, Any],
+) -> None:
     for members in groups(documents):
 
         def stack(t: Tensor, members: list[tuple[int, int, int]] = members) -> Tensor:
@@ -268,12 +304,6 @@ def per_document(
         out = run(stack(q), stack(k), stack(v), attn_mask=mask_g, **kwargs)
         for (r, s, _), piece in zip(members, out.unbind(0), strict=True):
             pieces[(r, s)] = piece
-    return torch.stack(
-        [
-            torch.cat([pieces[(r, s)] for s, _ in spans], dim=-2)
-            for r, spans in enumerate(documents.spans)
-        ]
-    )
 
 
 def groups(documents: Documents) -> list[list[tuple[int, int, int]]]:
@@ -314,7 +344,7 @@ class _SdpaPerDocument(TorchFunctionMode):
     ) -> Any:
         kwargs = kwargs or {}
         documents = active()
-        if func is not F.scaled_dot_product_attention or documents is None:
+        if func is not F.scaled_dot_product_attention or documents is None or _CUTTING[0]:
             # A torch function that calls SDPA inside runs with this mode popped, so its SDPA
             # call is not seen here: ``nn.MultiheadAttention`` is cut per document before.
             return func(*args, **kwargs)
