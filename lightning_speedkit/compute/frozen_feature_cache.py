@@ -3,7 +3,8 @@
 A thin layer over :func:`~lightning_speedkit.compute._frozen_core.cache_frozen_features`:
 the callback puts the cache on the LightningModule at setup, has the train loader carry
 each sample's dataset index (``key="index"``), tells the cache which samples each training
-batch holds, and takes everything off again when the fit ends.
+batch holds, has a disk store write its shards and read the other ranks' at each epoch's
+end, and takes everything off again when the fit ends.
 """
 
 from __future__ import annotations
@@ -33,11 +34,13 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 
 class FrozenFeatureCache(L.Callback):
-    """Serve a frozen submodule's outputs (a VLM's vision tower) from memory after the first epoch.
+    """Serve a frozen submodule's outputs (a VLM's vision tower) from a store after the first epoch.
 
-    The first time a sample is seen, the module runs and its output is stored; later the
-    stored output is returned and the module does not run for that sample. With
-    ``dtype=None`` the losses are bit for bit those of the run without the cache.
+    The first time a sample is seen, the module runs and its output is stored (in memory,
+    and with ``directory`` on disk too); later the stored output is returned and the
+    module does not run for that sample. With ``dtype=None`` the losses are bit for bit
+    those of the run without the cache. Under DDP or DeepSpeed's ZeRO-2 each rank caches
+    what its sampler gives it; with a shared ``directory`` the ranks serve each other's.
 
     Args:
         modules: ``"auto"`` (the frozen submodules called with a tensor of the batch as it

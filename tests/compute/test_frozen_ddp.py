@@ -75,3 +75,19 @@ def test_deepspeed_zero2_ranks_share_a_folder_and_keep_the_losses(tmp_path: Path
     ranks = run_script("frozen_cache_ddp.py", tmp_path, "--strategy", "deepspeed_zero2",
                        "--features", str(tmp_path / "features"))  # fmt: skip
     _check_cached_run(ranks)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_under_fsdp_zero2_the_tower_runs_as_it_is_and_the_losses_stay(tmp_path: Path) -> None:
+    """FSDP1 (``use_orig_params=True``) gives the tower, in forward, views of a flat
+    parameter that also holds the trainable head's: they require grad, so the cache runs
+    the tower without the store (it would cut a gradient) and says so."""
+    ranks = run_script("frozen_cache_ddp.py", tmp_path, "--strategy", "fsdp_zero2",
+                       "--features", str(tmp_path / "features"))  # fmt: skip
+    for rank in ranks:
+        assert rank["cached"]["losses"] == rank["plain"]["losses"]
+        assert rank["cached"]["tower_rows"] == [8] * 12
+        last = rank["cached"]["counts"][-1]
+        assert (last["hits"], last["stored"], last["plain_calls"]) == (0, 0, 12)
+    assert not list((tmp_path / "features").rglob("*.bin"))
