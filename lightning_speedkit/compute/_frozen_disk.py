@@ -262,7 +262,7 @@ class DiskStore:
         plain = _plain_key(key)
         if self.failed is not None or plain is None:
             return False
-        if self._group(base).get(key) is not None:
+        if key in self._group(base).rows:
             return True  # on disk already (another rank, an earlier process)
         bucket = (base, _layout(entry))
         rows = self._pending.setdefault(bucket, {})

@@ -17,6 +17,7 @@ from torch.utils.data import TensorDataset
 from lightning_speedkit.compute import _frozen_disk
 from lightning_speedkit.compute._frozen_core import FrozenFeatures, cache_frozen_features
 from lightning_speedkit.compute._frozen_disk import DiskStore, check_directory
+from lightning_speedkit.compute._frozen_loader import dataset_fingerprint
 from lightning_speedkit.errors import SpeedkitConfigError
 
 ROW = 6 * 4  # a sample's features: 6 float32, padded to 16 bytes
@@ -251,3 +252,37 @@ def test_a_directory_that_cannot_hold_shards_is_refused_with_the_fix(
     with pytest.raises(SpeedkitConfigError, match=r"^`directory` cannot be written to"):
         check_directory(tmp_path / "new" / "cache")
     assert not (tmp_path / "new").exists()  # nothing created on the way
+
+
+def test_a_full_buffer_is_written_as_a_shard_without_waiting_for_flush(tmp_path: Path) -> None:
+    base = ("tower", "weights", "call")
+    store = DiskStore(tmp_path, shard_bytes=2 * ROW_ON_DISK)
+    for key in range(5):
+        store.put(base, key, (torch.full((6,), float(key)),))
+    assert len(_shards(tmp_path)) == 2  # rows 0-1 and 2-3; row 4 waits in the buffer
+    assert store.bytes == 4 * ROW_ON_DISK
+    assert store.get(base, 4)[0].tolist() == [4.0] * 6  # type: ignore[index]  # from the buffer
+    later = DiskStore(tmp_path)
+    assert later.get(base, 3)[0].tolist() == [3.0] * 6  # type: ignore[index]
+    assert later.get(base, 4) is None
+
+
+def test_the_dataset_fingerprint_sees_type_length_and_the_probed_samples_only() -> None:
+    def data(values: torch.Tensor) -> str:
+        return dataset_fingerprint(TensorDataset(values))
+
+    values = torch.arange(10.0)
+    assert data(values) == data(values.clone())
+    assert data(values) != data(values[:9])  # another length
+    assert data(values) != data(values.double())  # another dtype
+    middle, other = values.clone(), values.clone()
+    middle[5] = 99.0  # the first, middle and last samples are read
+    other[3] = 99.0
+    assert data(values) != data(middle)
+    assert data(values) == data(other)  # the documented limit: a change elsewhere is unseen
+
+    class Broken(TensorDataset):
+        def __getitem__(self, index: int) -> Any:
+            raise OSError("unreadable")
+
+    assert dataset_fingerprint(Broken(values))  # never raises
