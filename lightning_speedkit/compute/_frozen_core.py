@@ -306,8 +306,9 @@ def cache_frozen_features(
             or a list of those. A chosen module with a parameter that requires grad, or
             with dropout (``p > 0``) or BatchNorm in train mode, is refused with the reason.
         budget: bytes of host memory the store may hold, or a share of the free host
-            memory (``"50%"``, the default). Past it, nothing more is stored and the
-            samples not stored run their module every time.
+            memory (``"50%"``, the default). Past it, nothing more is kept in memory:
+            those samples run their module every time, or with a ``directory`` are served
+            from disk.
         dtype: the dtype features are stored in; None (default) keeps the module's output
             dtype, which serves bit-for-bit what the module computed. ``torch.bfloat16``
             halves a float32 store but changes the numerics: served features are rounded.

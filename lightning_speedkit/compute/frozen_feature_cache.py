@@ -53,7 +53,8 @@ class FrozenFeatureCache(L.Callback):
             never sees the extra field. Or the name of a batch field with one id per sample
             (a list, or a tensor: on an accelerator that tensor is read to the host, a sync).
         budget: host memory the store may use: bytes, or a share of the free memory
-            (``"50%"``). Past it nothing more is stored and those samples run every time.
+            (``"50%"``). Past it nothing more is kept in memory: those samples run every
+            time, or with a ``directory`` are served from disk.
         directory: a folder for a disk store (created if missing). Every stored feature is
             written there too, in memory-mapped shards (at each epoch's end, and every
             64 MiB), and what passes ``budget`` is served from there. A later fit (a new
