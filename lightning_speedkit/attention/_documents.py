@@ -21,7 +21,7 @@ import logging
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from functools import partial
-from typing import Any
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,7 @@ from lightning_speedkit.errors import SpeedkitConfigError
 __all__ = ["Documents", "active", "documents_of", "packed_documents", "per_document"]
 
 log = logging.getLogger(__name__)
+_Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 #: The batch fields that mark a packed batch (what PackingCollate returns).
 PACKING_FIELDS = ("cu_seqlens", "document_ids")
@@ -116,10 +117,10 @@ def _documents_set(documents: Documents | None) -> Iterator[None]:
 
     previous = _ACTIVE[0]
     _ACTIVE[0] = documents
-    hooks = model_hooks() if documents is not None else contextlib.nullcontext()
+    if documents is not None:
+        model_hooks()
     try:
-        with hooks:
-            yield
+        yield
     finally:
         _ACTIVE[0] = previous
 
@@ -245,6 +246,13 @@ def _from_cu_seqlens(cu: list[int], rows: int, length: int) -> Documents:
     return Documents(rows, length, tuple(tuple(s) for s in spans))
 
 
+def _not_compiled(fn: _Fn) -> _Fn:
+    """``torch.compiler.disable``: compiled, the call is a graph break and runs eagerly, so
+    a compiled block's graph does not depend on the cuts (a new layout is no new graph)."""
+    return cast("_Fn", torch.compiler.disable(fn))
+
+
+@_not_compiled
 def per_document(
     run: Callable[..., Tensor],
     documents: Documents,
@@ -348,12 +356,19 @@ class _SdpaPerDocument(TorchFunctionMode):
             # A torch function that calls SDPA inside runs with this mode popped, so its SDPA
             # call is not seen here: ``nn.MultiheadAttention`` is cut per document before.
             return func(*args, **kwargs)
-        bound = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
-        q, k, v = bound.pop("query"), bound.pop("key"), bound.pop("value")
-        if not documents.covers(q, k, bool(bound.get("is_causal", False))):
-            return func(q, k, v, **bound)
-        mask = bound.pop("attn_mask", None)
-        return per_document(func, documents, q, k, v, attn_mask=mask, **bound)
+        return _sdpa_call(func, documents, args, kwargs)
+
+
+@_not_compiled
+def _sdpa_call(
+    func: Any, documents: Documents, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor:
+    bound = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+    q, k, v = bound.pop("query"), bound.pop("key"), bound.pop("value")
+    if not documents.covers(q, k, bool(bound.get("is_causal", False))):
+        return func(q, k, v, **bound)
+    mask = bound.pop("attn_mask", None)
+    return per_document(func, documents, q, k, v, attn_mask=mask, **bound)
 
 
 @contextlib.contextmanager
@@ -407,7 +422,7 @@ class StepDocuments:
     def exit(self, report: Any = None, model: nn.Module | None = None) -> None:
         """Clear the step's documents; with the swap's ``report`` on ``model``, warn about
         what mixed them (a module whose own SDPA calls ran per document did not)."""
-        from lightning_speedkit.attention._own_calls import own_sdpa_modules
+        from lightning_speedkit.attention._own_calls import calls_sdpa, own_sdpa_modules
 
         stack, self._stack = self._stack, None
         if stack is not None:
@@ -420,7 +435,7 @@ class StepDocuments:
         own = [
             name
             for name, _ in (*report.reverted, *report.skipped)
-            if named.get(name) not in kept_apart
+            if not (name in named and (named[name] in kept_apart or calls_sdpa(named[name])))
         ]
         if (report.modules or kept_apart) and not own:
             return

@@ -20,10 +20,9 @@ hooks watch every module call:
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -32,42 +31,50 @@ from torch import Tensor, nn
 
 from lightning_speedkit.attention import _documents
 
-__all__ = ["model_hooks", "own_sdpa_modules"]
+__all__ = ["calls_sdpa", "model_hooks", "own_sdpa_modules"]
 
-_HOOKS: list[Any] = [None, 0]  # the global hooks' handles, and how many hold them
+_HOOKS: list[Any] = []  # the global hooks' handles, once registered
 _LOCAL = threading.local()  # per thread: the module calls open now, and the mode of the outermost
 #: Modules whose own SDPA calls ran per document since the last :func:`own_sdpa_modules`.
 _OWN_SDPA: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _ADDS = {torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__, Tensor.__iadd__, Tensor.add_}
 
 
-@contextlib.contextmanager
-def model_hooks() -> Iterator[None]:
-    """While documents are active, the model's own calls keep them apart (see above)."""
-    if _HOOKS[1] == 0:
-        # torch types a pre-hook as returning None; its returned args replace the call's.
-        restart: Callable[..., Any] = _restart_positions
-        register = nn.modules.module
-        _HOOKS[0] = (
+def model_hooks() -> None:
+    """Have the model's own calls keep the active documents apart (see above).
+
+    The hooks are registered at the first packed batch and stay, doing nothing while no
+    documents are active: ``torch.compile`` guards on the global hooks' ids, and hooks
+    registered anew for each batch would recompile every compiled block at every batch.
+    """
+    if _HOOKS:
+        return
+    # torch types a pre-hook as returning None; its returned args replace the call's.
+    restart: Callable[..., Any] = _restart_positions
+    register = nn.modules.module
+    _HOOKS.extend(
+        (
             register.register_module_forward_pre_hook(restart),
             register.register_module_forward_pre_hook(_enter_call),
             register.register_module_forward_hook(_exit_call, always_call=True),
         )
-    _HOOKS[1] += 1
-    try:
-        yield
-    finally:
-        _HOOKS[1] -= 1
-        if _HOOKS[1] == 0:
-            for handle in _HOOKS[0]:
-                handle.remove()
+    )
 
 
 def own_sdpa_modules() -> set[nn.Module]:
-    """The modules whose own SDPA calls ran per document since the last call; cleared."""
+    """The modules whose own SDPA calls ran per document since the last call; cleared.
+
+    Seen in eager calls only (a compiled block keeps no books): see :func:`calls_sdpa`.
+    """
     modules = set(_OWN_SDPA)
     _OWN_SDPA.clear()
     return modules
+
+
+def calls_sdpa(module: nn.Module) -> bool:
+    """Whether the module's ``forward`` calls ``scaled_dot_product_attention`` by name."""
+    code = getattr(type(module).forward, "__code__", None)
+    return code is not None and "scaled_dot_product_attention" in code.co_names
 
 
 def _calls() -> list[nn.Module]:
@@ -111,7 +118,9 @@ class _OwnCalls(_documents._SdpaPerDocument):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if func is F.scaled_dot_product_attention:
+        if torch.compiler.is_compiling():
+            pass  # inside a compiled block: no bookkeeping for dynamo to guard on
+        elif func is F.scaled_dot_product_attention:
             calls = _calls()
             if calls:
                 _OWN_SDPA.add(calls[-1])
