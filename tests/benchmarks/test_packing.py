@@ -1,0 +1,77 @@
+"""The packing benchmark keeps working; its numbers are recorded in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+from lightning_speedkit.data import PackingCollate
+from tests.helpers.modules import load_module
+
+SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "packing.py"
+TINY = [
+    *("--steps", "6", "--docs-per-step", "8", "--max-len", "64", "--vocab", "32"),
+    *("--dim", "16", "--layers", "1", "--heads", "2", "--warmup", "2", "--rounds", "1"),
+]
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    return load_module(SCRIPT)
+
+
+def test_the_corpus_is_long_tailed_as_instruction_data(bench: ModuleType) -> None:
+    lengths = [len(d) - 1 for d in bench.corpus(2000, max_len=512, vocab=64)]
+    assert min(lengths) >= 8
+    assert max(lengths) == 512  # the tail reaches the longest
+    assert 0.22 <= statistics.median(lengths) / 512 <= 0.28  # median about a quarter
+
+
+def test_first_fit_decreasing_order_makes_next_fit_rows_tight(bench: ModuleType) -> None:
+    lengths = [5, 9, 3, 7, 2]
+    order = bench.first_fit_decreasing(list(range(5)), lengths, capacity=10)
+    assert order == [1, 3, 2, 0, 4]  # rows [9], [7, 3], [5, 2]
+    samples = [{"input_ids": list(range(n))} for n in lengths]
+    collate = PackingCollate(max_tokens=10)
+    assert collate(samples)["input_ids"].shape == (4, 10)  # arrival order: 5 | 9 | 3 7 | 2
+    assert collate([samples[i] for i in order])["input_ids"].shape == (3, 10)
+
+
+def test_padding_share_is_the_padding_of_the_positions_run(bench: ModuleType) -> None:
+    args = argparse.Namespace(max_len=64, docs_per_step=8)
+    data = bench.Documents(bench.corpus(32, max_len=64, vocab=32))
+    lengths = [len(d) - 1 for d in data.docs]
+    padded = bench.batches("padded", lengths, 8, 64)
+    positions = sum(len(b) * max(lengths[i] for i in b) for b in padded)
+    assert bench.padding_share("padded", data, args) == pytest.approx(
+        1 - sum(lengths) / positions, rel=1e-12
+    )
+    packed_rows = sum(b["input_ids"].shape[0] for b in bench.loader("packed", data, args))
+    assert bench.padding_share("packed", data, args) == pytest.approx(
+        1 - sum(lengths) / (packed_rows * 64), rel=1e-12
+    )
+
+
+def test_the_benchmark_runs_the_arms_side_by_side_and_writes_its_table(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    out = tmp_path / "packing.json"
+    report = bench.main([*TINY, "--out", str(out)])
+    assert json.loads(out.read_text()) == report
+    rows = {row["arm"]: row for row in report["rows"]}
+    assert list(rows) == ["padded", "bucketed", "packed", "packed_ffd"]
+    assert rows["padded"]["x_padded"] == 1.0
+    assert rows["bucketed"]["x_bucketed"] == 1.0
+    # packed rows hold the same documents each step as padded: the same loss, to rounding
+    assert rows["packed"]["loss_gap_to_padded"] <= 1e-5
+    assert rows["packed_ffd"]["loss_gap_to_padded"] <= 1e-5
+    assert len(rows["packed"]["losses"]) == 6
+    shares = [rows[arm]["padding_share"] for arm in ("padded", "packed", "packed_ffd")]
+    assert shares == sorted(shares, reverse=True)  # packing pads less, and FFD less again
+    assert all(0 < row["attention_share"] < 1 for row in rows.values())
+    assert report["real_tokens"] == sum(len(d) - 1 for d in bench.corpus(48, max_len=64, vocab=32))
