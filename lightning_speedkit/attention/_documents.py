@@ -57,6 +57,8 @@ class Documents:
     length: int
     spans: tuple[tuple[tuple[int, int], ...], ...]
     _positions: Tensor | None = field(default=None, repr=False, compare=False)
+    #: What a backend builds once per batch from the documents (FlexAttention's block mask).
+    cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def positions(self, device: torch.device) -> Tensor:
         """Each token's position in its document, ``(rows, S)``."""
@@ -246,13 +248,13 @@ def _from_cu_seqlens(cu: list[int], rows: int, length: int) -> Documents:
     return Documents(rows, length, tuple(tuple(s) for s in spans))
 
 
-def _not_compiled(fn: _Fn) -> _Fn:
+def not_compiled(fn: _Fn) -> _Fn:
     """``torch.compiler.disable``: compiled, the call is a graph break and runs eagerly, so
     a compiled block's graph does not depend on the cuts (a new layout is no new graph)."""
     return cast("_Fn", torch.compiler.disable(fn))
 
 
-@_not_compiled
+@not_compiled
 def per_document(
     run: Callable[..., Tensor],
     documents: Documents,
@@ -359,7 +361,7 @@ class _SdpaPerDocument(TorchFunctionMode):
         return _sdpa_call(func, documents, args, kwargs)
 
 
-@_not_compiled
+@not_compiled
 def _sdpa_call(
     func: Any, documents: Documents, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Tensor:

@@ -37,6 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_speedkit import _imports
 from lightning_speedkit.attention import _documents
+from lightning_speedkit.attention._flex_documents import flex_per_document
 from lightning_speedkit.errors import SpeedkitConfigError
 
 log = logging.getLogger(__name__)
@@ -129,6 +130,10 @@ class Attend:
     ) -> Tensor:
         documents = _documents.active()
         if documents is not None and documents.covers(q, k, is_causal):  # packed: per document
+            if self._flex_runs(q, attn_mask, dropout_p):  # one call, a document block mask
+                return flex_per_document(
+                    _flex_function(q.device), documents, q, k, v, is_causal=is_causal, scale=scale
+                )
             return _documents.per_document(
                 self._attend, documents, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                 scale=scale, dropout_p=dropout_p,
@@ -204,6 +209,14 @@ class Attend:
                 stack.enter_context(sdpa_kernel([kernel]))
             stack.enter_context(_documents.sdpa_per_document())  # a packed batch: per document
             yield
+
+    def _flex_runs(self, q: Tensor, attn_mask: Tensor | None, dropout_p: float) -> bool:
+        """Whether this call runs FlexAttention itself (else it is cut per document, and
+        each piece takes :meth:`_attend`'s way, fallbacks said there)."""
+        if self.backend != "flex" or attn_mask is not None or dropout_p != 0.0:
+            return False
+        key = (q.device.type, q.dtype, q.requires_grad and torch.is_grad_enabled())
+        return key not in self._unavailable and self._cannot_run(q, None, key[2]) is None
 
     def _cannot_run(self, q: Tensor, attn_mask: Tensor | None, needs_grad: bool) -> str | None:
         cuda = q.device.type == "cuda"
@@ -341,16 +354,22 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
 _COMPILED_FLEX: Callable[..., Tensor] | None = None
 
 
-def _flex(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None) -> Tensor:
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+def _flex_function(device: torch.device) -> Callable[..., Tensor]:
+    """FlexAttention compiled on CUDA; elsewhere its eager reference (inference only)."""
+    from torch.nn.attention.flex_attention import flex_attention
 
     global _COMPILED_FLEX
-    if q.device.type != "cuda":
-        fn: Callable[..., Tensor] = flex_attention  # eager reference: inference only
-    else:
-        if _COMPILED_FLEX is None:
-            _COMPILED_FLEX = torch.compile(flex_attention)
-        fn = _COMPILED_FLEX
+    if device.type != "cuda":
+        return flex_attention
+    if _COMPILED_FLEX is None:
+        _COMPILED_FLEX = torch.compile(flex_attention)
+    return _COMPILED_FLEX
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None) -> Tensor:
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    fn = _flex_function(q.device)
     block_mask = None
     if is_causal:
         block_mask = create_block_mask(

@@ -314,3 +314,18 @@ def test_attention_swap_fit_keeps_the_models_own_sdpa_per_document(
     alone = _one_by_one(task.model, _samples())
     assert (task.losses[0] - alone).abs().max().item() <= 1e-5
     assert not [w for w in recwarn if "packed batch" in str(w.message)]
+
+
+@pytest.mark.parametrize("kind", list(MODELS))
+def test_checkpointed_blocks_recompute_the_models_own_sdpa_per_document(kind: str) -> None:
+    """Backward after the block: the kit's checkpoint replays the documents, and the mode."""
+    from lightning_speedkit.distributed import checkpoint_blocks
+
+    model = _model(kind)
+    assert len(checkpoint_blocks(model, "auto")) == 2
+    samples = _samples()
+    batch = PackingCollate(max_tokens=MAX_TOKENS)(samples)
+    reference_grads = _grads(model, _one_by_one(model, samples).sum())
+    with packed_documents(batch):
+        loss = _token_losses(model, batch).sum()
+    assert _max_diff(_grads(model, loss), reference_grads) <= 1e-5
