@@ -1,7 +1,7 @@
 """What a model computes itself on a packed batch: its own SDPA calls, the positions it builds.
 
-While a packed batch's documents are active (:mod:`._documents`), three global module
-hooks watch every module call:
+Three global module hooks, registered at the first packed batch and kept, watch every
+module call while a packed batch's documents are active (:mod:`._documents`):
 
 * the outermost call runs under a torch-function mode in which any
   ``F.scaled_dot_product_attention`` call over the packed rows runs per document, the
@@ -72,7 +72,11 @@ def own_sdpa_modules() -> set[nn.Module]:
 
 
 def calls_sdpa(module: nn.Module) -> bool:
-    """Whether the module's ``forward`` calls ``scaled_dot_product_attention`` by name."""
+    """Whether the module's ``forward`` calls ``scaled_dot_product_attention`` by name.
+
+    Taken at its word: a forward that calls SDPA on one branch only (nanoGPT's
+    ``if self.flash``) counts as calling it.
+    """
     code = getattr(type(module).forward, "__code__", None)
     return code is not None and "scaled_dot_product_attention" in code.co_names
 
