@@ -172,3 +172,33 @@ def test_the_count_sees_the_per_document_attention_that_ran(virtual_clock: Virtu
     assert counted.model == _linear_flops(36) + _attention_flops(spans)
     assert counted.model < _linear_flops(36) + _attention_flops([MAX_TOKENS] * 3)
     assert counted.tokens == 36  # the FLOP fit goes by positions: linear layers run padding
+
+
+@pytest.mark.gpu
+def test_real_tokens_of_packed_batches_cost_the_hooks_no_sync() -> None:
+    """The count is a reduction left on the device: the hooks still never wait for it."""
+
+    class SyncOn(L.Callback):  # before the monitor's batch-start hook
+        def on_train_batch_start(self, *args: Any) -> None:
+            torch.cuda.set_sync_debug_mode("error")
+
+    class SyncOff(L.Callback):  # after the monitor's batch-end hook
+        def on_train_batch_end(self, *args: Any) -> None:
+            torch.cuda.set_sync_debug_mode("default")
+
+    class Plain(Task):
+        def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+            ids = batch["input_ids"]
+            x = self.gpt.wte(ids) + self.gpt.wpe(torch.arange(ids.shape[1], device=ids.device))
+            logits = self.gpt.lm_head(x)  # no attention: the guard watches the monitor only
+            return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+    monitor = SpeedMonitor(peak_flops=None, warmup_steps=0, flops_per_batch=lambda b: 0)
+    trainer = L.Trainer(
+        accelerator="gpu", devices=1, max_steps=8, logger=False, log_every_n_steps=100,
+        callbacks=[SyncOn(), monitor, SyncOff()], enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Plain(), DataLoader([_packed()] * 8, batch_size=None))
+    # read once, at the end of training (no log inside the guarded steps)
+    assert monitor._throughput.run[0][1] == 27 * 7  # real tokens of the 7 timed steps
