@@ -14,10 +14,9 @@ per step (so the same tokens per step, on average):
 - ``packed``: the same batches as ``padded``, packed by ``PackingCollate`` into rows of
   ``--max-len``; AttentionSwap runs the attention per document (no model code changed:
   even the learned positions, ``wpe(torch.arange(T))``, restart per document);
-- ``packed_ffd``: as ``packed``, each batch's documents handed to ``PackingCollate`` in
-  first-fit-decreasing order (the batch sampler's doing): PackingCollate fills rows in
-  the order it gets documents and starts a new row when the next one does not fit, so
-  this order gives the rows first-fit-decreasing bin packing would.
+- ``packed_ffd``: as ``packed``, with ``PackingCollate(first_fit=True)``: each batch's
+  documents placed longest first, each into the first row with room (first-fit
+  decreasing), where ``packed`` fills rows in the order the documents come.
 
 Every document arrives as (input, label) pairs shifted inside it, so the loss (the mean
 over label tokens) is over the same tokens in every arm, and ``padded`` and ``packed``
@@ -103,35 +102,22 @@ def pad_collate(samples: list[dict[str, Tensor]]) -> dict[str, Tensor]:
     return {"input_ids": ids, "labels": labels, "attention_mask": mask}
 
 
-def first_fit_decreasing(batch: list[int], lengths: list[int], capacity: int) -> list[int]:
-    """``batch`` reordered so that filling rows in order gives first-fit-decreasing rows."""
-    rows: list[list[int]] = []
-    room: list[int] = []
-    for i in sorted(batch, key=lambda i: -lengths[i]):
-        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
-        if row is None:
-            rows.append([]), room.append(capacity)
-            row = len(rows) - 1
-        rows[row].append(i)
-        room[row] -= lengths[i]
-    return [i for row in rows for i in row]
-
-
 def batches(arm: str, lengths: list[int], per_step: int, capacity: int) -> list[list[int]]:
     """The epoch's batches of document indices for ``arm`` (the same for every round)."""
     if arm == "bucketed":
         return list(LengthBucketBatchSampler(lengths, batch_size=per_step, seed=0))
     order = torch.randperm(len(lengths), generator=torch.Generator().manual_seed(0)).tolist()
     steps = [order[i : i + per_step] for i in range(0, len(order), per_step)]
-    if arm == "packed_ffd":
-        return [first_fit_decreasing(b, lengths, capacity) for b in steps]
     return steps
 
 
 def loader(arm: str, data: Documents, args: argparse.Namespace) -> DataLoader[Any]:
     lengths = [len(d) - 1 for d in data.docs]
     packed = arm.startswith("packed")
-    collate = PackingCollate(max_tokens=args.max_len) if packed else pad_collate
+    first_fit = arm == "packed_ffd"
+    collate = (
+        PackingCollate(max_tokens=args.max_len, first_fit=first_fit) if packed else pad_collate
+    )
     return DataLoader(data, batch_sampler=batches(arm, lengths, args.docs_per_step, args.max_len),
                       collate_fn=collate, num_workers=0)  # fmt: skip
 

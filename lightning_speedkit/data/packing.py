@@ -69,6 +69,11 @@ class PackingCollate:
         separate_documents: set each document's first ``labels`` value to -100, so that
             a loss shifting labels (Hugging Face's causal LMs) never asks a document's
             last token for the next document's first. Needs ``labels`` in the samples.
+        first_fit: place the samples longest first, each into the first row with room
+            (first-fit decreasing), instead of in the order given: fewer rows and less
+            padding (on long-tailed lengths, 6% padding against 21% in order:
+            ``benchmarks/packing.py``). The batch's documents then come in the order
+            placed (``cu_seqlens``, ``document_ids`` and the stacked fields agree).
 
     Example::
 
@@ -105,6 +110,7 @@ class PackingCollate:
         pad_values: Mapping[str, int | float] | None = None,
         token_fields: Sequence[str] = TOKEN_FIELDS,
         separate_documents: bool = False,
+        first_fit: bool = False,
     ) -> None:
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise SpeedkitConfigError(
@@ -130,6 +136,9 @@ class PackingCollate:
                 f"`separate_documents` must be True or False, got {separate_documents!r}."
             )
         self.separate_documents = separate_documents
+        if not isinstance(first_fit, bool):
+            raise SpeedkitConfigError(f"`first_fit` must be True or False, got {first_fit!r}.")
+        self.first_fit = first_fit
         self._warned_cut = False
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -144,6 +153,10 @@ class PackingCollate:
                     f"({found}); samples must be dicts, and `key` the field holding the tokens."
                 )
             tokens.append(self._sequence(len(tokens), sample[self.key]))
+        if self.first_fit:
+            lengths = [min(len(seq), self.max_tokens) for seq in tokens]
+            order = first_fit_decreasing(lengths, self.max_tokens)
+            samples, tokens = [samples[i] for i in order], [tokens[i] for i in order]
         # Where each document goes: (row, offset, kept length), greedily in order.
         places: list[tuple[int, int, int]] = []
         row, used = 0, 0
@@ -264,6 +277,32 @@ class PackingCollate:
         for seq, (r, offset, n) in zip(per_doc, places, strict=True):
             out[r, offset : offset + n] = seq[:n]
         return out
+
+
+def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[int]:
+    """An order of ``lengths`` in which filling rows of ``capacity`` greedily, starting a
+    new row when the next does not fit, gives the rows of first-fit-decreasing packing.
+
+    Each length, longest first, goes into the first row with room; the rows' members,
+    row after row, are the order. (A row's room only shrinks, so a length that opened a
+    row did not fit in the rows before it, and the greedy pass opens a row there too.)
+
+    Example::
+
+        >>> first_fit_decreasing([5, 2, 4, 1], capacity=6)
+        [0, 3, 2, 1]
+    """
+    rows: list[list[int]] = []
+    room: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+        row = next((r for r, free in enumerate(room) if free >= lengths[i]), None)
+        if row is None:
+            rows.append([])
+            room.append(capacity)
+            row = len(rows) - 1
+        rows[row].append(i)
+        room[row] -= lengths[i]
+    return [i for row in rows for i in row]
 
 
 def document_mask(document_ids: Tensor, causal: bool = True) -> Tensor:

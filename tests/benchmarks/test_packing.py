@@ -10,7 +10,6 @@ from types import ModuleType
 
 import pytest
 
-from lightning_speedkit.data import PackingCollate
 from tests.helpers.modules import load_module
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "packing.py"
@@ -32,14 +31,16 @@ def test_the_corpus_is_long_tailed_as_instruction_data(bench: ModuleType) -> Non
     assert 0.22 <= statistics.median(lengths) / 512 <= 0.28  # median about a quarter
 
 
-def test_first_fit_decreasing_order_makes_next_fit_rows_tight(bench: ModuleType) -> None:
-    lengths = [5, 9, 3, 7, 2]
-    order = bench.first_fit_decreasing(list(range(5)), lengths, capacity=10)
-    assert order == [1, 3, 2, 0, 4]  # rows [9], [7, 3], [5, 2]
-    samples = [{"input_ids": list(range(n))} for n in lengths]
-    collate = PackingCollate(max_tokens=10)
-    assert collate(samples)["input_ids"].shape == (4, 10)  # arrival order: 5 | 9 | 3 7 | 2
-    assert collate([samples[i] for i in order])["input_ids"].shape == (3, 10)
+def test_the_first_fit_arm_packs_the_same_batches_tighter(bench: ModuleType) -> None:
+    args = argparse.Namespace(max_len=64, docs_per_step=8)
+    data = bench.Documents(bench.corpus(32, max_len=64, vocab=32))
+    packed = list(bench.loader("packed", data, args))
+    tight = list(bench.loader("packed_ffd", data, args))
+    assert [len(b["cu_seqlens"]) for b in packed] == [len(b["cu_seqlens"]) for b in tight]
+    assert sum(b["input_ids"].shape[0] for b in tight) < sum(
+        b["input_ids"].shape[0] for b in packed
+    )
+    assert bench.padding_share("packed_ffd", data, args) < bench.padding_share("packed", data, args)
 
 
 def test_padding_share_is_the_padding_of_the_positions_run(bench: ModuleType) -> None:

@@ -145,3 +145,22 @@ def test_a_sample_that_is_not_one_sequence_is_named(tokens: torch.Tensor, shape:
     expected = "PackingCollate packs one sequence per sample, but sample 1's 'input_ids' has"
     assert message.startswith(f"{expected} shape {shape};")
     assert "expand" not in message
+
+
+def test_first_fit_packs_longest_first_into_the_first_row_with_room() -> None:
+    samples = [{"input_ids": torch.arange(1, n + 1), "labels": torch.full((n,), n), "id": n}
+               for n in (3, 5, 2, 4)]  # fmt: skip
+    in_order = PackingCollate(max_tokens=7)(samples)
+    assert in_order["input_ids"].shape == (3, 7)  # 3 | 5 2 | 4: 7 of 21 padding
+    batch = PackingCollate(max_tokens=7, first_fit=True)(samples)
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 4, 5, 1, 2], [1, 2, 3, 4, 1, 2, 3]]
+    assert batch["id"].tolist() == [5, 2, 4, 3]  # the documents in the order placed
+    assert batch["labels"].tolist() == [[5] * 5 + [2] * 2, [4] * 4 + [3] * 3]
+    assert batch["cu_seqlens"].tolist() == [0, 5, 7, 11, 14]
+    assert batch["document_ids"].tolist() == [[0] * 5 + [1] * 2, [2] * 4 + [3] * 3]
+    assert batch["position_ids"][1].tolist() == [0, 1, 2, 3, 0, 1, 2]
+
+
+def test_first_fit_must_be_a_bool() -> None:
+    with pytest.raises(SpeedkitConfigError, match="`first_fit` must be True or False"):
+        PackingCollate(max_tokens=4, first_fit="yes")  # type: ignore[arg-type]
