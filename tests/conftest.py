@@ -99,3 +99,14 @@ def demo_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     data_dir = tmp_path_factory.mktemp("demo-corpus")
     ensure_corpus(data_dir, progress=False)
     return data_dir
+
+
+@pytest.fixture(autouse=True)
+def _no_packed_hooks_left() -> Iterator[None]:
+    """A test that packs without a Trainer (``packed_documents``) leaves the packed
+    batches' global module hooks registered; the next test in this process starts
+    without them, as a fresh process would (AttentionSwap removes them when its fit ends)."""
+    yield
+    from lightning_speedkit.attention._own_calls import remove_model_hooks
+
+    remove_model_hooks()

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from lightning_speedkit.attention import _documents
 
-__all__ = ["calls_sdpa", "model_hooks", "own_sdpa_modules"]
+__all__ = ["calls_sdpa", "model_hooks", "own_sdpa_modules", "remove_model_hooks"]
 
 _HOOKS: list[Any] = []  # the global hooks' handles, once registered
 _LOCAL = threading.local()  # per thread: the module calls open now, and the mode of the outermost
@@ -59,6 +59,18 @@ def model_hooks() -> None:
             register.register_module_forward_hook(_exit_call, always_call=True),
         )
     )
+
+
+def remove_model_hooks() -> None:
+    """Take the global hooks away again; AttentionSwap does when its fit ends.
+
+    Kept, they would sit in every later module call of the process, and a compiled
+    model's guards see them: a RegionalCompile fit after a packed one, with SpeedMonitor
+    adding and removing its own global hooks for its FLOP count, compiled 6 graphs where
+    it compiles 2 without them.
+    """
+    while _HOOKS:
+        _HOOKS.pop().remove()
 
 
 def own_sdpa_modules() -> set[nn.Module]:

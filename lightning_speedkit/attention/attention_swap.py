@@ -9,6 +9,7 @@ from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_speedkit import _validation
 from lightning_speedkit.attention._documents import StepDocuments
+from lightning_speedkit.attention._own_calls import remove_model_hooks
 from lightning_speedkit.attention.backends import BackendChoice, check_backend
 from lightning_speedkit.attention.swap import (
     SwapReport,
@@ -151,6 +152,9 @@ class AttentionSwap(L.Callback):
         # Lightning restores callback state after ``setup`` (the swaps exist) and
         # before ``on_fit_start``, where the saved decisions are applied.
         self._loaded = state_dict
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        remove_model_hooks()  # packed batches' global hooks: this run's only
 
     def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._documents = StepDocuments()  # its warning: once per fit

@@ -16,10 +16,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.modules import module as _module
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import AttentionSwap, swap_attention
-from lightning_speedkit.attention import packed_documents
+from lightning_speedkit.attention import _own_calls, packed_documents
 from lightning_speedkit.data import PackingCollate
 
 VOCAB, LENGTHS, MAX_TOKENS = 50, (5, 3, 7, 2, 4, 6), 12
@@ -314,6 +315,14 @@ def test_attention_swap_fit_keeps_the_models_own_sdpa_per_document(
     alone = _one_by_one(task.model, _samples())
     assert (task.losses[0] - alone).abs().max().item() <= 1e-5
     assert not [w for w in recwarn if "packed batch" in str(w.message)]
+    # the global hooks that kept the model's own calls apart are gone with the fit
+    assert _own_calls._HOOKS == []
+    global_hooks = [
+        *_module._global_forward_pre_hooks.values(),
+        *_module._global_forward_hooks.values(),
+    ]
+    assert _own_calls._enter_call not in global_hooks
+    assert _own_calls._exit_call not in global_hooks
 
 
 @pytest.mark.parametrize("kind", list(MODELS))
