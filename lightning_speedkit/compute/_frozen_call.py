@@ -80,7 +80,7 @@ class CachedModule:
         self.counts = ModuleCounts()
         self.calls = 0  # calls in the current step
         self._chance = _chance_layers(module)
-        self._stamp: tuple[tuple[int, int], ...] | None = None
+        self._stamp: tuple[tuple[int, int, bool], ...] | None = None
         self._fingerprint = ""
         self._layout: tuple[Any, list[int], int, list[torch.dtype], list[torch.device]] | None = (
             None
@@ -129,13 +129,14 @@ class CachedModule:
             return self._run(args, kwargs)
         self.field = self._batch_field(args, kwargs)
         signature, why = self._signature(args, kwargs, len(keys))
-        why = why or why_not_now(self.name, self.module, self._chance) or self._trainable()
+        stamp = weight_stamp(self.module)  # one walk of the weights: trainable? changed?
+        why = why or why_not_now(self.name, self.module, self._chance) or self._trainable(stamp)
         if why is not None:
             self.counts.plain_calls += 1
             self.scope.warn_once(f"FrozenFeatureCache runs `{self.name}` without the store: {why}.")
             return self._run(args, kwargs)
         dtype = str(self.scope.dtype or "as computed")
-        base = (self.name, self._weights_fingerprint(), signature, self.scope.data, dtype)
+        base = (self.name, self._weights_fingerprint(stamp), signature, self.scope.data, dtype)
         found = [self.scope.store.get((*base, key)) for key in keys]
         hit = [i for i, entry in enumerate(found) if entry is not None]
         miss = [i for i, entry in enumerate(found) if entry is None]
@@ -208,16 +209,15 @@ class CachedModule:
 
         return tuple(swap(v) for v in args), {k: swap(v) for k, v in kwargs.items()}
 
-    def _trainable(self) -> str | None:
-        if any(p.requires_grad for p in self.module.parameters()):
+    def _trainable(self, stamp: tuple[tuple[int, int, bool], ...]) -> str | None:
+        if any(requires_grad for _, _, requires_grad in stamp):
             return (
                 f"a parameter of `{self.name}` requires grad now: a stored output would cut "
                 f"its gradient"
             )
         return None
 
-    def _weights_fingerprint(self) -> str:
-        stamp = weight_stamp(self.module)
+    def _weights_fingerprint(self, stamp: tuple[tuple[int, int, bool], ...]) -> str:
         if stamp != self._stamp:
             fresh = fingerprint(self.module)
             if fresh != self._fingerprint and self._fingerprint:

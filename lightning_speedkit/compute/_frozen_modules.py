@@ -163,14 +163,15 @@ def _weights(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*module.named_parameters(), *module.named_buffers()]
 
 
-def weight_stamp(module: nn.Module) -> tuple[tuple[int, int], ...]:
-    """Which tensors hold ``module``'s weights and how often each was written in place.
+def weight_stamp(module: nn.Module) -> tuple[tuple[int, int, bool], ...]:
+    """Which tensors hold ``module``'s weights, how often each was written in place, and
+    whether each requires grad: one walk of the weights per call serves both checks.
 
     Cheap (no device work, no sync): it changes when a weight is replaced or written to
     (an optimizer step, ``load_state_dict``, ``copy_``), which is when :func:`fingerprint`
     must be computed again.
     """
-    return tuple((id(t), _compat.tensor_version(t)) for _, t in _weights(module))
+    return tuple((id(t), _compat.tensor_version(t), t.requires_grad) for _, t in _weights(module))
 
 
 def fingerprint(module: nn.Module) -> str:
