@@ -88,6 +88,27 @@ def test_changed_weights_are_misses_never_stale_features() -> None:
     assert cache.counts()["store_bytes"] == 8 * 4 * 4  # features of old weights dropped
 
 
+def test_a_tower_unfrozen_after_storing_runs_again_and_says_why() -> None:
+    model, x = _Model(), _data()
+    cache = cache_frozen_features(model, ["tower"], verify=False)
+    with cache.keys(range(8)):
+        model(x)  # stored
+    model.tower.proj.weight.requires_grad_(True)  # unfrozen mid-run: a served row would cut it
+    with (
+        pytest.warns(UserWarning, match="a parameter of `tower` requires grad now"),
+        cache.keys(range(8)),
+    ):
+        out = model(x)
+    assert model.tower.rows == [8, 8]
+    assert out.requires_grad
+    assert cache.counts()["hits"] == 0
+    model.tower.proj.weight.requires_grad_(False)  # frozen again, same weights: served
+    with cache.keys(range(8)):
+        model(x)
+    assert model.tower.rows == [8, 8]
+    assert cache.counts()["hits"] == 8
+
+
 def test_fingerprint_is_stable_and_sees_every_byte() -> None:
     torch.manual_seed(0)
     a = nn.Linear(3, 4)
