@@ -373,3 +373,17 @@ def check_keywords(owner: str, given: Mapping[str, Any], accepted: Collection[st
         guess = f"did you mean `{close[0]}`? " if close else ""
         fail(key, given[key], f"is not an argument of {owner}",
              f"{guess}{owner} accepts {', '.join(sorted(accepted))}")  # fmt: skip
+
+
+def write_error(directory: str | os.PathLike[str], probe: str) -> OSError | None:
+    """Why ``directory`` cannot take files: it is created if missing, and a file named
+    ``probe`` is written in it and removed again; None when that worked."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        target = os.path.join(directory, probe)
+        with open(target, "wb"):
+            pass
+        os.unlink(target)
+    except OSError as error:
+        return error
+    return None

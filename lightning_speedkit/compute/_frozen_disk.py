@@ -91,12 +91,8 @@ def prepare_directory(directory: Any) -> Path:
     error that names the fix now, rather than a failed write during training."""
     path = check_directory(directory)
     assert path is not None
-    probe = path / f".speedkit-probe-{uuid.uuid4().hex}"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
+    error = _validation.write_error(path, f".speedkit-probe-{uuid.uuid4().hex}")
+    if error is not None:
         _validation.fail(
             "directory", str(path), f"cannot be written to ({error.strerror or error})", _FIX
         )

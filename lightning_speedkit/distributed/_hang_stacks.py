@@ -20,6 +20,7 @@ import threading
 import traceback
 from pathlib import Path
 
+from lightning_speedkit import _validation
 from lightning_speedkit.distributed._hang_report import RankProgress
 from lightning_speedkit.errors import SpeedkitConfigError
 
@@ -32,12 +33,8 @@ def check_writable(directory: Path, rank: int, dirpath: object) -> None:
     """Refuse, before training starts, a directory the stacks could not be written to:
     at a hang it is too late to ask for another. ``dirpath`` is what the user gave
     (None: the Trainer's ``default_root_dir``, which ``directory`` is then)."""
-    probe = directory / f".write-test-rank{rank}"
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as error:
+    error = _validation.write_error(directory, f".write-test-rank{rank}")
+    if error is not None:
         shown = (repr(str(dirpath)) if dirpath is not None
                  else f"None (the Trainer's default_root_dir, {str(directory)!r})")  # fmt: skip
         raise SpeedkitConfigError(
