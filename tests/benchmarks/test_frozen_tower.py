@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "frozen_tower.py"
 def _run(module: ModuleType, corpus: Path, out: Path, model: str) -> dict:
     return module.main(["--data-dir", str(corpus), "--model", model, "--samples", "8",
                         "--batch-size", "4", "--epochs", "3", "--rounds", "1",
-                        "--out", str(out)])  # fmt: skip
+                        "--calls", "3", "--out", str(out)])  # fmt: skip
 
 
 @pytest.mark.parametrize("model", ["vlm-tiny", "llava-tiny"])
@@ -48,6 +48,8 @@ def test_frozen_tower_runs_side_by_side_and_writes_its_table(
     )
     assert 0 < row["tower_share"] < 1
     assert 0 <= row["decode_share"] < 1
+    assert row["tower_forward_us"] > 0  # timed: present, no threshold
+    assert row["served_call_us"] > 0
 
 
 def test_the_shares_are_the_tower_and_the_images_decoding(monkeypatch: pytest.MonkeyPatch) -> None:
