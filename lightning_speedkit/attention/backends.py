@@ -8,8 +8,9 @@ and the backend is a setting:
 backend         what runs
 ==============  ==========================================================
 ``sdpa``        ``F.scaled_dot_product_attention``; PyTorch picks the kernel
-``flash``       flash-attn's ``flash_attn_func`` when installed (CUDA, fp16/bf16),
-                else SDPA restricted to its flash kernel (CPU has one)
+``flash``       flash-attn's ``flash_attn_func`` when installed (CUDA, fp16/bf16;
+                ``flash_attn_varlen_func`` on a packed batch), else SDPA
+                restricted to its flash kernel (CPU has one)
 ``efficient``   xformers' ``memory_efficient_attention`` when installed (CUDA),
                 else SDPA restricted to its memory-efficient kernel
 ``cudnn``       SDPA restricted to cuDNN attention (CUDA only)
@@ -37,6 +38,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from lightning_speedkit import _imports
 from lightning_speedkit.attention import _documents
+from lightning_speedkit.attention._flash_documents import flash_per_document
 from lightning_speedkit.attention._flex_documents import flex_per_document
 from lightning_speedkit.errors import SpeedkitConfigError
 
@@ -134,6 +136,10 @@ class Attend:
                 return flex_per_document(
                     _flex_function(q.device), documents, q, k, v, is_causal=is_causal, scale=scale
                 )
+            if self._varlen_runs(q, attn_mask):  # one flash-attn call on cu_seqlens
+                return flash_per_document(
+                    documents, q, k, v, is_causal=is_causal, scale=scale, dropout_p=dropout_p
+                )
             return _documents.per_document(
                 self._attend, documents, q, k, v, attn_mask=attn_mask, is_causal=is_causal,
                 scale=scale, dropout_p=dropout_p,
@@ -217,6 +223,13 @@ class Attend:
             return False
         key = (q.device.type, q.dtype, q.requires_grad and torch.is_grad_enabled())
         return key not in self._unavailable and self._cannot_run(q, None, key[2]) is None
+
+    def _varlen_runs(self, q: Tensor, attn_mask: Tensor | None) -> bool:
+        """Whether this call runs flash-attn's variable-length kernel on the packed rows
+        (where a call over whole rows would run flash-attn's, :func:`_route`)."""
+        key = (q.device.type, q.dtype, q.requires_grad and torch.is_grad_enabled())
+        route = _route(self.backend, q.device.type, q.dtype, attn_mask is not None)
+        return route == "flash_attn" and key not in self._unavailable
 
     def _cannot_run(self, q: Tensor, attn_mask: Tensor | None, needs_grad: bool) -> str | None:
         cuda = q.device.type == "cuda"
