@@ -1,14 +1,20 @@
 """What SpeedMonitor reads of a training batch: its shape signature, samples and tokens.
 
-The signature and the samples are host metadata (shapes and dtypes, never values).
+The signature and the samples are host metadata (shapes and dtypes, never values; but
+see below for a packed batch without ``cu_seqlens``).
 Tokens are counted twice: the token positions the step computed over (the largest 2-D
 integer tensor's size, padding included: what the FLOP fit goes by) and the real tokens
 (padding left out: what ``tokens_per_sec`` reports). Where the batch says which positions
-are padding, a packed batch's ``document_ids`` or ``cu_seqlens`` or an
-``attention_mask``, the real count is a 0-d tensor reduced on the batch's device and
-read once per log interval, so reading a batch still costs no device sync. A step of
-several train loaders (Lightning's CombinedLoader) trains one batch of each: its
-samples and tokens are summed over them.
+are padding, a packed batch's ``document_ids`` or ``cu_seqlens`` (or transformers'
+``seq_idx`` and ``cu_seq_lens_q``) or an ``attention_mask``, the real count is a 0-d
+tensor reduced on the batch's device and read once per log interval, so reading a batch
+still costs no device sync. A packed batch's samples are its documents: counted from the
+shape of its ``cu_seqlens``, for free; a packed batch without one (transformers'
+``DataCollatorWithFlattening`` by default: one row whose ``position_ids`` restart per
+document) is counted from its values, one device read per step (pass
+``return_flash_attn_kwargs=True`` to that collator to avoid it). A step of several train
+loaders (Lightning's CombinedLoader) trains one batch of each: its samples and tokens are
+summed over them.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
+from lightning_speedkit.attention._documents import _HF_NAMES
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure import _tensor_walk
 
@@ -75,6 +82,37 @@ def _ids(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return max(ids, key=lambda t: t.numel(), default=None)
 
 
+def _packing_field(batch: Mapping[Any, Any], name: str) -> torch.Tensor | None:
+    """A packed batch's ``document_ids`` or ``cu_seqlens``, under our name or transformers'."""
+    for key in (name, _HF_NAMES[name]):
+        value = batch.get(key)
+        if isinstance(value, torch.Tensor):
+            return value
+    return None
+
+
+def _counted_documents(batch: Mapping[Any, Any], ids: torch.Tensor | None) -> int | None:
+    """A packed batch's documents counted from its values (no ``cu_seqlens`` to count them
+    from its shape): where ``document_ids`` start a document (-1 is padding), else where the
+    ``position_ids`` of one flattened row restart; None when neither says."""
+    documents = _packing_field(batch, "document_ids")
+    if documents is not None and documents.ndim in (1, 2) and documents.numel():
+        rows = documents.reshape(-1, documents.shape[-1])
+        starts = (rows[:, 1:] != rows[:, :-1]) & (rows[:, 1:] >= 0)
+        # SYNC: the documents' starts, read on the host (a batch without `cu_seqlens`)
+        return int(starts.sum() + (rows[:, 0] >= 0).sum())
+    positions = batch.get("position_ids")
+    if (
+        isinstance(positions, torch.Tensor)
+        and ids is not None
+        and positions.shape == ids.shape
+        and positions.shape[0] == 1
+    ):
+        # SYNC: a document starts where the positions do not grow, read on the host
+        return int((positions[:, 1:] <= positions[:, :-1]).sum()) + 1
+    return None
+
+
 def tokens(tensors: list[torch.Tensor]) -> int | None:
     """Token positions of one loader's batch: its largest 2-D integer tensor's size."""
     ids = _ids(tensors)
@@ -86,9 +124,11 @@ def real_tokens(batch: Any, tensors: list[torch.Tensor]) -> int | torch.Tensor |
 
     In this order: a packed batch's ``document_ids`` (tokens of document 0 or more: -1
     is PackingCollate's padding), its ``cu_seqlens`` (the tokens its documents cover),
-    an ``attention_mask`` shaped as the tokens (its nonzero entries); else every token
-    position. Labels are not read: -100 marks a token the loss ignores (a prompt), which
-    the model still ran. Device reductions, never read here (no sync).
+    each also under transformers' name (``seq_idx``, ``cu_seq_lens_q``), an
+    ``attention_mask`` shaped as the tokens (its nonzero entries); else every token
+    position (a flattened row with ``position_ids`` only has no padding). Labels are not
+    read: -100 marks a token the loss ignores (a prompt), which the model still ran.
+    Device reductions, never read here (no sync).
 
     Example::
 
@@ -98,7 +138,7 @@ def real_tokens(batch: Any, tensors: list[torch.Tensor]) -> int | torch.Tensor |
     """
     ids = _ids(tensors)
     if isinstance(batch, Mapping):
-        documents, cu = batch.get("document_ids"), batch.get("cu_seqlens")
+        documents, cu = _packing_field(batch, "document_ids"), _packing_field(batch, "cu_seqlens")
         mask = batch.get("attention_mask")
         if isinstance(documents, torch.Tensor) and documents.ndim in (1, 2):
             return (documents >= 0).sum()
@@ -174,10 +214,15 @@ class BatchReader:
 
     def _samples(self, batch: Any, tensors: list[torch.Tensor]) -> int:
         """Samples of one loader's batch: a packed batch's documents (its ``cu_seqlens``
-        has one entry more), else the first dimension of its first tensor."""
-        cu = batch.get("cu_seqlens") if isinstance(batch, Mapping) else None
-        if isinstance(cu, torch.Tensor) and cu.ndim == 1 and cu.numel():
-            return int(cu.shape[0]) - 1
+        has one entry more; else :func:`_counted_documents`), else the first dimension of its
+        first tensor."""
+        if isinstance(batch, Mapping):
+            cu = _packing_field(batch, "cu_seqlens")
+            if cu is not None and cu.ndim == 1 and cu.numel():
+                return int(cu.shape[0]) - 1
+            documents = _counted_documents(batch, _ids(tensors))
+            if documents is not None:
+                return documents
         if tensors and tensors[0].ndim:
             return int(tensors[0].shape[0])
         if not self._said_samples:

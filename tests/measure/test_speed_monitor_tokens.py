@@ -62,6 +62,55 @@ def test_loaders_of_a_step_add_their_real_tokens() -> None:
     assert (info.samples, info.tokens, int(info.real_tokens)) == (6 + 2, 36 + 10, 27 + 7)
 
 
+def test_hugging_faces_names_count_the_documents_and_their_tokens() -> None:
+    """transformers' ``DataCollatorWithFlattening`` names our fields ``cu_seq_lens_q`` and
+    ``seq_idx``: read alike, each alone too."""
+    ours = _packed()
+    batch = {k: v for k, v in ours.items() if k not in ("cu_seqlens", "document_ids")}
+    renamed = {**batch, "cu_seq_lens_q": ours["cu_seqlens"], "seq_idx": ours["document_ids"]}
+    for fields in (("cu_seq_lens_q", "seq_idx"), ("cu_seq_lens_q",), ("seq_idx",)):
+        part = {**batch, **{f: renamed[f] for f in fields}}
+        info = BatchReader().read(part, [part])
+        assert (info.samples, info.tokens) == (6, 3 * MAX_TOKENS), fields
+        assert isinstance(info.real_tokens, Tensor), fields
+        assert int(info.real_tokens) == 27, fields
+    only_ids = {**batch, "document_ids": ours["document_ids"]}  # ours, without cu_seqlens
+    assert BatchReader().read(only_ids, [only_ids]).samples == 6
+
+
+def test_a_flattened_row_counts_a_document_where_its_positions_restart() -> None:
+    lengths = (5, 3, 1, 7, 1)  # documents of one token restart at once
+    positions = torch.cat([torch.arange(n) for n in lengths])[None]
+    ids = torch.ones_like(positions)
+    batch = {"input_ids": ids, "labels": ids, "position_ids": positions}
+    info = BatchReader().read(batch, [batch])
+    assert (info.samples, info.tokens, info.real_tokens) == (5, 17, 17)  # no padding
+    batch["position_ids"] = positions + 2  # positions counted from 2 (RoBERTa's)
+    assert BatchReader().read(batch, [batch]).samples == 5
+    plain = {"input_ids": ids, "position_ids": torch.arange(17)[None]}  # one sample
+    assert BatchReader().read(plain, [plain]).samples == 1
+    rows = {"input_ids": ids.view(1, 17).expand(2, 17), "position_ids": positions.expand(2, 17)}
+    assert BatchReader().read(rows, [rows]).samples == 2  # rows, not one flattened row
+
+
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"return_seq_idx": True}, {"return_flash_attn_kwargs": True},
+     {"return_flash_attn_kwargs": True, "return_seq_idx": True}],
+)  # fmt: skip
+def test_transformers_flattening_collator_counts_its_documents(options: dict[str, bool]) -> None:
+    transformers = pytest.importorskip("transformers")
+    if not hasattr(transformers, "DataCollatorWithFlattening"):
+        pytest.skip("this transformers has no DataCollatorWithFlattening")
+    g = torch.Generator().manual_seed(0)
+    features = [{"input_ids": torch.randint(1, VOCAB, (n,), generator=g).tolist()}
+                for n in LENGTHS]  # fmt: skip
+    batch = transformers.DataCollatorWithFlattening(**options)(features)
+    assert batch["input_ids"].shape == (1, sum(LENGTHS))  # one row, no padding
+    info = BatchReader().read(batch, [batch])
+    assert (info.samples, info.tokens, int(info.real_tokens)) == (6, 27, 27)
+
+
 def test_tokens_on_the_device_are_read_once_when_the_interval_closes() -> None:
     throughput = Throughput(window=10)
     throughput.update(samples=6, tokens=torch.tensor(27), flops=None)
