@@ -12,7 +12,8 @@ module call while a packed batch's documents are active (:mod:`._documents`):
   builds from its own ``torch.arange(T)`` or slices from a precomputed buffer give each
   document what it gets alone (up to the rounding of the angles at the row's offsets);
 * an ``nn.Embedding`` fed ``torch.arange(S)`` over the packed rows (nanoGPT's learned
-  positions) gets each document's positions instead;
+  positions; BERT's and GPT-2's called without ``position_ids``, one row or several)
+  gets each document's positions instead;
 * absolute positions added from a table of the packed length with no row axis (a
   sinusoidal ``pe[:T]``, a learned ``pos_embed[:, :T]``) cannot be cut generally: they
   run on from one document into the next, said once with the fix.
@@ -173,17 +174,26 @@ def _name_position_table(a: Any, b: Any) -> None:
 
 def _restart_positions(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """An ``nn.Embedding`` fed ``torch.arange(S)`` over the packed rows (nanoGPT's
-    ``wpe(torch.arange(t))``) gets each document's positions instead, ``(rows, S)``."""
+    ``wpe(torch.arange(t))``, BERT's and GPT-2's ``(1, S)`` positions when called without
+    ``position_ids``) gets each document's positions instead, ``(rows, S)``.
+
+    On a batch of one row, a ``(1, S)`` input is also what the row's tokens look like: it
+    is taken as positions when it is exactly ``0, 1, ..., S - 1`` and the row holds more
+    than one document (the batch's own ``position_ids`` restart, so they never are).
+    """
     documents = _documents.active()
     if documents is None or not isinstance(module, nn.Embedding) or not args:
         return None
     ids = args[0]
     if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32):
         return None
-    whole_row = ids.ndim == 1 or (ids.ndim == 2 and ids.shape[0] == 1 and documents.rows > 1)
+    one_row_packed = documents.rows == 1 and len(documents.spans[0]) > 1
+    whole_row = ids.ndim == 1 or (
+        ids.ndim == 2 and ids.shape[0] == 1 and (documents.rows > 1 or one_row_packed)
+    )
     if not whole_row or ids.shape[-1] != documents.length:
         return None
     arange = torch.arange(documents.length, device=ids.device, dtype=ids.dtype)
-    if not torch.equal(ids.reshape(-1), arange):  # SYNC: only for a row-long 1-D input
+    if not torch.equal(ids.reshape(-1), arange):  # SYNC: only for a row-long input
         return None
     return (documents.positions(ids.device).to(ids.dtype), *args[1:])
