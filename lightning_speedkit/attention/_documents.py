@@ -429,6 +429,7 @@ class StepDocuments:
         self._stack: contextlib.ExitStack | None = None
         self._packed = False
         self._warned = False
+        self._warned_compiled = False
 
     def enter(self, batch: Any) -> None:
         """Set ``batch``'s documents (none if it is not packed) for the step."""
@@ -440,24 +441,26 @@ class StepDocuments:
     def exit(self, report: Any = None, model: nn.Module | None = None) -> None:
         """Clear the step's documents; with the swap's ``report`` on ``model``, warn about
         what mixed them (a module whose own SDPA calls ran per document did not)."""
-        from lightning_speedkit.attention._own_calls import calls_sdpa, own_sdpa_modules
+        from lightning_speedkit.attention import _own_calls as own
 
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
+        if own.compiled_outside_modules() and self._packed and not self._warned_compiled:
+            self._warned_compiled = own.warn_compiled_outside()
         if report is None or not self._packed or self._warned:
             return
         self._warned = True
-        kept_apart = own_sdpa_modules()
+        kept_apart = own.own_sdpa_modules()
         named = dict(model.named_modules()) if model is not None else {}
-        own = [
+        mixing = [
             name
             for name, _ in (*report.reverted, *report.skipped)
-            if not (name in named and (named[name] in kept_apart or calls_sdpa(named[name])))
+            if not (name in named and (named[name] in kept_apart or own.calls_sdpa(named[name])))
         ]
-        if (report.modules or kept_apart) and not own:
+        if (report.modules or kept_apart) and not mixing:
             return
-        which = ", ".join(repr(name or "(root)") for name in own) or "no attention was found"
+        which = ", ".join(repr(name or "(root)") for name in mixing) or "no attention was found"
         rank_zero_warn(
             f"A packed batch (`cu_seqlens`/`document_ids`) reached attention that AttentionSwap "
             f"did not swap, which attends across the documents of a row: {which}. Swap it "

@@ -28,17 +28,30 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_speedkit.attention import _documents
 
-__all__ = ["calls_sdpa", "model_hooks", "own_sdpa_modules", "remove_model_hooks"]
+__all__ = [
+    "calls_sdpa",
+    "compiled_outside_modules",
+    "model_hooks",
+    "own_sdpa_modules",
+    "remove_model_hooks",
+    "warn_compiled_outside",
+]
 
 _HOOKS: list[Any] = []  # the global hooks' handles, once registered
 _LOCAL = threading.local()  # per thread: the module calls open now, and the mode of the outermost
 #: Modules whose own SDPA calls ran per document since the last :func:`own_sdpa_modules`.
 _OWN_SDPA: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _ADDS = {torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__, Tensor.__iadd__, Tensor.add_}
+#: Whether the mode of an eager outermost module call is open now (read while tracing).
+_MODE_OPEN = [False]
+#: Set by a module call on a packed batch that torch.compile traced with no eager module
+#: call around it (a compiled ``training_step``): its SDPA calls ran without the mode.
+_COMPILED_OUTSIDE = [False]
 
 
 def model_hooks() -> None:
@@ -94,6 +107,28 @@ def calls_sdpa(module: nn.Module) -> bool:
     return code is not None and "scaled_dot_product_attention" in code.co_names
 
 
+def compiled_outside_modules() -> bool:
+    """Whether, since the last call, a packed batch reached module calls that torch.compile
+    traced from outside any module call (Lightning's ``trainer.fit(torch.compile(task))``
+    compiles ``training_step``): the SDPA calls the model makes itself did not run per
+    document there. Cleared."""
+    seen, _COMPILED_OUTSIDE[0] = _COMPILED_OUTSIDE[0], False
+    return seen
+
+
+def warn_compiled_outside() -> bool:
+    """Say that :func:`compiled_outside_modules` saw a packed batch (True: said)."""
+    rank_zero_warn(
+        "A packed batch ran through a model that torch.compile traced from outside any "
+        "module call (`trainer.fit(torch.compile(task))`, a compiled `training_step`): the "
+        "SDPA calls the model makes itself (Hugging Face's, timm's, one calling "
+        "`F.scaled_dot_product_attention`) attend across the documents of a row there. "
+        "Compile the model instead (`self.model = torch.compile(self.model)`) or its blocks "
+        "(`RegionalCompile`)."
+    )
+    return True
+
+
 def _calls() -> list[nn.Module]:
     calls: list[nn.Module] | None = getattr(_LOCAL, "calls", None)
     if calls is None:
@@ -103,6 +138,12 @@ def _calls() -> list[nn.Module]:
 
 def _enter_call(module: nn.Module, args: tuple[Any, ...]) -> None:
     if torch.compiler.is_compiling():
+        # Traced: no mode can be entered here. Compiling the model (an eager call of the
+        # compiled module opens the mode first) or its blocks traces under the open mode;
+        # a compiled function that calls the model does not. The flag is only stored (no
+        # guard on it); the graph stores it again at each run.
+        if not _MODE_OPEN[0] and _documents.active() is not None:
+            _COMPILED_OUTSIDE[0] = True
         return
     calls = _calls()
     if not calls:
@@ -110,6 +151,7 @@ def _enter_call(module: nn.Module, args: tuple[Any, ...]) -> None:
             return
         _LOCAL.mode = _OwnCalls()
         _LOCAL.mode.__enter__()
+        _MODE_OPEN[0] = True
     calls.append(module)
 
 
@@ -122,6 +164,7 @@ def _exit_call(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
     calls.pop()
     if not calls:
         mode, _LOCAL.mode = _LOCAL.mode, None
+        _MODE_OPEN[0] = False
         mode.__exit__(None, None, None)
 
 
