@@ -194,6 +194,8 @@ def fingerprint(module: nn.Module) -> str:
     for name, tensor in _weights(module):
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
         # SYNC: copies the weight to the host (once per change of the weights).
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+        # A copy: numpy() of a tensor's own storage would pin that storage's size, and FSDP
+        # frees its gathered weights' storage after backward by resizing it.
+        data = tensor.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8)
         digest.update(data.numpy().tobytes())
     return digest.hexdigest()

@@ -120,6 +120,14 @@ def test_fingerprint_is_stable_and_sees_every_byte() -> None:
     assert fingerprint(a) != fingerprint(b)
 
 
+def test_fingerprint_leaves_the_weights_storage_resizable() -> None:
+    """FSDP frees its gathered weights after backward by resizing their storage to 0:
+    hashing them must not pin it (``numpy()`` of the storage itself would)."""
+    layer = nn.Linear(3, 4)
+    fingerprint(layer)
+    layer.weight.untyped_storage().resize_(0)  # raises if the storage was pinned
+
+
 def test_verify_stands_down_on_a_random_augmentation_and_names_it() -> None:
     model, x = _Model(), _data()
     cache = cache_frozen_features(model, ["tower"])
