@@ -21,9 +21,10 @@ from torch import nn
 from lightning_speedkit import _compat
 from lightning_speedkit._surgery import note_served_flops
 from lightning_speedkit.compute._frozen_modules import (
+    ModuleWeights,
+    Stamp,
     _chance_layers,
     fingerprint,
-    weight_stamp,
     why_not_now,
 )
 from lightning_speedkit.compute._frozen_store import FeatureStore
@@ -80,7 +81,8 @@ class CachedModule:
         self.counts = ModuleCounts()
         self.calls = 0  # calls in the current step
         self._chance = _chance_layers(module)
-        self._stamp: tuple[tuple[int, int, bool], ...] | None = None
+        self._weights = ModuleWeights(module)
+        self._stamp: Stamp | None = None
         self._fingerprint = ""
         self._layout: tuple[Any, list[int], int, list[torch.dtype], list[torch.device]] | None = (
             None
@@ -129,7 +131,7 @@ class CachedModule:
             return self._run(args, kwargs)
         self.field = self._batch_field(args, kwargs)
         signature, why = self._signature(args, kwargs, len(keys))
-        stamp = weight_stamp(self.module)  # one walk of the weights: trainable? changed?
+        stamp = self._weights.stamp()  # one walk of the weights: trainable? changed?
         why = why or why_not_now(self.name, self.module, self._chance) or self._trainable(stamp)
         if why is not None:
             self.counts.plain_calls += 1
@@ -209,15 +211,20 @@ class CachedModule:
 
         return tuple(swap(v) for v in args), {k: swap(v) for k, v in kwargs.items()}
 
-    def _trainable(self, stamp: tuple[tuple[int, int, bool], ...]) -> str | None:
-        if any(requires_grad for _, _, requires_grad in stamp):
-            return (
-                f"a parameter of `{self.name}` requires grad now: a stored output would cut "
-                f"its gradient"
-            )
-        return None
+    def _trainable(self, stamp: Stamp) -> str | None:
+        trainable = self._weights.trainable(stamp)
+        if not trainable:
+            return None
+        # Trained while unfrozen, the weights may change where this rank's stamp does not
+        # see it (under FSDP, on another rank's shard): fingerprint them again once frozen.
+        self._stamp = None
+        shown = ", ".join(trainable[:3]) + (", ..." if len(trainable) > 3 else "")
+        return (
+            f"a parameter of `{self.name}` requires grad now ({shown}): a stored output would "
+            f"cut its gradient"
+        )
 
-    def _weights_fingerprint(self, stamp: tuple[tuple[int, int, bool], ...]) -> str:
+    def _weights_fingerprint(self, stamp: Stamp) -> str:
         if stamp != self._stamp:
             fresh = fingerprint(self.module)
             if fresh != self._fingerprint and self._fingerprint:

@@ -6,7 +6,9 @@ it), and no layer whose output in train mode depends on chance (dropout with ``p
 or on the rest of the batch (BatchNorm in train mode, which normalises by the batch's
 statistics and updates its running ones). :func:`why_not_cacheable` says which rule a
 module breaks, in words a user can act on; :func:`fingerprint` is a stable hash of the
-weights, so that features computed with other weights are never served.
+weights, so that features computed with other weights are never served, and
+:class:`ModuleWeights` the per-call checks (trainable? written to?) that ask the module's
+own parameters, also where FSDP lends it views of a flat parameter for the forward.
 """
 
 from __future__ import annotations
@@ -22,10 +24,11 @@ from torch import nn
 from lightning_speedkit import _compat, _validation
 
 __all__ = [
+    "ModuleWeights",
+    "Stamp",
     "choose_modules",
     "fingerprint",
     "frozen_candidates",
-    "weight_stamp",
     "why_not_cacheable",
 ]
 
@@ -163,15 +166,76 @@ def _weights(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     return [*module.named_parameters(), *module.named_buffers()]
 
 
-def weight_stamp(module: nn.Module) -> tuple[tuple[int, int, bool], ...]:
-    """Which tensors hold ``module``'s weights, how often each was written in place, and
-    whether each requires grad: one walk of the weights per call serves both checks.
+#: A weight's stamp: its tensor's identity, its version counter, and whether it requires grad.
+Stamp = tuple[tuple[int, int, bool], ...]
 
-    Cheap (no device work, no sync): it changes when a weight is replaced or written to
-    (an optimizer step, ``load_state_dict``, ``copy_``), which is when :func:`fingerprint`
-    must be computed again.
+
+class ModuleWeights:
+    """``module``'s parameters as its owner registered them (and its buffers), seen
+    through FSDP's forward-time views, for the cheap checks made on every call.
+
+    FSDP1 with ``use_orig_params=True`` (the ``fsdp_zero2`` preset) puts, for the length
+    of each forward, plain tensors in place of the module's parameters: views of a flat
+    parameter, made again every forward, that require grad as soon as one parameter
+    flattened with them does (a trainable head beside a frozen tower). Outside forward
+    the module holds its own ``nn.Parameter`` objects again (FSDP keeps them, with their
+    data a view of this rank's shard, and gives them a gradient only where they require
+    one). Each walk remembers, per submodule and name, the ``nn.Parameter`` it finds, and
+    lets a forward-time view answer for the parameter it stands for: then whether a weight
+    is trainable is the owner's intent, and a stamp does not change when FSDP only made
+    its views again. FSDP2 (``fsdp2_zero2``) registers ``nn.Parameter`` objects in forward
+    too, the same ones every step, with the ``requires_grad`` of the sharded ones.
+
+    Example::
+
+        >>> tower = nn.Linear(2, 2).requires_grad_(False)
+        >>> weights = ModuleWeights(tower)
+        >>> stamp = weights.stamp()
+        >>> weights.trainable(stamp), weights.stamp() == stamp
+        ([], True)
+        >>> _ = tower.bias.requires_grad_(True)
+        >>> weights.trainable(weights.stamp())
+        ['bias']
     """
-    return tuple((id(t), _compat.tensor_version(t), t.requires_grad) for _, t in _weights(module))
+
+    def __init__(self, module: nn.Module) -> None:
+        self.module = module
+        self._owned: dict[tuple[nn.Module, str], torch.Tensor] = {}
+        self._names: list[str] = []
+        self.stamp()  # made outside forward: every parameter is its owner's own
+
+    def registered(self) -> list[tuple[str, torch.Tensor]]:
+        """Each parameter (the owner's, for a view that stands for one) and buffer, by name."""
+        found: list[tuple[str, torch.Tensor]] = []
+        for prefix, sub in self.module.named_modules():
+            dot = f"{prefix}." if prefix else ""
+            for name, tensor in sub.named_parameters(recurse=False):
+                if isinstance(tensor, nn.Parameter):
+                    self._owned[(sub, name)] = tensor
+                else:  # FSDP1's view, in forward: the parameter it stands for
+                    tensor = self._owned.get((sub, name), tensor)
+                found.append((dot + name, tensor))
+            found.extend((dot + name, buffer) for name, buffer in sub.named_buffers(recurse=False))
+        return found
+
+    def stamp(self) -> Stamp:
+        """Which tensors hold the weights, how often each was written in place, and whether
+        each requires grad: one walk of the weights per call serves both checks.
+
+        Cheap (no device work, no sync): it changes when a weight is replaced or written to
+        (an optimizer step, ``load_state_dict``, ``copy_``), which is when
+        :func:`fingerprint` must be computed again. Under FSDP a rank writes only its own
+        shard: a weight changed on another rank's shard alone does not change this rank's
+        stamp (see :meth:`CachedModule.forward`, which fingerprints again after any call
+        that found a weight trainable).
+        """
+        weights = self.registered()
+        self._names = [name for name, _ in weights]
+        return tuple((id(t), _compat.tensor_version(t), t.requires_grad) for _, t in weights)
+
+    def trainable(self, stamp: Stamp) -> list[str]:
+        """The names of the weights that require grad in ``stamp`` (this walk's)."""
+        return [n for n, (_, _, grad) in zip(self._names, stamp, strict=True) if grad]
 
 
 def fingerprint(module: nn.Module) -> str:
@@ -179,7 +243,8 @@ def fingerprint(module: nn.Module) -> str:
 
     Equal weights give equal fingerprints in any process; any changed byte changes it.
     Reads every weight to the host: a sync on an accelerator, done only when
-    :func:`weight_stamp` changed.
+    :meth:`ModuleWeights.stamp` changed. It reads the tensors the module holds now: in
+    an FSDP forward, the whole gathered weights (the same on every rank), not a shard.
 
     Example::
 

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import gc
+from collections.abc import Iterator
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
-from lightning_speedkit.compute._frozen_core import cache_frozen_features
-from lightning_speedkit.compute._frozen_modules import fingerprint
+from lightning_speedkit.compute import _frozen_call
+from lightning_speedkit.compute._frozen_core import FrozenFeatures, cache_frozen_features
+from lightning_speedkit.compute._frozen_modules import ModuleWeights, fingerprint
 from lightning_speedkit.errors import SpeedkitConfigError
 
 
@@ -126,6 +133,98 @@ def test_fingerprint_leaves_the_weights_storage_resizable() -> None:
     layer = nn.Linear(3, 4)
     fingerprint(layer)
     layer.weight.untyped_storage().resize_(0)  # raises if the storage was pinned
+
+
+@pytest.fixture
+def one_rank() -> Iterator[None]:
+    """A gloo process group of one rank in this process (an in-memory store, no port)."""
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+    gc.collect()  # the FSDP model's cycles hold the group: finalize it here
+
+
+def _fsdp(model: nn.Module) -> nn.Module:
+    """FSDP1 as the ``fsdp_zero2`` preset sets it (``use_orig_params=True``), one flat
+    parameter holding the frozen tower and the trainable head (NO_SHARD on one rank)."""
+    return FullyShardedDataParallel(
+        model, use_orig_params=True, sharding_strategy=ShardingStrategy.NO_SHARD,
+        device_id=torch.device("cpu"),
+    )  # fmt: skip
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_under_fsdp_the_checks_ask_the_tower_own_parameters_not_its_views() -> None:
+    """In forward, FSDP1 lends the tower fresh views of a flat parameter that requires
+    grad (the head's is in it): ModuleWeights answers for the frozen parameters they stand
+    for, with a stamp that stays while only the views are made again."""
+    model = _Model()
+    weights = ModuleWeights(model.tower)
+    wrapped = _fsdp(model)
+    seen: list[tuple[object, list[str], list[tuple[type, bool]]]] = []
+
+    def look(module: nn.Module, args: object) -> None:
+        stamp = weights.stamp()
+        held = [(type(t), t.requires_grad) for t in module.parameters()]
+        seen.append((stamp, weights.trainable(stamp), held))
+
+    model.tower.register_forward_pre_hook(look)
+    x = _data()
+    for _ in range(2):
+        wrapped(x).sum().backward()
+    (first, trainable, held), (second, _, held_again) = seen
+    assert held == held_again == [(torch.Tensor, True)] * 2  # views, requiring grad
+    assert trainable == []
+    assert first == second  # the views were made again; the stamp stayed
+    with torch.no_grad():
+        model.tower.proj.bias.add_(1.0)  # outside forward: the tower's own parameter
+    wrapped(x)
+    assert seen[-1][0] != first  # written to: fingerprint again
+    model.tower.proj.weight.requires_grad_(True)  # unfrozen
+    wrapped(x)
+    assert seen[-1][1] == ["proj.weight"]
+
+
+def _fsdp_step(
+    run: nn.Module, model: _Model, x: torch.Tensor, cache: FrozenFeatures | None = None
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """One training step's output and the head's gradients."""
+    with cache.keys(range(len(x))) if cache is not None else contextlib.nullcontext():
+        out = run(x)
+    out.sum().backward()
+    grads = [p.grad.clone() for p in model.head.parameters() if p.grad is not None]
+    run.zero_grad()
+    return out.detach(), grads
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_under_fsdp_a_frozen_tower_is_served_and_the_head_gradients_stay(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The cache under FSDP1 serves the tower (one fingerprint, not one per call), the
+    outputs and the head's gradients are bit for bit those of the plain run, and a tower
+    unfrozen mid-run runs again and says why."""
+    x = _data()
+    plain, cached = _Model(), _Model()
+    cached.load_state_dict(plain.state_dict())
+    cache = cache_frozen_features(cached, ["tower"], verify=False)
+    hashed: list[nn.Module] = []
+    monkeypatch.setattr(_frozen_call, "fingerprint", lambda m: hashed.append(m) or fingerprint(m))
+    runs = _fsdp(plain), _fsdp(cached)
+    for epoch in range(3):
+        expected, head_grads = _fsdp_step(runs[0], plain, x)
+        out, grads = _fsdp_step(runs[1], cached, x, cache)
+        assert torch.equal(out, expected), epoch
+        assert len(grads) == len(head_grads) == 2
+        assert all(torch.equal(a, b) for a, b in zip(grads, head_grads, strict=True)), epoch
+    assert cached.tower.rows == [8]  # epochs 1 and 2 served
+    assert cache.counts()["hits"] == 16
+    assert hashed == [cached.tower]
+    cached.tower.proj.weight.requires_grad_(True)
+    with pytest.warns(UserWarning, match=r"`tower` requires grad now \(proj.weight\)"):
+        _fsdp_step(runs[1], cached, x, cache)
+    assert cached.tower.rows == [8, 8]
+    assert cache.counts()["hits"] == 16
 
 
 def test_verify_stands_down_on_a_random_augmentation_and_names_it() -> None:
