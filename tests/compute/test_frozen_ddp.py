@@ -1,4 +1,5 @@
-"""FrozenFeatureCache on two CPU ranks (gloo): DDP and DeepSpeed's ZeRO-2, one shared folder.
+"""FrozenFeatureCache on two CPU ranks (gloo): DDP, DeepSpeed's ZeRO-2, FSDP1's and FSDP2's
+ZeRO-2 presets, one shared folder.
 
 Each rank caches what its DistributedSampler gives it and writes its own shards; at each
 epoch's end every rank reads the others', so a sample first seen on rank 0 is served on
@@ -79,15 +80,51 @@ def test_deepspeed_zero2_ranks_share_a_folder_and_keep_the_losses(tmp_path: Path
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_under_fsdp_zero2_the_tower_runs_as_it_is_and_the_losses_stay(tmp_path: Path) -> None:
-    """FSDP1 (``use_orig_params=True``) gives the tower, in forward, views of a flat
-    parameter that also holds the trainable head's: they require grad, so the cache runs
-    the tower without the store (it would cut a gradient) and says so."""
-    ranks = run_script("frozen_cache_ddp.py", tmp_path, "--strategy", "fsdp_zero2",
-                       "--features", str(tmp_path / "features"))  # fmt: skip
+@pytest.mark.parametrize("strategy", ["fsdp_zero2", "fsdp2_zero2"])
+def test_fsdp_ranks_are_served_share_a_folder_and_keep_the_losses(
+    tmp_path: Path, strategy: str
+) -> None:
+    """FSDP1 (``use_orig_params=True``) lends the tower, in forward, views of a flat
+    parameter that also holds the trainable head's, and those views require grad; the
+    cache asks the tower's own parameters (frozen) and serves it. FSDP2 lends it the
+    same gathered parameters every step. The frozen slice's gradient is never applied
+    (FSDP gives a frozen parameter no gradient), so the losses stay bit for bit."""
+    features = tmp_path / "features"
+    ranks = run_script("frozen_cache_ddp.py", tmp_path, "--strategy", strategy,
+                       "--features", str(features))  # fmt: skip
+    _check_cached_run(ranks)
     for rank in ranks:
-        assert rank["cached"]["losses"] == rank["plain"]["losses"]
-        assert rank["cached"]["tower_rows"] == [8] * 12
-        last = rank["cached"]["counts"][-1]
-        assert (last["hits"], last["stored"], last["plain_calls"]) == (0, 0, 12)
-    assert not list((tmp_path / "features").rglob("*.bin"))
+        assert [c["plain_calls"] for c in rank["cached"]["counts"]] == [0, 0, 0]
+    shards = sorted(features.rglob("*.bin"))
+    assert len(shards) == 2  # one per rank, in one folder: the same fingerprint on both
+    assert len({p.parent for p in shards}) == 1
+    assert sum(p.stat().st_size for p in shards) == 2 * EPOCH * ROW
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_under_fsdp_zero2_a_tower_trained_mid_run_runs_then_is_fingerprinted_again(
+    tmp_path: Path,
+) -> None:
+    """Unfrozen for epoch 1 (and trained: the optimizer holds it), the tower runs on every
+    call without the store; frozen again, its new weights are misses on both ranks, also
+    on the rank whose shard holds none of the tower (its own parameters there did not
+    change), and served from the epoch after."""
+    features = tmp_path / "features"
+    ranks = run_script("frozen_cache_ddp.py", tmp_path, "--strategy", "fsdp_zero2",
+                       "--features", str(features), "--retrain", "--epochs", "4")  # fmt: skip
+    for rank in ranks:
+        plain, cached = rank["plain"], rank["cached"]
+        assert len(plain["losses"]) == 16
+        assert cached["losses"] == plain["losses"]  # bit for bit
+        # epoch 0 runs; epoch 1 runs plain (4 calls); epoch 2 runs the new weights;
+        # epoch 3 checks on its first batch and serves the rest
+        assert cached["tower_rows"] == [8] * 13
+        counts = cached["counts"]
+        assert [c["plain_calls"] for c in counts] == [0, 4, 4, 4]
+        assert [c["hits"] for c in counts] == [0, 0, 0, EPOCH - 8]
+        assert [c["stored"] for c in counts] == [EPOCH, EPOCH, 2 * EPOCH, 2 * EPOCH]
+        # the shards this cache wrote or took in: both ranks', of both weights
+        assert counts[-1]["disk_bytes"] == 2 * 2 * EPOCH * ROW
+    folders = {p.parent for p in features.rglob("*.bin")}
+    assert len(folders) == 2  # the first weights' and the trained ones'

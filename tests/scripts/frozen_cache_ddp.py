@@ -1,10 +1,12 @@
 """Two CPU ranks train a model with a frozen tower, with and without FrozenFeatureCache.
 
-``--strategy NAME`` (``ddp``, ``deepspeed_zero2``, ``fsdp_zero2``) and ``--runs A,B`` run in
-turn in the same two processes: ``plain`` (no cache), ``cached`` (the cache, with the
-shared ``--features`` folder). Each fit is ``--epochs`` epochs of 64 samples shuffled by
-Lightning's DistributedSampler: 4 steps of 8 per rank. A second invocation with
+``--strategy NAME`` (``ddp``, ``deepspeed_zero2``, ``fsdp_zero2``, ``fsdp2_zero2``) and
+``--runs A,B`` run in turn in the same two processes: ``plain`` (no cache), ``cached`` (the
+cache, with the shared ``--features`` folder). Each fit is ``--epochs`` epochs of 64 samples
+shuffled by Lightning's DistributedSampler: 4 steps of 8 per rank. A second invocation with
 ``--runs cached`` on the same folder is a new pair of processes starting warm.
+``--retrain``: the optimizer holds every parameter, and the tower is unfrozen for epoch 1
+only (trained then), frozen again from epoch 2.
 
 Each rank writes, per run, its losses (as ``float.hex``: compared bit for bit), the rows
 the tower ran on per call, and the cache's counts at each epoch's end.
@@ -57,8 +59,9 @@ class Tower(nn.Module):
 
 
 class Task(L.LightningModule):
-    def __init__(self) -> None:
+    def __init__(self, retrain: bool = False) -> None:
         super().__init__()
+        self.retrain = retrain
         torch.manual_seed(0)
         self.tower = Tower().requires_grad_(False)
         self.head = nn.Sequential(nn.Linear(WIDE, WIDE), nn.GELU(), nn.Linear(WIDE, 1))
@@ -69,8 +72,12 @@ class Task(L.LightningModule):
         self.losses.append(float(loss.detach()).hex())
         return loss
 
+    def on_train_epoch_start(self) -> None:
+        if self.retrain:  # trained in epoch 1 alone
+            self.tower.requires_grad_(self.current_epoch == 1)
+
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.head.parameters(), lr=0.1)
+        return torch.optim.SGD((self if self.retrain else self.head).parameters(), lr=0.1)
 
     def train_dataloader(self) -> DataLoader[Any]:
         return DataLoader(Pairs(), batch_size=BATCH, shuffle=True)
@@ -105,7 +112,7 @@ def fit(args: argparse.Namespace, cached: bool) -> tuple[int, dict[str, Any]]:
         logger=False, callbacks=callbacks, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
     )  # fmt: skip
-    task = Task()
+    task = Task(args.retrain)
     trainer.fit(task)
     result = {"losses": task.losses, "tower_rows": task.tower.rows}
     if cache is not None:
@@ -122,6 +129,7 @@ def main() -> None:
     parser.add_argument("--runs", default="plain,cached")
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--budget", type=int, default=2**30, help="the cache's, in bytes")
+    parser.add_argument("--retrain", action="store_true", help="the tower trains in epoch 1")
     args = parser.parse_args()
     torch.set_num_threads(1)
     results: dict[str, Any] = {}
