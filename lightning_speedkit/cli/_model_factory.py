@@ -107,6 +107,36 @@ def count_parameters(spec: str) -> tuple[int, int, str]:
         raise CommandLineError(
             f"argument --model: {spec} returned a {type(model).__name__}, not a torch.nn.Module"
         )
+    note += _configure_model(model, spec)
     seen = {id(p): p for p in model.parameters()}  # tied parameters once
     return (sum(p.numel() for p in seen.values()),
             sum(p.numel() for p in seen.values() if p.requires_grad), note)  # fmt: skip
+
+
+def _configure_model(model: Any, spec: str) -> str:
+    """A LightningModule that builds its layers in ``configure_model`` (as Lightning
+    recommends for large models) has them built, on the meta device, as the Trainer
+    would before training; the note says so. Without this the parameters counted were
+    only those made in ``__init__``, often none."""
+    import torch
+
+    # A LightningModule's module imported Lightning already: nothing to import otherwise.
+    for package in ("lightning.pytorch", "pytorch_lightning"):
+        lightning = sys.modules.get(package)
+        base = getattr(lightning, "LightningModule", None)
+        if base is not None and isinstance(model, base):
+            break
+    else:
+        return ""
+    if type(model).configure_model is base.configure_model:
+        return ""
+    try:
+        with torch.device("meta"):
+            model.configure_model()
+    except Exception as err:  # the user's hook failed: their code, not ours
+        raise CommandLineError(
+            f"argument --model: {spec}'s configure_model() raised {type(err).__name__}: "
+            f"{err} (called on the meta device, as the Trainer calls it before training); "
+            "fix the hook, or give --params instead"
+        ) from err
+    return " (after its configure_model)"

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Literal
 
 import lightning as L
@@ -36,6 +37,7 @@ from torch import nn
 from lightning_speedkit import _compat, _surgery, _validation
 from lightning_speedkit._blocks import CacheOff, block_instances, repeated_block_types
 from lightning_speedkit._loggers import log_metrics
+from lightning_speedkit._model_ready import forget_pending, when_model_ready
 from lightning_speedkit.compute._recompile_advice import recompile_advice
 from lightning_speedkit.errors import SpeedkitConfigError
 
@@ -303,7 +305,9 @@ def _compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:
 class RegionalCompile(L.Callback):
     """Runs :func:`compile_blocks` on the LightningModule in ``setup``; counts the cost.
 
-    Before the strategy wraps the model, so DDP, the ZeRO-2 presets and DeepSpeed
+    A LightningModule that builds its layers in ``configure_model`` has its blocks
+    compiled right after that hook (Lightning calls it after ``setup``). Either way
+    before the strategy wraps the model, so DDP, the ZeRO-2 presets and DeepSpeed
     all run compiled blocks, and together with ``AttentionSwap`` and
     ``ActivationCheckpointing`` in any order (the compiled call traces the forward
     the block has at its first call). Checkpoints keep the uncompiled names.
@@ -379,11 +383,12 @@ class RegionalCompile(L.Callback):
             self._turn_cache_off(pl_module, compiled_blocks(pl_module), stage)
             return
         self._reported = False
-        missing = (
-            _cpu_compiler_missing(self.backend)
-            if trainer.strategy.root_device.type == "cpu"
-            else None
-        )
+        on_cpu = trainer.strategy.root_device.type == "cpu"
+        # A module that builds its blocks in configure_model: compiled right after it.
+        when_model_ready(pl_module, partial(self._compile, pl_module, on_cpu))
+
+    def _compile(self, pl_module: L.LightningModule, on_cpu: bool) -> None:
+        missing = _cpu_compiler_missing(self.backend) if on_cpu else None
         if missing is not None:
             rank_zero_warn(
                 f"RegionalCompile: {missing}. The blocks stay uncompiled; install g++ or "
@@ -474,10 +479,12 @@ class RegionalCompile(L.Callback):
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
             self.watch.remove()
+        forget_pending(pl_module)
         self._restore_cache()
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
+        forget_pending(pl_module)  # a fit that failed before configure_model
         self.watch.remove()
         self._restore_cache()

@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_speedkit import _surgery, _validation
 from lightning_speedkit._blocks import CacheOff, block_instances, repeated_block_types
+from lightning_speedkit._model_ready import forget_pending, when_model_ready
 
 __all__ = [
     "ActivationCheckpointing",
@@ -315,7 +316,9 @@ def uncheckpoint_blocks(model: nn.Module) -> list[str]:
 class ActivationCheckpointing(L.Callback):
     """Runs :func:`checkpoint_blocks` on the LightningModule in ``setup``.
 
-    Before the strategy wraps the model, so it works the same under DDP, the ZeRO-2
+    A LightningModule that builds its layers in ``configure_model`` has its blocks
+    checkpointed right after that hook (Lightning calls it after ``setup``). Either way
+    before the strategy wraps the model, so it works the same under DDP, the ZeRO-2
     presets and DeepSpeed: each wrapped unit sees a block whose forward recomputes in
     backward. The blocks checkpointed are printed (rank 0). Each ``fit`` checkpoints what
     its callback's ``blocks`` and ``fraction`` choose: a later ``fit`` of the same module
@@ -359,8 +362,10 @@ class ActivationCheckpointing(L.Callback):
         self._cache_off = CacheOff()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        if stage != "fit":
-            return
+        if stage == "fit":  # a module that builds its blocks in configure_model: after it
+            when_model_ready(pl_module, partial(self._checkpoint, pl_module))
+
+    def _checkpoint(self, pl_module: L.LightningModule) -> None:
         # What these settings choose in this module, whatever is checkpointed now.
         instances = block_instances(pl_module, _resolve(pl_module, self._blocks))
         wanted = [name for name, _ in _spread(instances, self.fraction)]
@@ -398,9 +403,11 @@ class ActivationCheckpointing(L.Callback):
             )
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        forget_pending(pl_module)
         self._cache_off.restore()
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
+        forget_pending(pl_module)  # a fit that failed before configure_model
         self._cache_off.restore()
