@@ -33,8 +33,10 @@ WARMUP_STEPS = 5
 HISTORY = 1000
 
 # The hooks' record of the current batch, replaced whole (one attribute store, so the
-# thread never reads half of an update): (batch, phase, phase since, batch start, global step).
-Mark = tuple[int, int, float, float, int]
+# thread never reads half of an update): (batch, phase, phase since, batch start, global step,
+# phases entered in the batch so far). The last orders ranks within a batch: a batch of manual
+# optimization passes backward and the optimizer step more than once (a GAN's two losses).
+Mark = tuple[int, int, float, float, int, int]
 # A batch and whether its step is over: one overrun (and one dump) each, the step's and the
 # time after it.
 Where = tuple[int, bool]
@@ -49,8 +51,8 @@ def progress_of(mark: Mark | None, rank: int, now: float) -> RankProgress:
     """Where a mark says ``rank`` is at ``now``: between steps of batch 0 before any batch."""
     if mark is None:
         return RankProgress(rank, 0, 0, PHASES[BETWEEN], 0.0)
-    batch, phase, since, _, step = mark
-    return RankProgress(rank, batch, step, PHASES[phase], now - since)
+    batch, phase, since, _, step, passed = mark
+    return RankProgress(rank, batch, step, PHASES[phase], now - since, passed)
 
 
 def step_limit(
@@ -165,13 +167,13 @@ class StepWatch:
     def start(self, now: float, global_step: int) -> None:
         """A training batch starts: its forward."""
         started = self.mark[0] if self.mark is not None else 0
-        self.mark = (started + 1, FORWARD, now, now, global_step)
+        self.mark = (started + 1, FORWARD, now, now, global_step, 0)
 
     def enter(self, phase: int, now: float) -> None:
         """The batch enters ``phase`` (an index of :data:`PHASES`)."""
         if self.mark is not None:
-            batch, _, _, start, step = self.mark
-            self.mark = (batch, phase, now, start, step)
+            batch, _, _, start, step, passed = self.mark
+            self.mark = (batch, phase, now, start, step, passed + 1)
 
     def end_validation(self, now: float) -> None:
         """Validation ended: back between steps, watched again from now."""
@@ -181,9 +183,9 @@ class StepWatch:
     def end(self, now: float) -> None:
         """The batch's step ended: its duration joins the history."""
         if self.mark is not None:
-            batch, _, _, start, step = self.mark
+            batch, _, _, start, step, passed = self.mark
             self.steps.append((batch, now - start))
-            self.mark = (batch, BETWEEN, now, start, step)
+            self.mark = (batch, BETWEEN, now, start, step, passed + 1)
 
     # -- the thread's looks ------------------------------------------------------------------------
 
@@ -197,7 +199,9 @@ class StepWatch:
     def overrun(self, mark: Mark | None, now: float) -> Overrun | None:
         """The step of ``mark`` (or the time since it ended) past its limit at ``now``, the
         first time it is seen so; None otherwise. Validation, saves and epoch ends: None."""
-        batch, phase, since, start, step = mark if mark is not None else (0, BETWEEN, now, now, 0)
+        batch, phase, since, start, step, _ = (
+            mark if mark is not None else (0, BETWEEN, now, now, 0, 0)
+        )
         floor = self.timeout if self.timeout is not None else self.min_timeout
         between = phase == BETWEEN
         age = now - (since if between else start)  # the step's age, or the time since it

@@ -9,7 +9,7 @@ writes to ``hang-report.txt``.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 __all__ = ["PHASES", "RankProgress", "late_ranks", "report_text", "write_report"]
@@ -40,6 +40,12 @@ class RankProgress:
         step: ``trainer.global_step`` when that batch started (optimizer steps taken).
         phase: The last phase the rank entered, one of :data:`PHASES`.
         seconds: How long it had been in that phase.
+        passed: Phases the rank had entered in that batch (None: as many as ``phase``'s
+            place in :data:`PHASES`, the order of a batch of automatic optimization).
+            Every rank passes the same hooks in a batch, so this orders ranks where a
+            batch enters a phase more than once: manual optimization's several
+            ``manual_backward`` and optimizer steps (a GAN's two). Left out of equality:
+            a RankProgress compares by the place it names (batch, step, phase, seconds).
     """
 
     rank: int
@@ -47,12 +53,24 @@ class RankProgress:
     step: int
     phase: str
     seconds: float
+    passed: int | None = field(default=None, compare=False)
+
+    @property
+    def position(self) -> tuple[int, int]:
+        """(batch, phases passed in it): a rank at a smaller position is behind."""
+        passed = self.passed if self.passed is not None else PHASES.index(self.phase)
+        return self.batch, passed
 
     def describe(self) -> str:
-        """``rank 1: batch 12 (global step 11), forward for 2.3 s``."""
+        """``rank 1: batch 12 (global step 11), forward for 2.3 s``; a phase entered again
+        in the batch (manual optimization) says which time: ``backward (phase 5 of the batch)``."""
+        index = PHASES.index(self.phase)
+        repeatable = BACKWARD <= index < BETWEEN  # entered again only by manual optimization
+        again = self.passed is not None and repeatable and self.passed > index
+        which = f" (phase {self.passed} of the batch)" if again else ""
         return (
             f"rank {self.rank}: batch {self.batch} (global step {self.step}), "
-            f"{self.phase} for {self.seconds:.1f} s"
+            f"{self.phase}{which} for {self.seconds:.1f} s"
         )
 
 
@@ -70,12 +88,8 @@ def late_ranks(progress: Sequence[RankProgress]) -> list[RankProgress]:
     """
     if not progress:
         return []
-
-    def position(p: RankProgress) -> tuple[int, int]:
-        return p.batch, PHASES.index(p.phase)
-
-    furthest = max(position(p) for p in progress)
-    return [p for p in progress if position(p) < furthest]
+    furthest = max(p.position for p in progress)
+    return [p for p in progress if p.position < furthest]
 
 
 def report_text(
