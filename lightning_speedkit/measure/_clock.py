@@ -10,6 +10,7 @@ AccumulationScheduler times its accumulation windows with :class:`Stamps`.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -49,28 +50,38 @@ class StepClock:
     The step time runs from the end of one batch to the end of the next; the data wait
     is the gap between one batch's end and the next one's start (on CUDA, the device's
     idle gap). The first batch after :meth:`gap` has no previous end, so no step time.
+
+    ``untimed()`` (read at each batch's start and end: a Python call, no sync) says that
+    the step under way does not run at training's pace (a ProfilerSchedule window's
+    profiled steps); such a step is not timed, nor is the next, whose wait would hold
+    what ran after it (the window's trace written and analysed).
     """
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, untimed: Callable[[], bool] = lambda: False) -> None:
         self.stamps = Stamps(device)
+        self._untimed = untimed
         self._pending: list[tuple[Any, Any, Any]] = []  # (previous end, start, end)
         self._last_end: Any = None
         self._start: Any = None
+        self._untimed_at_start = False
 
     def gap(self) -> None:
         """Forget the previous batch end: the next gap (validation, new epoch) is not data wait."""
         self._last_end = None
 
     def batch_start(self) -> None:
+        self._untimed_at_start = self._untimed()
         self._start = self.stamps.now()
 
     def batch_end(self, keep: bool) -> bool:
-        """Time the step that ends here if ``keep``; whether it was timed."""
+        """Time the step that ends here if ``keep`` (and it ran at training's pace); whether
+        it was timed."""
         end = self.stamps.now()
-        timed = keep and self._last_end is not None
+        untimed = self._untimed_at_start or self._untimed()  # either hook order
+        timed = keep and not untimed and self._last_end is not None
         if timed:
             self._pending.append((self._last_end, self._start, end))
-        self._last_end = end
+        self._last_end = None if untimed else end
         return timed
 
     def drain(self) -> tuple[list[float], list[float]]:

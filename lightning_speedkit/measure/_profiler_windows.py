@@ -14,6 +14,7 @@ write) is only recorded there and acted on once they have returned (see
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypedDict
@@ -27,9 +28,21 @@ from lightning_speedkit.measure._profiler_hold import CompileHold
 from lightning_speedkit.measure._profiler_marks import StepMarks
 from lightning_speedkit.measure._profiler_traces import TraceNotWrittenError, TraceStore
 
-__all__ = ["ProfilerOptions", "WindowRunner"]
+__all__ = ["ProfilerOptions", "WindowRunner", "window_open"]
 
 _RECORDED = (ProfilerAction.RECORD, ProfilerAction.RECORD_AND_SAVE)
+
+#: Every WindowRunner of the process (torch has one profiling session per process).
+_RUNNERS: weakref.WeakSet[WindowRunner] = weakref.WeakSet()
+
+
+def window_open() -> bool:
+    """Whether a ProfilerSchedule window's profiler exists in this process: from the end of
+    the step before the window's first (warm-up) step until its trace is written. Those
+    steps run slower than training does, and the trace's writing and analysis (seconds)
+    runs in a batch-end hook: SpeedMonitor leaves both out of its timings. A walk of the
+    runners (one per ProfilerSchedule), no more."""
+    return any(runner.profiler is not None for runner in list(_RUNNERS))
 
 
 class ProfilerOptions(TypedDict):
@@ -97,6 +110,7 @@ class WindowRunner:
         # before its first recorded step is dropped, not written empty.
         self._window_recorded = 0
         self._warned: set[str] = set()
+        _RUNNERS.add(self)
 
     # -- a fit's start and end -------------------------------------------------------------
 

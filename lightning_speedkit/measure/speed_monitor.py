@@ -26,7 +26,9 @@ How each figure is obtained, and what it costs:
   end of the next, and **data wait** is the device's idle gap between the end of
   one batch and the start of the next (on CPU, the host's gap). Both include
   whatever else Lightning does between batches (checkpointing, for instance);
-  validation and epoch boundaries are left out. The arithmetic from these times to
+  validation and epoch boundaries are left out, and so are the steps of a
+  ProfilerSchedule window (profiled steps run slower) and the step after each (its
+  wait would hold the trace's writing and analysis, seconds). The arithmetic from these times to
   the figures is :mod:`~lightning_speedkit.measure._throughput`'s, which needs no
   Trainer and no clock.
 - **Across ranks** one small ``all_gather`` per log interval sums samples/s over
@@ -66,6 +68,7 @@ from lightning_speedkit.measure._clock import StepClock
 from lightning_speedkit.measure._compile_watch import CompileWatch
 from lightning_speedkit.measure._flop_book import CountSchedule, FlopBook, step_flops
 from lightning_speedkit.measure._host_memory import host_memory_bytes
+from lightning_speedkit.measure._profiler_windows import window_open
 from lightning_speedkit.measure._throughput import Throughput
 
 __all__ = ["SUMMARY_KEYS", "SpeedMonitor"]
@@ -171,7 +174,7 @@ class SpeedMonitor(L.Callback):
         self._info: BatchInfo | None = None
         max_counts = 0 if self.flops_per_batch is not None else self.max_flop_counts
         self._counts = CountSchedule(self.flops, max_counts)
-        self._clock = StepClock(torch.device("cpu"))
+        self._clock = StepClock(torch.device("cpu"), untimed=window_open)
         self._loaders: _combined.TrainLoaders | None = None  # None: one loader
 
     def state_dict(self) -> dict[str, Any]:
@@ -189,7 +192,7 @@ class SpeedMonitor(L.Callback):
         self._counts.close()
         self._reset_fit_state()
         self._device = device = trainer.strategy.root_device
-        self._clock = StepClock(device)
+        self._clock = StepClock(device, untimed=window_open)  # ProfilerSchedule's windows
         precision = str(trainer.precision)
         self._peak = _resolve_peak(self.peak_flops, device, _compute_dtype(precision))
         if self._peak is None and self.peak_flops == "auto" and not self._peak_warned:
@@ -241,7 +244,8 @@ class SpeedMonitor(L.Callback):
         (a new epoch, validation) has no step time, and counting its samples would
         overstate throughput by one batch per gap. Steps before the first FLOP count
         (still compiling, or profiled) are start-up too: they would add samples and no
-        FLOPs. A counted step is slower, so it is not timed either."""
+        FLOPs. A counted step is slower, so it is not timed either; nor is a step of a
+        ProfilerSchedule window, nor the step after one (the clock's ``untimed``)."""
         info, counted_now = self._info, self._counts.counting
         priced = self.flops_per_batch is not None or bool(self.flops.counted)
         keep = self._clock.batch_end(
