@@ -9,16 +9,37 @@ from functools import partial
 from typing import Any
 
 import lightning as L
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat
 from lightning_speedkit.data._switch import switch_loader, why_not_switched
+from lightning_speedkit.data._verdict import not_tuned_message
 from lightning_speedkit.data.mixin import SpeedDataModuleMixin
 from lightning_speedkit.data.rebuild import rebuild_dataloader
 from lightning_speedkit.data.tune_result import TuneResult
 
 #: The name the tuner's change of the train loader goes by in the fit loop's source.
 OWNER = "NumWorkersTuner"
+
+
+def loader_to_tune(trainer: L.Trainer) -> DataLoader[Any] | None:
+    """The train loader NumWorkersTuner measures at fit start; None, said why, where there
+    is none to tune: a ``fast_dev_run`` (a smoke test of a batch or a few, which the
+    search would outlast many times over), ``limit_train_batches=0`` (no batch trains),
+    or a loader that is not one torch DataLoader."""
+    if getattr(trainer, "fast_dev_run", False):  # not in the Trainer's stubs
+        rank_zero_info("NumWorkersTuner: not tuning in a `fast_dev_run` (a smoke test); "
+                       "the train loader runs as given.")  # fmt: skip
+        return None
+    if trainer.limit_train_batches == 0:  # 0 or 0.0: the fit loop trains no batch
+        rank_zero_info("NumWorkersTuner: `limit_train_batches=0`, no batch trains; not tuning.")
+        return None
+    loader = _compat.train_loader_source(trainer).dataloader()
+    if not isinstance(loader, DataLoader):
+        rank_zero_warn(not_tuned_message(loader))
+        return None
+    return loader
 
 
 def with_settings(loader: Any, settings: dict[str, Any]) -> Any:

@@ -8,7 +8,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat, _validation
@@ -18,6 +18,7 @@ from lightning_speedkit.data._compute_threads import ComputeThreads
 from lightning_speedkit.data._train_loader import (
     OWNER,
     NextEpochSwitch,
+    loader_to_tune,
     switch_running_epoch,
     use_settings,
 )
@@ -137,9 +138,8 @@ class NumWorkersTuner(L.Callback):
             return
         self._forget_fit()
         _compat.drop_train_loader_change(trainer, OWNER)  # a fit that raised
-        loader = _compat.train_loader_source(trainer).dataloader()
-        if not isinstance(loader, DataLoader):
-            rank_zero_warn(_verdict.not_tuned_message(loader))
+        loader = loader_to_tune(trainer)  # None: not tuned, and said why
+        if loader is None:
             return
         kwargs = dict(self.tune_kwargs)
         if kwargs["max_workers"] is None:
