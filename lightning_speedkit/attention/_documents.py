@@ -30,6 +30,13 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_speedkit import _surgery
+from lightning_speedkit.attention._packed_fields import (
+    HF_NAMES,
+    ROW_FIELDS,
+    cu_seqlens_values,
+    packing_field,
+    row_shaped,
+)
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["Documents", "active", "documents_of", "packed_documents", "per_document"]
@@ -39,11 +46,7 @@ _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 #: The batch fields that mark a packed batch (what PackingCollate returns).
 PACKING_FIELDS = ("cu_seqlens", "document_ids")
-#: The same fields as transformers' ``DataCollatorWithFlattening`` names them
-#: (``return_flash_attn_kwargs=True``, ``return_seq_idx=True``), read when ours are absent.
-_HF_NAMES = {"cu_seqlens": "cu_seq_lens_q", "document_ids": "seq_idx"}
-#: Fields whose ``(rows, S)`` shape gives a batch's rows when only ``cu_seqlens`` is there.
-_ROW_FIELDS = ("document_ids", "position_ids", "input_ids", "labels")
+_HF_NAMES, _ROW_FIELDS = HF_NAMES, ROW_FIELDS  # transformers' names for them; rows' fields
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,8 @@ class Documents:
     _positions: Tensor | None = field(default=None, repr=False, compare=False)
     #: What a backend builds once per batch from the documents (FlexAttention's block mask).
     cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: What the batch met: ``"mixed"``, the class running attention over whole rows.
+    seen: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     def positions(self, device: torch.device) -> Tensor:
         """Each token's position in its document, ``(rows, S)``."""
@@ -156,32 +161,42 @@ def packed_documents(batch: Any) -> Iterator[Documents | None]:
         ...     documents.spans
         (((0, 3), (3, 5), (5, 6)),)
     """
+    with packed(batch, check=True) as documents:
+        yield documents
+
+
+@contextlib.contextmanager
+def packed(batch: Any, *, check: bool) -> Iterator[Documents | None]:
+    """:func:`packed_documents`; ``check``: warn once when attention in the block ran over
+    whole rows (AttentionSwap says more itself: which modules, and why)."""
+    from lightning_speedkit.attention._own_calls import warn_if_mixed
+
     documents = documents_of(batch)
     if documents is None:
         yield None
         return
     with _surgery.call_setting(partial(_documents_set, documents)):
         yield documents
+    if check:
+        warn_if_mixed(documents)
 
 
 def documents_of(batch: Any) -> Documents | None:
     """A batch's documents, from its ``document_ids`` and/or ``cu_seqlens`` (or
-    transformers' ``seq_idx`` and ``cu_seq_lens_q``); None if unpacked.
+    transformers' ``seq_idx`` and ``cu_seq_lens_q``); None if unpacked. Lists and arrays of
+    integers are read as tensors (:mod:`._packed_fields`), never skipped.
 
     This reads the boundaries on the host: on a GPU, one device-to-host copy per batch.
     """
     if not isinstance(batch, Mapping):
         return None
-    ids, cu = (
-        batch[f] if isinstance(batch.get(f), Tensor) else batch.get(_HF_NAMES[f])
-        for f in ("document_ids", "cu_seqlens")
-    )
-    if not isinstance(ids, Tensor) and not isinstance(cu, Tensor):
+    ids, cu = packing_field(batch, "document_ids"), packing_field(batch, "cu_seqlens")
+    if ids is None and cu is None:
         return None
-    cu_list = _cu_seqlens(cu) if isinstance(cu, Tensor) else None
-    if isinstance(ids, Tensor):
-        return _from_document_ids(ids, cu_list)
-    assert cu_list is not None  # one of the two is a tensor
+    cu_list = cu_seqlens_values(cu) if cu is not None else None
+    if ids is not None:
+        return _from_document_ids(row_shaped(ids, batch), cu_list)
+    assert cu_list is not None  # one of the two is there
     rows = next((batch[f] for f in _ROW_FIELDS if isinstance(batch.get(f), Tensor)), None)
     if rows is None or rows.ndim != 2:
         raise SpeedkitConfigError(
@@ -190,22 +205,6 @@ def documents_of(batch: Any) -> Documents | None:
             f"pass the batch PackingCollate returned, `document_ids` included."
         )
     return _from_cu_seqlens(cu_list, int(rows.shape[0]), int(rows.shape[1]))
-
-
-def _cu_seqlens(cu: Tensor) -> list[int]:
-    values = [int(v) for v in cu.tolist()]  # SYNC: the boundaries, once per batch
-    if (
-        cu.ndim != 1
-        or not values
-        or values[0] != 0
-        or any(b < a for a, b in itertools.pairwise(values))
-    ):
-        raise SpeedkitConfigError(
-            f"`cu_seqlens` must be 1-D, start at 0 and never decrease (flash-attn's varlen "
-            f"layout), got {values[:8]}{'...' if len(values) > 8 else ''}; pass the "
-            f"`cu_seqlens` PackingCollate returned."
-        )
-    return values
 
 
 def _from_document_ids(ids: Tensor, cu: list[int] | None) -> Documents:
@@ -221,8 +220,12 @@ def _from_document_ids(ids: Tensor, cu: list[int] | None) -> Documents:
         tuple(zip(row_starts, [*row_starts[1:], length], strict=True)) for row_starts in starts
     )
     if cu is not None:
-        real = ids[ids >= 0]
-        lengths = torch.bincount(real).tolist() if real.numel() else []  # SYNC: with the above
+        # The runs of one id over the rows flattened, padding's (-1) left out: a document
+        # that goes on into the next row is one, whatever the ids count from.
+        flat = ids.reshape(-1)
+        run_starts = torch.cat([flat.new_zeros(1), (flat[1:] != flat[:-1]).nonzero()[:, 0] + 1])
+        run_ends = torch.cat([run_starts[1:], run_starts.new_full((1,), flat.numel())])
+        lengths = (run_ends - run_starts)[flat[run_starts] >= 0].tolist()  # SYNC: with the above
         expected = [b - a for a, b in itertools.pairwise(cu)]
         if [n for n in lengths if n] != [n for n in expected if n]:
             raise SpeedkitConfigError(
@@ -408,15 +411,6 @@ def warn_once(message: str) -> None:
         rank_zero_warn(message)
 
 
-def warn_own_attention(name: str) -> None:
-    """A swapped module ran its own attention on a packed batch: say so once."""
-    warn_once(
-        f"A packed batch reached {name!r}'s own attention (a call the swap does not handle), "
-        "which attends across the documents of a row. Call it as the swap handles it (no "
-        "extra mask, no attention weights asked for), or do not pack."
-    )
-
-
 class StepDocuments:
     """A training step's documents, set from its batch until the step ends (AttentionSwap's).
 
@@ -435,7 +429,7 @@ class StepDocuments:
         """Set ``batch``'s documents (none if it is not packed) for the step."""
         self.exit()
         stack = contextlib.ExitStack()
-        self._packed = stack.enter_context(packed_documents(batch)) is not None
+        self._packed = stack.enter_context(packed(batch, check=False)) is not None
         self._stack = stack
 
     def exit(self, report: Any = None, model: nn.Module | None = None) -> None:

@@ -16,7 +16,9 @@ module call while a packed batch's documents are active (:mod:`._documents`):
   gets each document's positions instead;
 * absolute positions added from a table of the packed length with no row axis (a
   sinusoidal ``pe[:T]``, a learned ``pos_embed[:, :T]``) cannot be cut generally: they
-  run on from one document into the next, said once with the fix.
+  run on from one document into the next, said once with the fix;
+* a softmax over ``(S, S)`` of the packed rows is attention no one cut (a module the swap
+  skipped or reverted, written out): :func:`packed_documents` says so once, naming it.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ __all__ = [
     "own_sdpa_modules",
     "remove_model_hooks",
     "warn_compiled_outside",
+    "warn_if_mixed",
+    "warn_own_attention",
 ]
 
 _HOOKS: list[Any] = []  # the global hooks' handles, once registered
@@ -47,6 +51,7 @@ _LOCAL = threading.local()  # per thread: the module calls open now, and the mod
 #: Modules whose own SDPA calls ran per document since the last :func:`own_sdpa_modules`.
 _OWN_SDPA: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 _ADDS = {torch.add, Tensor.add, Tensor.__add__, Tensor.__radd__, Tensor.__iadd__, Tensor.add_}
+_SOFTMAXES = {torch.softmax, F.softmax, Tensor.softmax}
 #: Whether the mode of an eager outermost module call is open now (read while tracing).
 _MODE_OPEN = [False]
 #: Set by a module call on a packed batch that torch.compile traced with no eager module
@@ -129,6 +134,45 @@ def warn_compiled_outside() -> bool:
     return True
 
 
+def warn_own_attention(name: str) -> None:
+    """A swapped module ran its own attention on a packed batch: say so once."""
+    _documents.warn_once(
+        f"A packed batch reached {name!r}'s own attention (a call the swap does not handle), "
+        "which attends across the documents of a row. Call it as the swap handles it (no "
+        "extra mask, no attention weights asked for), or do not pack."
+    )
+
+
+def warn_if_mixed(documents: _documents.Documents) -> None:
+    """Say once that attention the kit did not swap ran over a packed batch's whole rows."""
+    mixed = documents.seen.get("mixed")
+    if mixed is None:
+        return
+    _documents.warn_once(
+        f"A packed batch reached attention in {mixed!r} that the kit did not swap: a softmax "
+        "over whole packed rows, so every token there attended across the documents of its "
+        "row, unless the module's own mask keeps them apart (transformers' eager "
+        "attention does, on one row without an `attention_mask`). Swap it before the `with` "
+        "(`swap_attention`; its report's `skipped` and `reverted` say why a module was left "
+        "as it is, and `register_adapter` teaches the kit a family), or do not pack."
+    )
+
+
+def _note_whole_row_softmax(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
+    """A softmax over ``(S, S)`` of the packed rows is attention nobody cut: noted."""
+    documents = _documents.active()
+    x = args[0] if args else (kwargs or {}).get("input")
+    if documents is None or not isinstance(x, Tensor) or x.ndim < 3 or "mixed" in documents.seen:
+        return
+    n = documents.length
+    if x.shape[-2:] != (n, n) or x.shape[0] % documents.rows:
+        return
+    if all(len(spans) == 1 for spans in documents.spans):
+        return  # one span a row: no boundary to cross
+    calls = _calls()
+    documents.seen["mixed"] = type(calls[-1]).__name__ if calls else "the model"
+
+
 def _calls() -> list[nn.Module]:
     calls: list[nn.Module] | None = getattr(_LOCAL, "calls", None)
     if calls is None:
@@ -186,6 +230,8 @@ class _OwnCalls(_documents._SdpaPerDocument):
                 _OWN_SDPA.add(calls[-1])
         elif func in _ADDS and len(args) == 2:
             _name_position_table(*args)
+        elif func in _SOFTMAXES:
+            _note_whole_row_softmax(args, kwargs)
         return super().__torch_function__(func, types, args, kwargs)
 
 

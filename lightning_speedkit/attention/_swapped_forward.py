@@ -28,6 +28,7 @@ from lightning_speedkit._surgery import (
 )
 from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._auto_timing import pick_fastest
+from lightning_speedkit.attention._own_calls import warn_own_attention
 from lightning_speedkit.attention._parity import (
     Inputs,
     Run,
@@ -91,7 +92,7 @@ class _SwappedForward:
         out = self.adapter.forward(ctx, *args, **kwargs)
         if out is NotImplemented:
             if _documents.active() is not None:
-                _documents.warn_own_attention(self.entry.name or type(self.module).__name__)
+                warn_own_attention(self.entry.name or type(self.module).__name__)
             return self.original(*args, **kwargs)
         return out
 

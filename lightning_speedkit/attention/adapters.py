@@ -124,6 +124,11 @@ def _hf_match(module: nn.Module) -> Any:
 
 
 def _hf_implementation(ctx: SwapContext) -> str:
+    if _documents.active() is not None:
+        # A packed batch: transformers' flash and flex paths keep documents apart only on
+        # one row without an attention mask (they unpad by the mask, and read packing off
+        # `position_ids` for a batch of one); its SDPA calls are cut per document, always.
+        return "sdpa"
     device = device_of(ctx.module)
     cuda = device is not None and device.type == "cuda"
     cls = type(ctx.module)

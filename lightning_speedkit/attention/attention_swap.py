@@ -38,7 +38,9 @@ class AttentionSwap(L.Callback):
     :class:`~lightning_speedkit.data.PackingCollate` returns them) is handed to every
     swapped module for its step (:func:`~lightning_speedkit.attention.packed_documents`):
     their attention runs per document, and the first packed step warns once about
-    attention that was not swapped (it attends across documents).
+    attention that was not swapped (it attends across documents). Validation, test and
+    predict batches (``trainer.validate``, ``trainer.test``, ``trainer.predict``) are
+    handed over the same way.
 
     Args:
         backend: ``"auto"`` (default: time the candidates on the first real
@@ -107,10 +109,16 @@ class AttentionSwap(L.Callback):
         batch_idx: int,
         dataloader_idx: int = 0,
     ) -> None:
-        self._documents.enter(batch)  # packed validation batches: per document too
+        self._documents.enter(batch)  # packed evaluation batches: per document too
 
-    def on_validation_batch_end(self, *args: Any, **kwargs: Any) -> None:
-        self._documents.exit()
+    def on_validation_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any, **kwargs: Any
+    ) -> None:
+        self._documents.exit(self.report, pl_module)
+
+    # ``trainer.test`` and ``trainer.predict`` on packed batches: per document as validation.
+    on_test_batch_start = on_predict_batch_start = on_validation_batch_start
+    on_test_batch_end = on_predict_batch_end = on_validation_batch_end
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
