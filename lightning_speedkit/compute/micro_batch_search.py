@@ -54,6 +54,7 @@ from lightning_speedkit.compute._candidate_walk import (
 from lightning_speedkit.compute._memory_probe import GIB, memory_limit, out_of_memory
 from lightning_speedkit.compute._step_timer import Measure, StepMeasurement, timed_measure
 from lightning_speedkit.compute._trial_state import eager, preserved
+from lightning_speedkit.data.bucketing import LengthBucketBatchSampler
 from lightning_speedkit.data.worker_search import rebuild_dataloader
 
 __all__ = ["MicroBatchResult", "tune_micro_batch"]
@@ -344,6 +345,14 @@ def _trial(
 def why_unbatched(loader: DataLoader[Any]) -> tuple[str, str]:
     """Why ``loader``, whose ``batch_size`` is None, has no batch size the tuner could set;
     and the fix."""
+    if isinstance(loader.batch_sampler, LengthBucketBatchSampler):  # the kit's own bucketing
+        return (
+            "this one batches with LengthBucketBatchSampler (length bucketing: "
+            "SpeedDataModuleMixin's `lengths=`), whose own `batch_size` decides and which "
+            "the tuner does not resize",
+            "tune once without `lengths=` and pass the size it finds to "
+            "`speed_dataloader(batch_size=...)` with `lengths=`",
+        )
     if loader.batch_sampler is not None:  # the user's: DataLoader makes one only from a size
         return (
             f"this one batches with {type(loader.batch_sampler).__name__}, whose own size decides",
