@@ -172,15 +172,20 @@ class CachedModule:
         keys, stand = self.scope.keys, self.scope.stand_ins
         if keys is not None and stand and (rows is None or set(rows) & set(stand)):
             args, kwargs = self._real_inputs(args, kwargs, keys)
+        # A lone row runs beside a copy of itself: math libraries compute one row with other
+        # kernels (a matrix-vector product, a single-image convolution) than a batch, whose
+        # last bits differ from the whole batch's.
+        lone = rows is not None and len(rows) == 1 and keys is not None and len(keys) > 1
         if rows is not None and keys is not None:
-            args, kwargs = _rows(args, rows, len(keys)), _rows(kwargs, rows, len(keys))
+            cut = rows * 2 if lone else rows
+            args, kwargs = _rows(args, cut, len(keys)), _rows(kwargs, cut, len(keys))
         before = model_flops_so_far()  # under a FLOP count: learn what a row costs
         out = self.original(*args, **kwargs)
         after = model_flops_so_far()
-        run = len(rows) if rows is not None else len(keys) if keys is not None else 0
+        run = len(rows) * (2 if lone else 1) if rows is not None else len(keys or ())
         if before is not None and after is not None and run:
             self.flops_per_row = (after - before) / run
-        return out
+        return _first_row(out) if lone else out
 
     def _batch_field(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable | None:
         """Which batch field this call's input is, as the batch carries it (or None)."""
@@ -229,6 +234,9 @@ class CachedModule:
             fresh = fingerprint(self.module)
             if fresh != self._fingerprint and self._fingerprint:
                 self.scope.store.drop(where=self.name)  # features of weights gone by
+                if self.scope.store.disk is not None:  # their shards stay, uncounted
+                    name = self.name
+                    self.scope.store.disk.release(lambda b: b[0] == name and b[1] != fresh)
                 self.ready.clear()
                 self.drops += 1
             self._stamp, self._fingerprint = stamp, fresh
@@ -239,7 +247,7 @@ class CachedModule:
     ) -> tuple[Hashable, str | None]:
         """What, besides the sample, the output depends on; or why the call cannot be served."""
         parts: list[Hashable] = []
-        batched = False
+        batched, device = False, "cpu"
         for where, value in [*enumerate(args), *sorted(kwargs.items())]:
             if isinstance(value, torch.Tensor):
                 if value.requires_grad:
@@ -252,13 +260,13 @@ class CachedModule:
                         f"its input `{where}` (shape {tuple(value.shape)}) has no row per "
                         f"sample of the batch's {rows} keys"
                     )
-                batched = True
+                batched, device = True, value.device.type
                 parts.append((where, tuple(value.shape[1:]), str(value.dtype), value.device.type))
             else:
                 parts.append((where, repr(value)[:200]))
         if not batched:
             return None, "it was called with no tensor that has a row per sample"
-        return tuple(parts), None
+        return (*parts, *_numerics(device)), None
 
     # -- storing, checking, serving -------------------------------------------------------
 
@@ -315,8 +323,9 @@ class CachedModule:
                     "on its first reuse, recomputed features differ from the stored ones "
                     f"(largest difference {(again.float() - stored.float()).abs().max():.3g}): "
                     "most likely a random augmentation of its input (random crops, flips, color "
-                    "jitter) or randomness inside it. Augment before caching only with a fixed "
-                    "per-sample transform, or remove FrozenFeatureCache",
+                    "jitter), randomness inside it, or a collate_fn that reorders the samples "
+                    "(the rows must follow the sampler's order). Augment before caching only "
+                    "with a fixed per-sample transform, or remove FrozenFeatureCache",
                     wrong=True,
                 )
                 return False
@@ -347,6 +356,18 @@ class CachedModule:
         return spec.unflatten(full)
 
 
+def _numerics(device: str) -> tuple[Hashable, ...]:
+    """What else decides the output's numbers for a call on ``device``: autocast, when it is
+    on (a ``precision="bf16-mixed"`` fit), and float32 matmul precision other than the
+    default (TF32). Nothing when neither is set, so that plain calls keep their keys."""
+    parts: list[Hashable] = []
+    if torch.is_autocast_enabled(device):
+        parts.append(("autocast", device, str(torch.get_autocast_dtype(device))))
+    if torch.get_float32_matmul_precision() != "highest":
+        parts.append(("float32_matmul", torch.get_float32_matmul_precision()))
+    return tuple(parts)
+
+
 def same_tensor(value: Any, field: torch.Tensor) -> bool:
     """Whether ``value`` is the batch tensor ``field`` (the object, or a view of all of it)."""
     if value is field:
@@ -360,6 +381,12 @@ def same_tensor(value: Any, field: torch.Tensor) -> bool:
         and value.numel() > 0
         and value.data_ptr() == field.data_ptr()
     )
+
+
+def _first_row(out: Any) -> Any:
+    """``out`` (a module's output for a lone row and its copy) with the copy's row taken off."""
+    _, tree_map = _compat.tree_flatten_and_map()
+    return tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.ndim else t, out)
 
 
 def _rows(values: Any, rows: list[int], total: int) -> Any:

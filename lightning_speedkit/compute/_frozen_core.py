@@ -17,6 +17,7 @@ from torch import nn
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit.compute._frozen_call import CachedModule, ModuleCounts, Scope, same_tensor
 from lightning_speedkit.compute._frozen_disk import DiskStore, prepare_directory
+from lightning_speedkit.compute._frozen_lease import PruneReport, prune_frozen_features
 from lightning_speedkit.compute._frozen_loader import dataset_fingerprint
 from lightning_speedkit.compute._frozen_modules import (
     choose_modules,
@@ -165,6 +166,8 @@ class FrozenFeatures:
             return
         if self._scope.data:
             self.store.drop()
+            if self.store.disk is not None:  # the shards stay, uncounted
+                self.store.disk.release(lambda base: base[3] != data)
             for cached in self.cached.values():
                 cached.ready.clear()
                 cached.drops += 1
@@ -238,11 +241,17 @@ class FrozenFeatures:
 
     def counts(self) -> dict[str, Any]:
         """Samples served (``hits``), run (``misses``), stored and not stored (the budget),
-        calls run without the store (``plain_calls``), and per module, why it stood down."""
+        calls run without the store (``plain_calls``), and per module, why it stood down.
+
+        ``disk_bytes`` is the shard data this cache serves from (its modules' current
+        weights, its dataset); ``disk_other_bytes`` the rest of the ``directory``'s (earlier
+        weights, other datasets, other jobs: :meth:`prune` removes what nobody uses).
+        """
         per = {name: cached.counts for name, cached in self.cached.items()}
         totals: dict[str, Any] = {k: sum(getattr(c, k) for c in per.values()) for k in _COUNTERS}
         totals["store_bytes"] = self.store.bytes
         totals["disk_bytes"] = self.store.disk_bytes
+        totals["disk_other_bytes"] = self.store.disk.other_bytes() if self.store.disk else 0
         totals["inputs_skipped"] = self.skipped
         totals["stood_down"] = {n: c.stood_down for n, c in per.items() if c.stood_down}
         return totals
@@ -262,14 +271,61 @@ class FrozenFeatures:
         """Put every cached module's own forward back (the store stays, for :meth:`attach`);
         buffered features are written to the disk store."""
         self.flush()
+        if self.store.disk is not None:
+            self.store.disk.close()
         for cached in self.cached.values():
             cached.detach()
 
     def attach(self) -> None:
         """Put the store in front of the modules again after :meth:`remove`."""
+        if self.store.disk is not None:
+            self.store.disk.reopen()
         for cached in self.cached.values():
             if vars(cached.module).get("_speedkit_frozen") is not cached:
                 cached.attach()
+
+    def disk_groups(self) -> list[str]:
+        """The ``directory``'s group folders this cache serves from (none without one)."""
+        return self.store.disk.groups() if self.store.disk is not None else []
+
+    def prune(
+        self, older_than: float = 0.0, max_bytes: int | None = None, dry_run: bool = False
+    ) -> PruneReport:
+        """Remove the ``directory``'s features this cache does not serve from and no running
+        process uses (see :func:`prune_frozen_features`): by default all of them.
+
+        Example::
+
+            >>> import tempfile
+            >>> tower = nn.Linear(3, 2).requires_grad_(False)
+            >>> model = nn.Sequential(tower, nn.Linear(2, 1))
+            >>> cache = cache_frozen_features(model, ["0"], directory=tempfile.mkdtemp())
+            >>> with cache.keys([0, 1]):
+            ...     _ = model(torch.randn(2, 3))
+            >>> cache.flush()  # writes the shard
+            >>> with torch.no_grad():
+            ...     _ = tower.bias.add_(1.0)  # other weights: another group
+            >>> with cache.keys([0, 1]):
+            ...     _ = model(torch.randn(2, 3))
+            >>> cache.flush()
+            >>> before = cache.counts()
+            >>> before["disk_bytes"], before["disk_other_bytes"]
+            (32, 32)
+            >>> cache.prune().freed_bytes, cache.counts()["disk_other_bytes"]
+            (32, 0)
+        """
+        if self.store.disk is None:
+            _validation.fail(
+                "directory", None, "is not set, so there is nothing on disk to prune",
+                "pass `directory=` to keep features on disk",
+            )  # fmt: skip
+        return prune_frozen_features(
+            self.store.disk.directory,
+            older_than=older_than,
+            max_bytes=max_bytes,
+            keep=self.disk_groups(),
+            dry_run=dry_run,
+        )
 
 
 def _fields(batch: Any) -> dict[Hashable, torch.Tensor]:

@@ -19,7 +19,12 @@ folder without touching each other's files, and each reads every completed shard
 (:meth:`DiskStore.refresh` looks again for shards finished since).
 
 A failed write (a full disk, a lost mount) drops that shard's rows, warns once and stops
-writing; the rows the memory store holds are still served, and training goes on.
+writing; the rows the memory store holds are still served, and training goes on. So does
+a shard that would leave less than ``min(1 GiB, 5% of the file system)`` free: the cache
+never fills the disk that checkpoints and logs need.
+
+Each group a store uses is named in its lease (:mod:`._frozen_lease`), so that
+:func:`~._frozen_lease.prune_frozen_features` never removes what a running process uses.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ import json
 import logging
 import os
 import re
+import shutil
 import uuid
 from collections.abc import Hashable, Iterable
 from numbers import Integral
@@ -40,6 +46,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_speedkit import _validation
+from lightning_speedkit.compute._frozen_lease import Lease, folder_bytes
 
 __all__ = ["DiskStore", "check_directory", "prepare_directory"]
 
@@ -48,6 +55,8 @@ log = logging.getLogger(__name__)
 #: Bytes of rows a process gathers for a group before it writes them as one shard.
 SHARD_BYTES = 64 * 2**20
 _ALIGN = 16
+#: The free space a shard must leave on the file system: at most 1 GiB, at most 5% of it.
+RESERVE_BYTES, RESERVE_SHARE = 2**30, 0.05
 _VERSION = 1
 _FIX = (
     "pass a folder you can write to (it is created if missing), or None to keep features in memory"
@@ -231,18 +240,49 @@ class DiskStore:
         self.lost: list[tuple[Hashable, ...]] = []  # keys whose rows were only in a failed shard
         self._groups: dict[tuple[Hashable, ...], _Group] = {}
         self._pending: dict[tuple[tuple[Hashable, ...], Layout], dict[Hashable, Any]] = {}
+        self.lease = Lease(directory)
 
     @property
     def bytes(self) -> int:
-        """Bytes of the completed shards the store serves from (any process's)."""
+        """Bytes of the completed shards the store serves from (any process's), in the groups
+        it uses now (not those :meth:`release` let go)."""
         return sum(group.bytes for group in self._groups.values())
+
+    def other_bytes(self) -> int:
+        """Bytes of the folder's other shard data: groups this store does not use (earlier
+        weights, other datasets, other jobs), and shards of its groups it has not taken in."""
+        return max(folder_bytes(self.directory) - self.bytes, 0)
+
+    def groups(self) -> list[str]:
+        """The folder names of the groups this store uses now."""
+        return sorted({group.path.name for group in self._groups.values()})
 
     def _group(self, base: tuple[Hashable, ...]) -> _Group:
         group = self._groups.get(base)
         if group is None:
             group = self._groups[base] = _Group(self.directory, base)
+            self.lease.use(group.path.name)
             group.scan()
+        else:
+            self.lease.touch()  # at most once a minute: this process uses its groups
         return group
+
+    def release(self, gone: Any) -> None:
+        """Let go of the groups whose base ``gone(base)`` says are gone by (features of
+        earlier weights, or another dataset): their rows are no longer looked up, their
+        bytes no longer counted, and the lease no longer names them. Their shards stay."""
+        bases = [base for base in self._groups if gone(base)]
+        names = {self._groups.pop(base).path.name for base in bases}
+        names -= {group.path.name for group in self._groups.values()}
+        self.lease.forget(names)
+
+    def close(self) -> None:
+        """The lease removed (the groups are marked used now); the next use writes it again."""
+        self.lease.close()
+
+    def reopen(self) -> None:
+        """The lease written again after :meth:`close` (a later fit of the same cache)."""
+        self.lease.write()
 
     def get(self, base: tuple[Hashable, ...], key: Hashable) -> Entry | None:
         for (pending_base, _), rows in self._pending.items():
@@ -271,6 +311,7 @@ class DiskStore:
         """Write every buffered row (the callback calls this at each epoch's end)."""
         for bucket in list(self._pending):
             self._write(bucket)
+        self.lease.touch()
 
     def refresh(self) -> None:
         """Take in the shards other processes completed since the last look."""
@@ -304,8 +345,11 @@ class DiskStore:
         index = {"version": _VERSION, "group": group.describe, "layout": layout,
                  "keys": [plain for _, plain, _ in rows.values()]}  # fmt: skip
         shard = uuid.uuid4().hex
+        room = self._room(data.numel())
+        if room is not None:
+            self._fail(room, base, [key for key, (_, _, held) in rows.items() if not held])
+            return
         try:
-            group.path.mkdir(parents=True, exist_ok=True)
             self._commit(group.path, shard, ".bin", [data.numpy().data])
             self._commit(group.path, shard, ".json", [json.dumps(index).encode()])
         except OSError as error:
@@ -313,18 +357,41 @@ class DiskStore:
             return
         group.load(shard)
 
+    def _room(self, size: int) -> str | None:
+        """Why a shard of ``size`` bytes must not be written (it would leave the file system
+        with less than the reserve free); None when it may."""
+        try:
+            usage = shutil.disk_usage(self.directory)
+        except OSError:
+            return None  # the write itself says what is wrong
+        reserve = min(RESERVE_BYTES, int(usage.total * RESERVE_SHARE))
+        if usage.free - size >= reserve:
+            return None
+        return (
+            f"the disk is nearly full ({usage.free / 2**20:.0f} MiB free; the cache leaves "
+            f"{reserve / 2**20:.0f} MiB for checkpoints and logs)"
+        )
+
     @staticmethod
     def _commit(folder: Path, shard: str, suffix: str, data: list[Any]) -> None:
         temporary = folder / f".{shard}{suffix}.tmp"
         try:
-            _write_file(temporary, data)
+            try:
+                folder.mkdir(parents=True, exist_ok=True)
+                _write_file(temporary, data)
+            except FileNotFoundError:  # a prune removed the empty folder meanwhile
+                folder.mkdir(parents=True, exist_ok=True)
+                _write_file(temporary, data)
             os.replace(temporary, folder / f"{shard}{suffix}")
         finally:
             temporary.unlink(missing_ok=True)
 
-    def _fail(self, error: OSError, base: tuple[Hashable, ...], lost: list[Hashable]) -> None:
-        why = "the disk is full" if error.errno == errno.ENOSPC else "a write failed"
-        self.failed = f"{why} ({error.strerror or error})"
+    def _fail(self, error: OSError | str, base: tuple[Hashable, ...], lost: list[Hashable]) -> None:
+        if isinstance(error, str):
+            self.failed = error
+        else:
+            why = "the disk is full" if error.errno == errno.ENOSPC else "a write failed"
+            self.failed = f"{why} ({error.strerror or error})"
         self.lost.extend((*base, key) for key in lost)
         for (other, _), rows in self._pending.items():  # nothing more is written
             self.lost.extend((*other, key) for key, (_, _, held) in rows.items() if not held)
@@ -332,5 +399,6 @@ class DiskStore:
         rank_zero_warn(
             f"FrozenFeatureCache stopped writing features to `directory` ({self.directory}): "
             f"{self.failed}. The features not written are run again when needed and training "
-            f"goes on; free space there or pass another `directory`."
+            f"goes on; free space there (`FrozenFeatureCache.prune(directory)` removes features "
+            f"no run uses) or pass another `directory`."
         )

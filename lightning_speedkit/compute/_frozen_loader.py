@@ -14,8 +14,11 @@ undecodable one) takes its index with it.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
-from collections.abc import Callable, Hashable, Mapping, MutableMapping
+import operator
+from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
+from numbers import Integral
 from typing import Any
 
 import torch
@@ -47,7 +50,7 @@ class SampleIndex:
 
     __slots__ = ("indices", "stand_ins")
 
-    def __init__(self, indices: list[int], stand_ins: list[int] | None = None) -> None:
+    def __init__(self, indices: list[Hashable], stand_ins: list[int] | None = None) -> None:
         self.indices = indices
         self.stand_ins = stand_ins or []
 
@@ -57,7 +60,14 @@ class SampleIndex:
 
 class IndexedDataset(Dataset[Any]):
     """``dataset`` whose items come as ``(index, item, stand-in)``: with a ``plan``, a
-    ready sample is built without the fields it names (``speedkit_getitem``)."""
+    ready sample is built without the fields it names (``speedkit_getitem``).
+
+    An index is whatever the sampler gives: an int (a numpy integer becomes one), or any
+    other hashable a dataset takes (a file name, an ``(index, size)`` pair of a
+    multi-scale sampler), which is then the sample's key as it is. A dataset that fetches
+    a batch of indices at once (``__getitems__``, as Hugging Face ``datasets`` do) still
+    does, for the samples built in full.
+    """
 
     def __init__(self, dataset: Dataset[Any], plan: SkipPlan | None = None) -> None:
         self.dataset = dataset
@@ -66,16 +76,71 @@ class IndexedDataset(Dataset[Any]):
     def __len__(self) -> int:
         return len(self.dataset)  # type: ignore[arg-type]
 
-    def __getitem__(self, index: int) -> tuple[int, Any, bool]:
-        without = self.plan.without(int(index)) if self.plan is not None else frozenset()
+    def _without(self, index: Hashable) -> frozenset[str]:
+        if self.plan is None or not isinstance(index, int):
+            return frozenset()
+        return self.plan.without(index)
+
+    def __getitem__(self, index: Any) -> tuple[Hashable, Any, bool]:
+        key = sample_key(index)
+        without = self._without(key)
         if without:
-            return int(index), self.dataset.speedkit_getitem(index, without), True  # type: ignore[attr-defined]
-        return int(index), self.dataset[index], False
+            return key, self.dataset.speedkit_getitem(index, without), True  # type: ignore[attr-defined]
+        return key, self.dataset[index], False
+
+    def __getitems__(self, indices: Sequence[Any]) -> list[tuple[Hashable, Any, bool]]:
+        """The samples ``indices``: those built in full fetched together when the dataset
+        can (its ``__getitems__``), in the sampler's order."""
+        batched = getattr(self.dataset, "__getitems__", None)
+        if not callable(batched):
+            return [self[index] for index in indices]
+        keys = [sample_key(index) for index in indices]
+        full = [i for i, key in enumerate(keys) if not self._without(key)]
+        items: list[Any] = [None] * len(indices)
+        fetched = batched([indices[i] for i in full]) if full else []
+        if not isinstance(fetched, (list, tuple)) or len(fetched) != len(full):
+            raise TypeError(
+                f"FrozenFeatureCache(key='index') needs the dataset's `__getitems__` to return "
+                f"one item per index, and it returned a {type(fetched).__name__}; pass "
+                f"`key='<field>'`, a batch field that identifies each sample"
+            )
+        for i, item in zip(full, fetched, strict=True):
+            items[i] = (keys[i], item, False)
+        for i, item in enumerate(items):
+            if item is None:
+                items[i] = self[indices[i]]
+        return items
 
     def __getattr__(self, name: str) -> Any:  # the user's dataset's own attributes
-        if name == "dataset":
-            raise AttributeError(name)
+        if name == "dataset" or (name.startswith("__") and name.endswith("__")):
+            raise AttributeError(name)  # protocols (pickling, fetching) are this class's
         return getattr(self.dataset, name)
+
+
+def sample_key(index: Any) -> Hashable:
+    """A sampler's index as the key of its sample: an int for any integer (numpy's too),
+    else the index itself (a string, a tuple).
+
+    Example::
+
+        >>> import numpy as np
+        >>> sample_key(np.int64(3)), sample_key(torch.tensor(5)), sample_key("cat.jpg")
+        (3, 5, 'cat.jpg')
+        >>> sample_key((4, 224))  # a multi-scale sampler's (index, size)
+        (4, 224)
+    """
+    if isinstance(index, Integral):
+        return int(index)
+    if getattr(index, "ndim", None) == 0:  # a 0-d tensor or array of an integer
+        with contextlib.suppress(TypeError):
+            return operator.index(index)
+    if hasattr(index, "ndim"):  # other tensors hash by identity: their text identifies them
+        return repr(index)
+    try:
+        hash(index)
+    except TypeError:
+        return repr(index)  # a list index
+    return index
 
 
 class IndexedCollate:
@@ -170,9 +235,12 @@ def batch_rows(batch: Any, key: str) -> tuple[list[Hashable], list[int]]:
             "key",
             key,
             "needs the train loader the cache rebuilt, but this batch "
-            "carries no dataset index (a loader the cache did not see, or a "
-            "collate step that drops fields)",
-            "pass `key='<field>'`, a batch field that identifies each sample",
+            "carries no dataset index (a loader the cache did not see, a "
+            "collate step that drops fields, or a batch hook such as "
+            "`on_after_batch_transfer` that returns a new batch)",
+            f"return the batch you were given from such a hook (a list batch carries the "
+            f"index as its last item, a dict batch as {INDEX_FIELD!r}), or pass "
+            f"`key='<field>'`, a batch field that identifies each sample",
         )
     if not isinstance(batch, Mapping):
         _validation.fail(

@@ -102,14 +102,21 @@ class SkipPlan:
 
 
 def refetch_field(
-    dataset: Dataset[Any], collate_fn: Callable[[list[Any]], Any] | None
+    dataset: Dataset[Any],
+    collate_fn: Callable[[list[Any]], Any] | None,
+    transfer: Callable[[Any], Any] | None = None,
 ) -> Callable[[Sequence[Hashable], Hashable], Any]:
     """A reader of real inputs: ``read(indices, field)`` builds those samples in full and
-    returns the collated batch's ``field`` (a key of a dict batch, a position in a list)."""
+    returns the collated batch's ``field`` (a key of a dict batch, a position in a list),
+    after ``transfer``: what happens to a batch between the loader and the step (the
+    Trainer's batch hooks, the move to the device), so that the rows read again are what
+    the step would have had."""
     collate = collate_fn or default_collate
 
     def read(indices: Sequence[Hashable], field: Hashable) -> Any:
         batch = collate([dataset[int(i)] for i in indices])  # type: ignore[call-overload]
+        if transfer is not None:
+            batch = transfer(batch)
         return batch[field]
 
     return read

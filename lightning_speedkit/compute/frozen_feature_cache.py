@@ -9,15 +9,18 @@ end, and takes everything off again when the fit ends.
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit.compute._frozen_core import FrozenFeatures, cache_frozen_features
 from lightning_speedkit.compute._frozen_disk import check_directory
+from lightning_speedkit.compute._frozen_lease import PruneReport, prune_frozen_features
 from lightning_speedkit.compute._frozen_loader import (
     IndexedDataset,
     batch_rows,
@@ -26,7 +29,7 @@ from lightning_speedkit.compute._frozen_loader import (
 from lightning_speedkit.compute._frozen_skip import SkipPlan, can_skip, refetch_field
 from lightning_speedkit.compute._frozen_store import budget_bytes
 
-__all__ = ["FrozenFeatureCache", "cache_frozen_features"]
+__all__ = ["FrozenFeatureCache", "PruneReport", "cache_frozen_features", "prune_frozen_features"]
 
 #: The name the callback's change of the train loader goes by in the fit loop's source.
 OWNER = "FrozenFeatureCache"
@@ -61,6 +64,11 @@ class FrozenFeatureCache(L.Callback):
             process, a resumed run) on the same weights and dataset starts warm; the ranks
             of a DDP or ZeRO-2 job may share one folder and serve each other's features
             from the next epoch on. Refused with the fix when it is a file or not writable.
+            Writing stops (training goes on) before a shard would leave the disk with less
+            than ``min(1 GiB, 5%)`` free. Features of earlier weights or datasets stay there
+            until removed: ``FrozenFeatureCache.prune(directory, older_than=..., max_bytes=...)``
+            (works without a Trainer, never touches what a running process uses), or after
+            a fit ``callback.cache.prune()``, which keeps only what that fit served from.
         dtype: storage dtype; None keeps the output's (exact). ``"bfloat16"`` halves a
             float32 store and rounds the served features: the numerics change.
         verify: recompute the first reused batch and compare; on a mismatch (random
@@ -93,6 +101,10 @@ class FrozenFeatureCache(L.Callback):
         self.cache: FrozenFeatures | None = None
         self._state: dict[str, Any] = {}
 
+    #: Remove a ``directory``'s features nobody uses (:func:`prune_frozen_features`):
+    #: ``FrozenFeatureCache.prune(directory, older_than=..., max_bytes=...)``, no Trainer.
+    prune = staticmethod(prune_frozen_features)
+
     @property
     def counts(self) -> dict[str, Any]:
         """Samples served (``hits``) and run (``misses``), stored, the store's bytes."""
@@ -111,9 +123,9 @@ class FrozenFeatureCache(L.Callback):
         else:  # a later fit of the same model: the store is still good
             self.cache.attach()
         if self.key == "index":
-            _compat.change_train_loader(trainer, OWNER, self._carry_index)
+            _compat.change_train_loader(trainer, OWNER, partial(self._carry_index, trainer))
 
-    def _carry_index(self, loader: Any) -> Any:
+    def _carry_index(self, trainer: L.Trainer, loader: Any) -> Any:
         """The train loader again, carrying each sample's index; with a dataset that builds
         samples without some fields, served samples come without the cached inputs."""
         loader = carry_index(loader)
@@ -124,7 +136,8 @@ class FrozenFeatureCache(L.Callback):
         if wrapper.plan is None and can_skip(wrapper.dataset):
             wrapper.plan = SkipPlan(len(wrapper))
         if wrapper.plan is not None:
-            read = refetch_field(wrapper.dataset, getattr(loader.collate_fn, "collate_fn", None))
+            collate = getattr(loader.collate_fn, "collate_fn", None)
+            read = refetch_field(wrapper.dataset, collate, partial(as_the_step_gets_it, trainer))
             self.cache.use_loader(wrapper.plan, read)
         return loader
 
@@ -169,6 +182,20 @@ class FrozenFeatureCache(L.Callback):
         self._state = dict(state_dict)
         if self.cache is not None:
             self.cache.load_state_dict(self._state)
+
+
+def as_the_step_gets_it(trainer: L.Trainer, batch: Any) -> Any:
+    """``batch`` (a loader's) as the fit loop hands it to the step: the precision's input
+    conversion, ``on_before_batch_transfer``, the move to the device and
+    ``on_after_batch_transfer`` (the datamodule's hooks where it overrides them, else the
+    LightningModule's), as Lightning's training epoch loop does."""
+    batch = trainer.precision_plugin.convert_input(batch)
+    data = _compat.datamodule(trainer)
+    if data is not None and is_overridden("on_before_batch_transfer", data):
+        batch = data.on_before_batch_transfer(batch, 0)
+    else:
+        batch = trainer.lightning_module.on_before_batch_transfer(batch, 0)
+    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
 
 
 def carry_index(loader: Any) -> Any:
