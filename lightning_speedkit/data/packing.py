@@ -140,6 +140,7 @@ class PackingCollate:
             raise SpeedkitConfigError(f"`first_fit` must be True or False, got {first_fit!r}.")
         self.first_fit = first_fit
         self._warned_cut = False
+        self._checked_labels = False
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if not samples:
@@ -211,6 +212,8 @@ class PackingCollate:
                 batch[field] = torch.tensor(values)
             else:
                 batch[field] = values
+        if not self._checked_labels:
+            self._checked_labels = _check_labels(samples, tokens, self.key, self.separate_documents)
         if self.separate_documents:
             self._separate(batch, places)
         return batch
@@ -277,6 +280,51 @@ class PackingCollate:
         for seq, (r, offset, n) in zip(per_doc, places, strict=True):
             out[r, offset : offset + n] = seq[:n]
         return out
+
+
+def _check_labels(
+    samples: Sequence[Mapping[str, Any]], tokens: list[Tensor], key: str, separate: bool
+) -> bool:
+    """Warn once when ``separate_documents`` does not fit the samples' labels.
+
+    Labels equal to the tokens (where not -100) are Hugging Face's causal-LM convention
+    (the model shifts them): without ``separate_documents`` each document's last token is
+    asked for the next one's first. Labels equal to the tokens shifted left by one were
+    shifted already: no pair crosses a document, and ``separate_documents`` would drop
+    each document's first real target. Returns whether the labels could be judged.
+    """
+    labels = [sample.get("labels") for sample in samples]
+    if any(value is None for value in labels):
+        return False
+    try:
+        labels_t = [torch.as_tensor(value).reshape(-1) for value in labels]
+    except (TypeError, ValueError, RuntimeError):
+        return True
+    pairs = list(zip(labels_t, tokens, strict=True))
+    if any(len(lab) != len(tok) for lab, tok in pairs) or all(len(tok) < 2 for tok in tokens):
+        return True
+    # Where a label is the loss's ignore index (a masked prompt), it says nothing.
+    same = all(torch.equal(lab[lab != -100], tok[lab != -100]) for lab, tok in pairs)
+    shifted = all(
+        torch.equal(lab[:-1][lab[:-1] != -100], tok[1:][lab[:-1] != -100]) for lab, tok in pairs
+    )
+    if not any(bool((lab != -100).any()) for lab, _ in pairs):
+        return True
+    if same and not separate:
+        rank_zero_warn(
+            f"PackingCollate: the samples' 'labels' equal their {key!r} (a causal LM that "
+            f"shifts labels inside, as Hugging Face's do): in a row, each document's last "
+            f"token is asked for the next document's first, and the loss is not the "
+            f"documents' own. Pass `separate_documents=True`."
+        )
+    elif shifted and not same and separate:
+        rank_zero_warn(
+            f"PackingCollate(separate_documents=True): the samples' 'labels' are their "
+            f"{key!r} shifted left by one already, so no label pairs across documents, and "
+            f"setting each document's first label to -100 drops a real target. Pass "
+            f"`separate_documents=False`."
+        )
+    return True
 
 
 def first_fit_decreasing(lengths: Sequence[int], capacity: int) -> list[int]:
