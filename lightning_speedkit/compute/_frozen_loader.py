@@ -159,6 +159,15 @@ class IndexedCollate:
             return batch
         if isinstance(batch, Mapping):
             return {**batch, INDEX_FIELD: index}
+        if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a list would lose them
+            _validation.fail(
+                "key",
+                "index",
+                f"cannot carry the dataset index in a namedtuple batch "
+                f"({type(batch).__name__}: its fields are fixed)",
+                f"pass `key='<field>'` naming one of its fields {batch._fields} that "
+                f"identifies each sample, or return a dict from the dataset",
+            )
         if isinstance(batch, (list, tuple)):
             return [*batch, index]
         raise TypeError(
@@ -242,6 +251,8 @@ def batch_rows(batch: Any, key: str) -> tuple[list[Hashable], list[int]]:
             f"index as its last item, a dict batch as {INDEX_FIELD!r}), or pass "
             f"`key='<field>'`, a batch field that identifies each sample",
         )
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple's fields
+        batch = batch._asdict()  # type: ignore[attr-defined]
     if not isinstance(batch, Mapping):
         _validation.fail(
             "key",

@@ -8,6 +8,7 @@ train exactly.
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler, random_split
 
 from lightning_speedkit.compute.frozen_feature_cache import FrozenFeatureCache
+from lightning_speedkit.errors import SpeedkitConfigError
 
 from .test_frozen_newuser_common import Tower, fit, same_losses
 from .test_frozen_skip import DropAt
@@ -148,6 +150,34 @@ def test_string_ids_as_the_key_serve_in_memory_and_from_disk(tmp_path: Path) -> 
     served = fit(CaptionClassifier, _captioned, warm, epochs=1)  # a new cache: the folder only
     assert same_losses(one_epoch, served, 4)
     assert (warm.counts["hits"], served.tower.rows) == (18, [6])  # one batch checks
+
+
+# -- namedtuple samples: their fields are fixed, so the index cannot ride along ------------
+
+Sample = collections.namedtuple("Sample", "image label id")
+
+
+class Named(Folder):
+    def __getitem__(self, index: int) -> Any:
+        return Sample(*super().__getitem__(index), f"im{index:03d}")
+
+
+class NamedClassifier(Classifier):
+    def inputs(self, batch: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        return batch.image, batch.label  # attribute access: the batch must stay a namedtuple
+
+
+def test_a_namedtuple_batch_is_keyed_by_its_field_and_refused_the_index_with_the_fix() -> None:
+    def loader() -> DataLoader[Any]:
+        return DataLoader(Named(), batch_size=6, shuffle=True)
+
+    with pytest.raises(SpeedkitConfigError, match=r"namedtuple batch \(Sample.*`key='<field>'`"):
+        fit(NamedClassifier, loader, FrozenFeatureCache(modules=["tower"]))
+    plain = fit(NamedClassifier, loader, None)
+    cache = FrozenFeatureCache(modules=["tower"], key="id")
+    cached = fit(NamedClassifier, loader, cache)
+    assert same_losses(plain, cached, 12)
+    assert (cache.counts["misses"], cache.counts["hits"]) == (30, 42)
 
 
 # -- a dataset that fetches a batch at once (as Hugging Face datasets do) -------------------
