@@ -55,7 +55,13 @@ _CPU_BF16 = (
 )
 _CPU_COMPILE = "measured against eager: on a CPU, compiled code of a small model can be slower"
 
-_VISION = re.compile(r"vision|visual|image|img|vit|pixel|patch", re.IGNORECASE)
+#: A vision-named module: one of these words at the start of a name's word (after a
+#: non-letter, or capitalised in camelCase), not inside another word ("dispatcher"'s
+#: "patch", "activity"'s "vit").
+_VISION = re.compile(
+    r"(?<![a-z])(?i:vision|visual|image|img|vit|pixel|patch)"
+    r"|Vision|Visual|Image|Img|ViT|Vit|Pixel|Patch"
+)
 _COMPUTE = ("attention", "matmul", "elementwise", "memory_copy")
 
 
