@@ -42,6 +42,18 @@ _DROPOUT = (
     nn.FeatureAlphaDropout,
 )
 _BATCH_NORM = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+#: Attributes that hold the rate of a dropout a layer calls as a function in train mode
+#: (Hugging Face attention's ``self.dropout = config.attention_dropout``, stochastic depth).
+_RATES = ("dropout", "attention_dropout", "attn_dropout", "dropout_p", "drop_prob")
+
+
+def _rate(layer: nn.Module) -> tuple[str, float] | None:
+    """The name and value of a positive dropout rate ``layer`` keeps as a number, or None."""
+    for name in _RATES:
+        value = vars(layer).get(name)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+            return name, float(value)
+    return None
 
 
 def why_not_cacheable(name: str, module: nn.Module) -> str | None:
@@ -68,7 +80,8 @@ def _chance_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:
     """The layers of ``module`` whose output in train mode is random or batch-dependent."""
     found: list[tuple[str, nn.Module]] = []
     for sub_name, sub in module.named_modules():
-        if isinstance(sub, _BATCH_NORM) or (isinstance(sub, _DROPOUT) and sub.p > 0):
+        chance = isinstance(sub, _DROPOUT) and sub.p > 0
+        if isinstance(sub, _BATCH_NORM) or chance or _rate(sub) is not None:
             found.append((sub_name, sub))
     return found
 
@@ -86,8 +99,12 @@ def why_not_now(
                 f"{where} is a {type(sub).__name__} in train mode: it normalises by each "
                 f"batch's statistics and updates its running ones"
             )
-        else:
+        elif isinstance(sub, _DROPOUT):
             what = f"{where} is a {type(sub).__name__} with p={sub.p} in train mode: random output"
+        else:
+            rate, value = _rate(sub) or ("dropout", 0.0)
+            kind = type(sub).__name__
+            what = f"{where} is a {kind} with {rate}={value} in train mode: random output"
         return (
             f"{what}, so `{name}`'s output is not a function of the sample; put it in eval mode "
             f"(`{name}.eval()` in `on_train_epoch_start`, after Lightning's `model.train()`) "

@@ -131,6 +131,27 @@ def test_a_transformers_tower_called_with_keywords_and_flags_is_served_bitwise(
     assert len(rows) <= 5 + 3
 
 
+class _Dropping(_Probe):
+    """CLIP with attention dropout: called as a function, not a layer the cache could see."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        config = transformers.CLIPVisionConfig(
+            **_SIZES, **_IMAGES, intermediate_size=64, attention_dropout=0.2
+        )
+        self.tower = transformers.CLIPVisionModel(config).requires_grad_(False)
+
+
+def test_a_tower_with_functional_dropout_in_train_mode_is_left_out_with_the_reason() -> None:
+    plain = fit(_Dropping, _loader, None)
+    cache = FrozenFeatureCache()
+    with pytest.warns(UserWarning, match=r"leaves `tower` out: .*self_attn` is a CLIPAttention "
+                      r"with dropout=0.2 in train mode: random output.*eval mode"):  # fmt: skip
+        cached = fit(_Dropping, _loader, cache)
+    assert same_losses(plain, cached, 12)  # the same random draws: the tower always ran
+    assert cache.counts["hits"] == 0
+
+
 class _LockedImage(L.LightningModule):
     """CLIP in locked-image tuning: image tower and projection frozen, text side trained."""
 
