@@ -13,7 +13,8 @@ module call while a packed batch's documents are active (:mod:`._documents`):
   document what it gets alone (up to the rounding of the angles at the row's offsets);
 * an ``nn.Embedding`` fed ``torch.arange(S)`` over the packed rows (nanoGPT's learned
   positions; BERT's and GPT-2's called without ``position_ids``, one row or several)
-  gets each document's positions instead;
+  gets each document's positions instead, and one fed a count over each whole row from an
+  offset (RoBERTa's from ``padding_idx + 1``) gets each document's count from it;
 * absolute positions added from a table of the packed length with no row axis (a
   sinusoidal ``pe[:T]``, a learned ``pos_embed[:, :T]``) cannot be cut generally: they
   run on from one document into the next, said once with the fix;
@@ -261,6 +262,23 @@ def _name_position_table(a: Any, b: Any) -> None:
             return
 
 
+def _name_positions_from_zero(ids: Tensor, documents: _documents.Documents, pad: int) -> None:
+    """Warn once when a position table whose padding row is ``pad`` gets the batch's
+    positions from 0: RoBERTa's count from ``padding_idx + 1``, so position ``pad`` would
+    be read as padding and every other one is off by ``pad + 1``."""
+    positions = documents.positions(ids.device).to(ids.dtype)
+    # PackingCollate's positions: each document's from 0, its padding's all 0.
+    from_zero = ((ids == positions) | (ids == 0)).all() & (ids > 0).any()
+    if bool(from_zero):  # SYNC: once per packed row-shaped embedding input
+        _documents.warn_once(
+            f"A table with padding row {pad} (RoBERTa's and XLM-R's positions count from "
+            f"padding_idx + 1 = {pad + 1}) got the batch's `position_ids`, which count from "
+            f"0: every position is off by {pad + 1}. Do not pass `position_ids` to this "
+            f"model (it builds its own, restarted per document while the batch is packed), "
+            f"or pass `position_ids + {pad + 1}`."
+        )
+
+
 def _restart_positions(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
     """An ``nn.Embedding`` fed ``torch.arange(S)`` over the packed rows (nanoGPT's
     ``wpe(torch.arange(t))``, BERT's and GPT-2's ``(1, S)`` positions when called without
@@ -280,9 +298,46 @@ def _restart_positions(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, .
     whole_row = ids.ndim == 1 or (
         ids.ndim == 2 and ids.shape[0] == 1 and (documents.rows > 1 or one_row_packed)
     )
-    if not whole_row or ids.shape[-1] != documents.length:
+    # Traced (a model compiled whole): no reads of a row's values. Under dynamo's handling
+    # of the hook a tensor's attributes can come back as other objects (``shape`` a dtype).
+    compiling = torch.compiler.is_compiling() or not isinstance(ids.shape, torch.Size)
+    if (compiling and not whole_row) or ids.shape[-1] != documents.length:
         return None
     arange = torch.arange(documents.length, device=ids.device, dtype=ids.dtype)
-    if not torch.equal(ids.reshape(-1), arange):  # SYNC: only for a row-long input
+    if whole_row and torch.equal(ids.reshape(-1), arange):  # SYNC: only for a row-long input
+        return (documents.positions(ids.device).to(ids.dtype), *args[1:])
+    if compiling:
         return None
-    return (documents.positions(ids.device).to(ids.dtype), *args[1:])
+    restarted = _restart_run_on(ids, documents, arange, module.padding_idx)
+    return None if restarted is None else (restarted, *args[1:])
+
+
+def _restart_run_on(
+    ids: Tensor, documents: _documents.Documents, arange: Tensor, padding_idx: int | None
+) -> Tensor | None:
+    """``(rows, S)`` positions a model counted over its whole rows from an offset
+    (RoBERTa's and XLM-R's ``padding_idx + 1 + cumsum`` of the non-padding tokens): each
+    document's restarted from the same offset, the row's trailing padding left as it is.
+
+    Taken as positions only when every row counts on, one by one, from one offset
+    (the same in every row) over all its spans but a last one that holds no count at all
+    (padding): token ids never do.
+    """
+    if ids.ndim != 2 or ids.shape[0] != documents.rows:
+        return None
+    if all(len(spans) == 1 for spans in documents.spans):
+        return None  # no boundary to count across
+    if padding_idx is not None and padding_idx < documents.length:
+        _name_positions_from_zero(ids, documents, padding_idx)
+    offset = ids[:, :1]
+    counts_on = ids == offset + arange
+    lead = counts_on.int().cumprod(dim=1).sum(dim=1)
+    # SYNC: once per packed row-shaped embedding input (a token table's too: rejected here)
+    leads, offsets = torch.stack([lead, offset[:, 0].to(lead.dtype)]).tolist()
+    if len(set(offsets)) != 1:
+        return None
+    for n, spans in zip(leads, documents.spans, strict=True):
+        if n not in (documents.length, spans[-1][0]) or n == 0:
+            return None
+    positions = documents.positions(ids.device).to(ids.dtype)
+    return torch.where(arange < lead[:, None], offset + positions, ids)

@@ -312,10 +312,11 @@ def _check_labels(
         return True
     if same and not separate:
         rank_zero_warn(
-            f"PackingCollate: the samples' 'labels' equal their {key!r} (a causal LM that "
-            f"shifts labels inside, as Hugging Face's do): in a row, each document's last "
-            f"token is asked for the next document's first, and the loss is not the "
-            f"documents' own. Pass `separate_documents=True`."
+            f"PackingCollate: the samples' 'labels' equal their {key!r}; a model that shifts "
+            f"labels inside (Hugging Face's causal LMs) then asks each document's last token "
+            f"for the next document's first, and the loss is not the documents' own: pass "
+            f"`separate_documents=True` (a model that does not shift labels, a masked LM, "
+            f"can ignore this)."
         )
     elif shifted and not same and separate:
         rank_zero_warn(

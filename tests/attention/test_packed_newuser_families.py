@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import AttentionSwap, _imports, swap_attention
+from lightning_speedkit.attention import _documents as documents_module
 from lightning_speedkit.attention import adapters, packed_documents
 from lightning_speedkit.attention.backends import Attend
 from lightning_speedkit.data import PackingCollate
@@ -176,7 +177,10 @@ def test_family_packed_gives_the_logits_loss_and_gradients_of_one_by_one(
 
 
 @pytest.mark.parametrize("family", list(UNSWAPPABLE))
-def test_a_family_the_swap_skips_is_said_once_not_silently_mixed(family: str) -> None:
+def test_a_family_the_swap_skips_is_said_once_not_silently_mixed(
+    family: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(documents_module, "_WARNED", set())  # said once per process: afresh here
     torch.manual_seed(0)
     model = UNSWAPPABLE[family]()
     report = swap_attention(model, "sdpa")

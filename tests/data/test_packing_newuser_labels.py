@@ -17,7 +17,7 @@ from torch import Tensor
 from lightning_speedkit.data import PackingCollate
 
 VOCAB, LENGTHS = 50, (5, 3, 7, 2, 4, 6)
-SEPARATE = "Pass `separate_documents=True`"
+SEPARATE = "pass `separate_documents=True`"
 ALREADY_SHIFTED = "shifted left by one already"
 
 
