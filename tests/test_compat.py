@@ -44,6 +44,7 @@ PYTHON_OWN = {
     "_current_frames": "sys._current_frames: HangWatchdog's stack dump of every thread",
     "_exit": "os._exit: HangWatchdog's abort, which must not wait for stuck threads",
     "_SubParsersAction": "argparse._SubParsersAction: the CLI's subparser type hints",
+    "_asdict": "a namedtuple's public _asdict: FrozenFeatureCache reads a batch's fields",
 }
 
 # transformers' attention-selection attributes: the adapter's contract with transformers
