@@ -39,6 +39,7 @@ from lightning_speedkit._compat._lightning_loop import (
     train_combined_loader as train_combined_loader,
 )
 from lightning_speedkit._compat._lightning_loop import train_loader_source as train_loader_source
+from lightning_speedkit._compat._lightning_loop import trains_no_batch as trains_no_batch
 from lightning_speedkit._compat._modules_and_loaders import (
     continue_train_epoch as continue_train_epoch,
 )

@@ -25,6 +25,17 @@ def train_loader_source(trainer: L.Trainer) -> Any:
     return trainer.fit_loop._data_source
 
 
+def trains_no_batch(trainer: L.Trainer) -> str | None:
+    """Why this fit trains too few batches to tune its loader for, or None: a
+    ``fast_dev_run`` (a smoke test that a search would outlast many times over) or
+    ``limit_train_batches=0`` (no batch trains)."""
+    if getattr(trainer, "fast_dev_run", False):  # not in the Trainer's stubs
+        return "not tuning in a `fast_dev_run` (a smoke test); the train loader runs as given"
+    if trainer.limit_train_batches == 0:  # 0 or 0.0: the fit loop trains no batch
+        return "`limit_train_batches=0`, no batch trains; not tuning"
+    return None
+
+
 class _ChangedTrainSource:
     """The fit loop's train-loader source with a callback's change to every loader it gives.
 

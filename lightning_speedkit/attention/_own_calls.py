@@ -262,21 +262,23 @@ def _name_position_table(a: Any, b: Any) -> None:
             return
 
 
-def _name_positions_from_zero(ids: Tensor, documents: _documents.Documents, pad: int) -> None:
-    """Warn once when a position table whose padding row is ``pad`` gets the batch's
+def _from_zero(ids: Tensor, positions: Tensor) -> Tensor:
+    """Whether ``ids`` are the batch's positions, each document's from 0 (PackingCollate's;
+    its padding's all 0): a 0-d bool on the device, read with the caller's other values."""
+    return ((ids == positions) | (ids == 0)).all() & (ids > 0).any()
+
+
+def _name_positions_from_zero(pad: int) -> None:
+    """Warn once that a position table whose padding row is ``pad`` got the batch's
     positions from 0: RoBERTa's count from ``padding_idx + 1``, so position ``pad`` would
     be read as padding and every other one is off by ``pad + 1``."""
-    positions = documents.positions(ids.device).to(ids.dtype)
-    # PackingCollate's positions: each document's from 0, its padding's all 0.
-    from_zero = ((ids == positions) | (ids == 0)).all() & (ids > 0).any()
-    if bool(from_zero):  # SYNC: once per packed row-shaped embedding input
-        _documents.warn_once(
-            f"A table with padding row {pad} (RoBERTa's and XLM-R's positions count from "
-            f"padding_idx + 1 = {pad + 1}) got the batch's `position_ids`, which count from "
-            f"0: every position is off by {pad + 1}. Do not pass `position_ids` to this "
-            f"model (it builds its own, restarted per document while the batch is packed), "
-            f"or pass `position_ids + {pad + 1}`."
-        )
+    _documents.warn_once(
+        f"A table with padding row {pad} (RoBERTa's and XLM-R's positions count from "
+        f"padding_idx + 1 = {pad + 1}) got the batch's `position_ids`, which count from "
+        f"0: every position is off by {pad + 1}. Do not pass `position_ids` to this "
+        f"model (it builds its own, restarted per document while the batch is packed), "
+        f"or pass `position_ids + {pad + 1}`."
+    )
 
 
 def _restart_positions(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
@@ -327,17 +329,18 @@ def _restart_run_on(
         return None
     if all(len(spans) == 1 for spans in documents.spans):
         return None  # no boundary to count across
-    if padding_idx is not None and padding_idx < documents.length:
-        _name_positions_from_zero(ids, documents, padding_idx)
+    positions = documents.positions(ids.device).to(ids.dtype)
     offset = ids[:, :1]
     counts_on = ids == offset + arange
     lead = counts_on.int().cumprod(dim=1).sum(dim=1)
-    # SYNC: once per packed row-shaped embedding input (a token table's too: rejected here)
-    leads, offsets = torch.stack([lead, offset[:, 0].to(lead.dtype)]).tolist()
+    from_zero = _from_zero(ids, positions).to(lead.dtype).expand_as(lead)
+    # SYNC: one read per packed row-shaped embedding input (a token table's too: rejected here)
+    leads, offsets, zero = torch.stack([lead, offset[:, 0].to(lead.dtype), from_zero]).tolist()
+    if padding_idx is not None and padding_idx < documents.length and zero[0]:
+        _name_positions_from_zero(padding_idx)
     if len(set(offsets)) != 1:
         return None
     for n, spans in zip(leads, documents.spans, strict=True):
         if n not in (documents.length, spans[-1][0]) or n == 0:
             return None
-    positions = documents.positions(ids.device).to(ids.dtype)
     return torch.where(arange < lead[:, None], offset + positions, ids)

@@ -89,11 +89,8 @@ def global_batch_scheduler(
 def loader_to_tune(trainer: L.Trainer) -> DataLoader[Any] | None:
     """The train loader to tune; None (said why) where this fit trains no batch or the
     loader is not a single DataLoader. A loader without a ``batch_size`` is refused."""
-    if getattr(trainer, "fast_dev_run", False):  # not in its stubs
-        rank_zero_info("MicroBatchTuner: not tuning in a `fast_dev_run` (a smoke test).")
-        return None
-    if trainer.limit_train_batches == 0:  # 0 or 0.0: the fit loop trains no batch
-        rank_zero_info("MicroBatchTuner: `limit_train_batches=0`, no batch trains; not tuning.")
+    if (reason := _compat.trains_no_batch(trainer)) is not None:
+        rank_zero_info(f"MicroBatchTuner: {reason}.")
         return None
     loader = _compat.train_loader_source(trainer).dataloader()
     if not isinstance(loader, DataLoader):

@@ -28,12 +28,8 @@ def loader_to_tune(trainer: L.Trainer) -> DataLoader[Any] | None:
     is none to tune: a ``fast_dev_run`` (a smoke test of a batch or a few, which the
     search would outlast many times over), ``limit_train_batches=0`` (no batch trains),
     or a loader that is not one torch DataLoader."""
-    if getattr(trainer, "fast_dev_run", False):  # not in the Trainer's stubs
-        rank_zero_info("NumWorkersTuner: not tuning in a `fast_dev_run` (a smoke test); "
-                       "the train loader runs as given.")  # fmt: skip
-        return None
-    if trainer.limit_train_batches == 0:  # 0 or 0.0: the fit loop trains no batch
-        rank_zero_info("NumWorkersTuner: `limit_train_batches=0`, no batch trains; not tuning.")
+    if (reason := _compat.trains_no_batch(trainer)) is not None:
+        rank_zero_info(f"{OWNER}: {reason}.")
         return None
     loader = _compat.train_loader_source(trainer).dataloader()
     if not isinstance(loader, DataLoader):
