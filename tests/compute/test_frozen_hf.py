@@ -10,19 +10,9 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_speedkit.compute.frozen_feature_cache import FrozenFeatureCache
+from tests.helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse)
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    """One intra-op thread: with two, this tower's output for a sample depends on where in
-    the batch it runs (the threads split the work by position), so features served from
-    another batch differ from the plain run's in their last bits (see the docs)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 _IMAGE_TOKEN, _PATCHES = 63, 16  # a 32 x 32 image in 8 x 8 patches

@@ -18,21 +18,11 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_speedkit.compute.frozen_feature_cache import FrozenFeatureCache
+from tests.helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse)
 
 from .test_frozen_newuser_common import fit, same_losses
 
 transformers = pytest.importorskip("transformers")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread() -> Any:
-    """One intra-op thread: with two, this tower's output for a sample depends on where in
-    the batch it runs (the threads split the work by position), so features served from
-    another batch differ from the plain run's in their last bits (see the docs)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 _SIZES = {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4}
