@@ -19,6 +19,7 @@ from lightning_speedkit import swap_attention
 from lightning_speedkit.attention import _documents as documents_module
 from lightning_speedkit.attention import packed_documents
 from lightning_speedkit.data import PackingCollate
+from tests.helpers.hf_tiny import tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -27,26 +28,15 @@ ENCODER = dict(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attent
                intermediate_size=64, max_position_embeddings=64)  # fmt: skip
 
 
-def _build(config: str, model: str, **kwargs: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        made = getattr(transformers, config)(**kwargs)
-        for name in dir(made):  # every dropout off: the comparison is exact
-            if ("dropout" in name or "pdrop" in name) and isinstance(getattr(made, name), float):
-                setattr(made, name, 0.0)
-        return getattr(transformers, model)(made)
-
-    return build
-
-
 ENCODERS: dict[str, Callable[[], nn.Module]] = {
-    "roberta": _build("RobertaConfig", "RobertaModel", pad_token_id=1, **ENCODER),
-    "xlm-roberta": _build("XLMRobertaConfig", "XLMRobertaModel", pad_token_id=1, **ENCODER),
-    "distilbert": _build("DistilBertConfig", "DistilBertModel", vocab_size=VOCAB, dim=32,
+    "roberta": tiny_model("RobertaConfig", "RobertaModel", pad_token_id=1, **ENCODER),
+    "xlm-roberta": tiny_model("XLMRobertaConfig", "XLMRobertaModel", pad_token_id=1, **ENCODER),
+    "distilbert": tiny_model("DistilBertConfig", "DistilBertModel", vocab_size=VOCAB, dim=32,
                          n_layers=2, n_heads=4, hidden_dim=64, max_position_embeddings=64),
-    "electra": _build("ElectraConfig", "ElectraModel", embedding_size=32, **ENCODER),
-    "modernbert": _build("ModernBertConfig", "ModernBertModel", pad_token_id=0,
+    "electra": tiny_model("ElectraConfig", "ElectraModel", embedding_size=32, **ENCODER),
+    "modernbert": tiny_model("ModernBertConfig", "ModernBertModel", pad_token_id=0,
                          global_attn_every_n_layers=1, **ENCODER),
-    "t5-encoder": _build("T5Config", "T5EncoderModel", vocab_size=VOCAB, d_model=32, d_kv=8,
+    "t5-encoder": tiny_model("T5Config", "T5EncoderModel", vocab_size=VOCAB, d_model=32, d_kv=8,
                          d_ff=64, num_layers=2, num_heads=4),
 }  # fmt: skip
 

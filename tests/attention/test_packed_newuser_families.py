@@ -24,6 +24,7 @@ from lightning_speedkit.attention import _documents as documents_module
 from lightning_speedkit.attention import adapters, packed_documents
 from lightning_speedkit.attention.backends import Attend
 from lightning_speedkit.data import PackingCollate
+from tests.helpers.hf_tiny import tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -33,25 +34,14 @@ DECODER = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidde
                use_cache=False)  # fmt: skip
 
 
-def _build(config: str, model: str, **kwargs: Any) -> Callable[[], nn.Module]:
-    def build() -> nn.Module:
-        made = getattr(transformers, config)(**kwargs)
-        for name in dir(made):  # every dropout off: the comparison is exact
-            if ("dropout" in name or "pdrop" in name) and isinstance(getattr(made, name), float):
-                setattr(made, name, 0.0)
-        return getattr(transformers, model)(made)
-
-    return build
-
-
 FAMILIES: dict[str, Callable[[], nn.Module]] = {
-    "qwen2": _build("Qwen2Config", "Qwen2ForCausalLM", **DECODER),
-    "qwen3": _build("Qwen3Config", "Qwen3ForCausalLM", head_dim=8, **DECODER),
-    "gemma3-sliding-window": _build(
+    "qwen2": tiny_model("Qwen2Config", "Qwen2ForCausalLM", **DECODER),
+    "qwen3": tiny_model("Qwen3Config", "Qwen3ForCausalLM", head_dim=8, **DECODER),
+    "gemma3-sliding-window": tiny_model(
         "Gemma3TextConfig", "Gemma3ForCausalLM", head_dim=8, sliding_window=4, **DECODER
     ),
-    "phi": _build("PhiConfig", "PhiForCausalLM", **DECODER),
-    "gpt-neox": _build(
+    "phi": tiny_model("PhiConfig", "PhiForCausalLM", **DECODER),
+    "gpt-neox": tiny_model(
         "GPTNeoXConfig",
         "GPTNeoXForCausalLM",
         vocab_size=VOCAB,
@@ -62,7 +52,7 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
         max_position_embeddings=64,
         use_cache=False,
     ),
-    "opt": _build(
+    "opt": tiny_model(
         "OPTConfig",
         "OPTForCausalLM",
         vocab_size=VOCAB,
@@ -74,7 +64,7 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
         word_embed_proj_dim=32,
         use_cache=False,
     ),
-    "falcon": _build(
+    "falcon": tiny_model(
         "FalconConfig",
         "FalconForCausalLM",
         vocab_size=VOCAB,
@@ -83,7 +73,7 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
         num_attention_heads=4,
         use_cache=False,
     ),
-    "gpt-bigcode-mqa": _build(
+    "gpt-bigcode-mqa": tiny_model(
         "GPTBigCodeConfig",
         "GPTBigCodeForCausalLM",
         vocab_size=VOCAB,
@@ -94,14 +84,16 @@ FAMILIES: dict[str, Callable[[], nn.Module]] = {
         multi_query=True,
         use_cache=False,
     ),
-    "mixtral-moe": _build(
+    "mixtral-moe": tiny_model(
         "MixtralConfig", "MixtralForCausalLM", num_local_experts=2, num_experts_per_tok=1, **DECODER
     ),
 }
 #: Families whose attention has no SDPA path in transformers: the swap skips them.
 UNSWAPPABLE: dict[str, Callable[[], nn.Module]] = {
-    "gemma2": _build("Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=4, **DECODER),
-    "bloom": _build(
+    "gemma2": tiny_model(
+        "Gemma2Config", "Gemma2ForCausalLM", head_dim=8, sliding_window=4, **DECODER
+    ),
+    "bloom": tiny_model(
         "BloomConfig",
         "BloomForCausalLM",
         vocab_size=VOCAB,
