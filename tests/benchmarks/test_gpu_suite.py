@@ -143,7 +143,7 @@ def test_quick_runs_the_test_files_in_one_pytest_each_test_under_its_limit(
 def test_a_tests_part_cut_off_keeps_the_outcomes_it_printed(tmp_path: Path) -> None:
     files = _test_files(tmp_path)
     done = suite("quick", tmp_path, QUICK_PARTS="tests", QUICK_TEST_TIMEOUT="600",
-                 QUICK_BUDGET="40", QUICK_TESTS=" ".join(map(str, files)))  # fmt: skip
+                 QUICK_BUDGET="25", QUICK_TESTS=" ".join(map(str, files)))  # fmt: skip
     assert done.returncode == 1
     record = json.loads((tmp_path / "results" / "quick_tests.json").read_text())
     assert (record["exit"], record["complete"]) == (None, False)  # pytest never ended

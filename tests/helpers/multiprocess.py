@@ -16,12 +16,15 @@ the script's output.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+from tests.helpers.warm_ranks import WarmRanks
 
 SCRIPTS = Path(__file__).resolve().parent.parent / "scripts"
 REPO = SCRIPTS.parent.parent
@@ -56,31 +59,59 @@ def clean_env() -> dict[str, str]:
 
 
 def run_script(
-    script: str, out_dir: Path, *args: str, world_size: int = 2, timeout: float = 300
-) -> list[dict[str, Any]]:
-    """Run ``tests/scripts/<script>`` with ``--out DIR`` and return each rank's results."""
-    cmd = [sys.executable, str(SCRIPTS / script), "--out", str(out_dir), *args]
+    script: str, out_dir: Path, *args: str, world_size: int = 2, timeout: float = 300,
+    fresh: bool = False,
+) -> list[dict[str, Any]]:  # fmt: skip
+    """Run ``tests/scripts/<script>`` with ``--out DIR`` and return each rank's results.
+
+    The ranks are forks of a warm interpreter (:mod:`tests.helpers.warm_ranks`), started
+    as Lightning starts the ranks it launches; ``fresh=True`` (or the environment
+    variable ``SPEEDKIT_TEST_FRESH_RANKS=1`` for every run) runs ``python script.py``
+    instead, with Lightning's own launcher starting rank 1, as a user's job does. A
+    script that launches its ranks itself (``--launcher``) and CUDA runs are always fresh.
+    """
+    args = ("--out", str(out_dir), *args)
+    warm = not (fresh or "cuda" in args or "--launcher" in args
+                or os.environ.get("SPEEDKIT_TEST_FRESH_RANKS"))  # fmt: skip
     for attempt in range(2):
         for stale in out_dir.glob("rank*.json"):
             stale.unlink()
-        proc = subprocess.run(
-            cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout, check=False
-        )
-        if proc.returncode == 0:
+        if warm:
+            code, output = _warm_ranks().run(SCRIPTS / script, list(args), clean_env(),
+                                             world_size, timeout)  # fmt: skip
+        else:
+            code, output = _fresh_interpreter(SCRIPTS / script, args, timeout)
+        if code == 0:
             break
-        if attempt == 0 and any(abort in proc.stderr for abort in _EXIT_ABORTS):
+        if attempt == 0 and any(abort in output for abort in _EXIT_ABORTS):
             continue
-        raise AssertionError(
-            f"{script} exited with {proc.returncode}\n--- stdout ---\n{proc.stdout[-4000:]}"
-            f"\n--- stderr ---\n{proc.stderr[-8000:]}"
-        )
+        raise AssertionError(f"{script} exited with {code}\n{output[-12000:]}")
     results = []
     for rank in range(world_size):
         path = out_dir / f"rank{rank}.json"
         if not path.exists():
-            raise AssertionError(f"{script}: rank {rank} wrote no results\n{proc.stderr[-8000:]}")
+            raise AssertionError(f"{script}: rank {rank} wrote no results\n{output[-8000:]}")
         results.append(json.loads(path.read_text()))
     return results
+
+
+def _fresh_interpreter(script: Path, args: tuple[str, ...], timeout: float) -> tuple[int, str]:
+    """``python script.py ARGS``: Lightning's launcher starts the other ranks."""
+    proc = subprocess.run([sys.executable, str(script), *args], env=clean_env(),
+                          capture_output=True, text=True, timeout=timeout, check=False)  # fmt: skip
+    return proc.returncode, f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
+
+
+_SERVER: WarmRanks | None = None
+
+
+def _warm_ranks() -> WarmRanks:
+    """This test process's warm-rank server (started on first use, ended with the process)."""
+    global _SERVER
+    if _SERVER is None or not _SERVER.alive():
+        _SERVER = WarmRanks(REPO, clean_env())
+        atexit.register(_SERVER.close)
+    return _SERVER
 
 
 def run_script_failing(

@@ -1,0 +1,82 @@
+"""The suite's two-rank launcher: each rank a fork of a warm interpreter, started as
+Lightning starts the ranks it launches, and a failing rank ends the job with its output."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.multiprocess import REPO, clean_env, run_script
+from tests.helpers.warm_ranks import WarmRanks, rank_env
+
+RANK = """
+import json, os, sys, time
+from pathlib import Path
+
+import torch
+
+out = Path(sys.argv[sys.argv.index("--out") + 1])
+rank = int(os.environ.get("LOCAL_RANK", "0"))
+if "--fail" in sys.argv and rank == 1:
+    raise ValueError("rank 1 stops here")
+if "--fail" in sys.argv:
+    time.sleep(600)  # a peer left waiting, as in a collective
+seen = {k: os.environ.get(k) for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR")}
+seen.update(pid=os.getpid(), main=__name__, argv=sys.argv[1:], threads=torch.get_num_threads(),
+            port=os.environ.get("MASTER_PORT"), mine=os.environ.get("MINE"))
+(out / f"rank{rank}.json").write_text(json.dumps(seen))
+"""
+
+
+@pytest.fixture(scope="module")
+def warm() -> Iterator[WarmRanks]:
+    server = WarmRanks(REPO, clean_env())
+    yield server
+    server.close()
+
+
+def test_each_rank_is_a_process_of_its_own_with_a_launched_ranks_environment(
+    warm: WarmRanks, tmp_path: Path
+) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    env = {**clean_env(), "MINE": "kept", "OMP_NUM_THREADS": "1"}
+    code, _ = warm.run(script, ["--out", str(tmp_path), "-x"], env, 2, timeout=60)
+    assert code == 0
+    ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert [(r["LOCAL_RANK"], r["NODE_RANK"], r["WORLD_SIZE"]) for r in ranks] == [
+        ("0", "0", "2"), ("1", "0", "2")]  # fmt: skip
+    assert ranks[0]["port"] == ranks[1]["port"] is not None
+    assert ranks[0]["pid"] != ranks[1]["pid"] != os.getpid()
+    for rank in ranks:
+        assert (rank["main"], rank["mine"]) == ("__main__", "kept")
+        assert rank["argv"] == ["--out", str(tmp_path), "-x"]
+        assert rank["threads"] == 1  # OMP_NUM_THREADS of the job, not of the server
+
+
+def test_a_failing_rank_ends_the_job_with_its_traceback(warm: WarmRanks, tmp_path: Path) -> None:
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    code, output = warm.run(script, ["--out", str(tmp_path), "--fail"], clean_env(), 2, 120)
+    assert code == 1
+    assert "ValueError: rank 1 stops here" in output
+    assert "ran past" not in output  # rank 0 was stopped GRACE s later, not at the timeout
+    assert warm.alive()  # the server serves the next job
+
+
+def test_one_rank_gets_no_distributed_environment() -> None:
+    assert rank_env({"A": "1"}, 0, 1, 1234) == {"A": "1"}
+    assert rank_env({"A": "1"}, 1, 2, 1234)["MASTER_PORT"] == "1234"
+
+
+def test_run_script_fails_naming_the_script_and_showing_the_ranks_output(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("tests.helpers.multiprocess.SCRIPTS", tmp_path)
+    (tmp_path / "rank.py").write_text(RANK)
+    with pytest.raises(AssertionError, match=r"rank\.py exited with 1(.|\n)*rank 1 stops here"):
+        run_script("rank.py", tmp_path / "out", "--fail", timeout=60)
