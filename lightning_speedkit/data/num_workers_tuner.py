@@ -160,9 +160,8 @@ class NumWorkersTuner(L.Callback):
         if on_cpu and self.compute_threads is not None:
             said = self._threads.give(self.compute_threads, cores)
         budget, why_none = _verdict.worker_budget(cores, on_cpu, torch.get_num_threads())
-        for message in (said, why_none):
-            if message is not None:
-                rank_zero_info(message)
+        for message in filter(None, (said, why_none)):
+            rank_zero_info(message)
         return budget
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -171,9 +170,7 @@ class NumWorkersTuner(L.Callback):
             _compat.drop_train_loader_change(trainer, OWNER)
         self._threads.restore()
 
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
         self.teardown(trainer, pl_module, "fit")  # Lightning calls no teardown after a raise
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -212,13 +209,10 @@ class NumWorkersTuner(L.Callback):
         loading far behind the model means the compute needs fewer: measure what giving
         the rest to workers is worth (rank 0 measures; training waits for it).
         """
-        if (
-            trainer.global_rank != 0
-            or self._loader is None
-            or self.result is None
-            or self.tune_kwargs["max_workers"] is not None  # the user's ceiling
-            or trainer.strategy.root_device.type != "cpu"
-        ):
+        on_cpu_rank_zero = trainer.global_rank == 0 and trainer.strategy.root_device.type == "cpu"
+        if not on_cpu_rank_zero or self._loader is None or self.result is None:
+            return None
+        if self.tune_kwargs["max_workers"] is not None:  # the user's ceiling
             return None
         return _verdict.search_spare_cores(
             self._loader, replace(self.result, best=self._best), model_rate,
