@@ -13,6 +13,7 @@ from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit._loggers import log_metrics
+from lightning_speedkit._paused import paused
 from lightning_speedkit.data import _verdict
 from lightning_speedkit.data._compute_threads import ComputeThreads
 from lightning_speedkit.data._train_loader import (
@@ -193,12 +194,13 @@ class NumWorkersTuner(L.Callback):
         model_rate = self.bottleneck["model_batches_per_sec"]
         log_metrics(trainer, {"data/model_batches_per_sec": model_rate})
         bound = self.bottleneck["data_bound"]
-        found = self._spare_cores_search(trainer, model_rate) if bound else None
-        faster = None if found is None else found.to_json()
-        if trainer.world_size > 1:
-            # One collective, once per fit, on every rank at the same batch: rank 0's
-            # result (or None) for all, as at setup.
-            faster = trainer.strategy.broadcast(faster, src=0)
+        with paused(trainer):  # rank 0 may search; every rank waits for it
+            found = self._spare_cores_search(trainer, model_rate) if bound else None
+            faster = None if found is None else found.to_json()
+            if trainer.world_size > 1:
+                # One collective, once per fit, on every rank at the same batch: rank 0's
+                # result (or None) for all, as at setup.
+                faster = trainer.strategy.broadcast(faster, src=0)
         if faster is not None and self._loader is not None:
             self._switch(trainer, self.result, TuneResult(**faster))
 

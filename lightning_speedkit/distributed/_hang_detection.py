@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from lightning_speedkit.distributed._hang_report import (
     BETWEEN,
     FORWARD,
+    PAUSED,
     PHASES,
     VALIDATING,
     RankProgress,
@@ -161,6 +162,7 @@ class StepWatch:
         # between steps) of an overrun not over yet
         self._pending: tuple[int, int, float, float | None] | None = None
         self._seen: Where = (0, False)  # the last (batch, after its step) overrunning
+        self._paused: tuple[Mark, float] | None = None  # the mark a pause left, and when
 
     # -- the hooks ---------------------------------------------------------------------------------
 
@@ -179,6 +181,20 @@ class StepWatch:
         """Validation ended: back between steps, watched again from now."""
         if self.mark is not None and self.mark[1] == VALIDATING:
             self.enter(BETWEEN, now)
+
+    def pause(self, now: float) -> None:
+        """Training stops on purpose (a kit callback measuring): unwatched until :meth:`resume`."""
+        if self.mark is not None and self._paused is None:
+            self._paused = (self.mark, now)
+            self.enter(PAUSED, now)
+
+    def resume(self, now: float) -> None:
+        """Back where the pause found the batch, its clocks moved on by the pause: the
+        pause counts neither toward the step's age nor toward its duration."""
+        if self._paused is not None:
+            (batch, phase, since, start, step, passed), at = self._paused
+            self._paused, gap = None, now - at
+            self.mark = (batch, phase, since + gap, start + gap, step, passed + 2)
 
     def end(self, now: float) -> None:
         """The batch's step ended: its duration joins the history."""

@@ -15,14 +15,15 @@ from pathlib import Path
 __all__ = ["PHASES", "RankProgress", "late_ranks", "report_text", "write_report"]
 
 #: Phases of a training batch, in the order a rank passes them (see ``hang_watchdog``).
-#: The first five are watched; validation, a checkpoint's save and the end of an epoch
-#: (until the next batch starts) are not.
+#: The first five are watched; validation, a checkpoint's save, the end of an epoch
+#: (until the next batch starts) and a pause one of the kit's callbacks takes on purpose
+#: (NumWorkersTuner's search, which holds every rank) are not.
 PHASES = (
     "forward", "backward", "after backward", "optimizer step", "between steps",
-    "validating", "saving a checkpoint", "epoch end",
+    "validating", "saving a checkpoint", "epoch end", "paused by a kit callback",
 )  # fmt: skip
 FORWARD, BACKWARD, AFTER_BACKWARD, OPTIMIZER, BETWEEN = range(5)
-VALIDATING, SAVING, EPOCH_END = range(5, 8)
+VALIDATING, SAVING, EPOCH_END, PAUSED = range(5, 9)
 
 #: The report's file, in the watchdog's directory (rank 0's filesystem).
 REPORT_FILE = "hang-report.txt"

@@ -32,10 +32,11 @@ in that batch: ``forward`` (``on_train_batch_start``: the training step runs),
 ``after backward`` (``on_after_backward``), ``optimizer step``
 (``on_before_optimizer_step``), ``between steps`` (``on_train_batch_end``: the batch's
 end, then the next batch's fetch), and the unwatched ``validating``, ``saving a
-checkpoint`` and ``epoch end``. Ranks at the furthest pair are waiting; every
-rank at an earlier pair (an earlier batch, or an earlier phase of the same batch) is
-behind. One rank sleeping in its forward pass while the others wait in the backward
-all-reduce of the same batch is therefore named; if every rank is at the same pair
+checkpoint``, ``epoch end`` and ``paused by a kit callback`` (NumWorkersTuner's
+search). Ranks at the furthest pair are waiting; every rank at an earlier pair (an
+earlier batch, or an earlier phase of the same batch) is behind. One rank sleeping in
+its forward pass while the others wait in the backward all-reduce of the same batch is
+therefore named; if every rank is at the same pair
 (all inside one collective, or all slow), none is named, and the report says so. A
 rank that does not answer within a few seconds (its process died, or a C extension
 holds its interpreter lock) is named as silent.
@@ -96,8 +97,9 @@ class HangWatchdog(L.Callback):
       a first step that never ends still is.
 
     The time between steps (a batch's end, the next batch's fetch) is held to the same
-    limit, counted from the step's end. Validation, a checkpoint's save and an epoch's
-    end are not watched.
+    limit, counted from the step's end. Validation, a checkpoint's save, an epoch's end
+    and a pause another kit callback takes on purpose (NumWorkersTuner's search for
+    spare cores, which holds every rank) are not watched.
 
     Args:
         timeout: A fixed limit in seconds for every step. ``None`` (default): the relative
@@ -269,6 +271,11 @@ class HangWatchdog(L.Callback):
 
     def on_train_end(self, *args: Any) -> None:
         self._watch.enter(EPOCH_END, self._clock())  # the fit's end: no next batch comes
+
+    def speedkit_pause(self, paused: bool) -> None:
+        """Another kit callback stops training on purpose, on every rank (NumWorkersTuner's
+        search for spare cores): the pause is not watched, nor counted in the step."""
+        (self._watch.pause if paused else self._watch.resume)(self._clock())
 
     # -- the thread --------------------------------------------------------------------------------
 

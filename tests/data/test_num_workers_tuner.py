@@ -15,6 +15,7 @@ from torch.utils.data import DataLoader
 
 from lightning_speedkit import NumWorkersTuner, SpeedkitConfigError
 from lightning_speedkit.data import num_workers_tuner, worker_search
+from lightning_speedkit.distributed._hang_report import PAUSED
 
 from ..helpers.models import MLP, SlowDataset, loader
 from ..helpers.multiprocess import run_script
@@ -387,6 +388,42 @@ def test_a_one_epoch_fit_switches_to_the_faster_loader_mid_epoch(
     assert tuner.result.best == _TWO_WORKERS
     assert tuner.result.best_batches_per_sec == 24.0
     assert tuner.result.pending is None
+
+
+def test_the_search_mid_fit_is_a_pause_to_hang_watchdog_not_a_hang(
+    monkeypatch: pytest.MonkeyPatch, figures: Callable[..., Figures], tmp_path: Path
+) -> None:
+    """The search for spare cores holds training (every rank, under DDP) for up to its
+    time budget: HangWatchdog beside it must not take that for a hung step."""
+    from lightning_speedkit import HangWatchdog
+    from lightning_speedkit.data import _verdict
+
+    figures({0: 10.3, 1: 9.0, 2: 24.0, (2, 4): 23.0}, step_s=1 / 731)
+    watchdog = HangWatchdog(timeout=30.0, dirpath=str(tmp_path))
+    now = [0.0]
+    watchdog._clock = lambda: now[0]
+    phases: list[int] = []
+    search = _verdict.search_spare_cores
+
+    def slow_search(*args: Any, **kwargs: Any) -> Any:
+        phases.append(watchdog._watch.mark[1])  # type: ignore[index]
+        now[0] += 1000.0  # the search takes 1000 s on the watchdog's clock
+        return search(*args, **kwargs)
+
+    monkeypatch.setattr(_verdict, "search_spare_cores", slow_search)
+    monkeypatch.setattr(num_workers_tuner, "cpu_budget", lambda local_world_size=1: 2)
+    torch.set_num_threads(2)  # the test's fixture restores the thread count
+    tuner = NumWorkersTuner(batches=4, cache=False, progress=False, verdict_steps=4)
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, callbacks=[tuner, watchdog],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(_Seen(), DataLoader(_Where(), batch_size=4))
+    assert tuner.result is not None
+    assert tuner.result.best == _TWO_WORKERS  # the search ran, and won
+    assert phases == [PAUSED]  # unwatched while it ran
+    assert max(seconds for _, seconds in watchdog._steps) == 0.0  # not in any step's time
+    assert list(tmp_path.iterdir()) == []  # no stacks dumped, no hang report
 
 
 def test_a_loader_that_cannot_switch_mid_epoch_keeps_result_true_to_it(

@@ -120,3 +120,42 @@ def test_no_batch_yet() -> None:
     watch.start(now=1.0, global_step=4)
     watch.enter(BACKWARD, now=2.0)
     assert progress_of(watch.mark, 3, now=4.5) == RankProgress(3, 1, 4, "backward", 2.5)
+
+
+def test_a_pause_in_the_step_is_unwatched_and_left_out_of_its_age_and_duration() -> None:
+    """NumWorkersTuner's search holds every rank inside a batch's end: not a hang."""
+    watch = StepWatch(timeout=10.0, factor=10.0, min_timeout=60.0)
+    watch.start(now=0.0, global_step=3)
+    watch.enter(BACKWARD, now=2.0)
+    watch.pause(now=4.0)
+    assert progress_of(watch.mark, 0, now=100.0).phase == "paused by a kit callback"
+    assert watch.overrun(watch.mark, now=100.0) is None  # 96 s into the pause
+    watch.pause(now=110.0)  # a second pause inside the first changes nothing
+    watch.resume(now=124.0)  # the pause took 120 s
+    assert progress_of(watch.mark, 0, now=125.0) == RankProgress(0, 1, 3, "backward", 3.0)
+    assert watch.overrun(watch.mark, now=130.0) is None  # the step's age: 10 s, at the limit
+    assert watch.overrun(watch.mark, now=130.5) is not None
+    watch.end(now=131.0)
+    assert list(watch.steps) == [(1, 11.0)]  # the step's own 11 s, not 131
+    watch.resume(now=140.0)  # no pause to end: nothing moves
+    assert watch.overrun(watch.mark, now=140.0) is None
+    assert watch.overrun(watch.mark, now=141.5) is not None  # between steps from 131.0
+
+
+def test_a_pause_between_steps_restarts_the_wait_for_the_next_batch() -> None:
+    watch = StepWatch(timeout=10.0, factor=10.0, min_timeout=60.0)
+    watch.start(now=0.0, global_step=0)
+    watch.end(now=1.0)
+    watch.pause(now=3.0)
+    watch.resume(now=503.0)
+    assert watch.overrun(watch.mark, now=511.0) is None  # 8 s between steps, pause left out
+    overrun = watch.overrun(watch.mark, now=511.5)
+    assert overrun is not None
+    assert (overrun.seconds, overrun.between) == (10.5, True)
+
+
+def test_no_batch_yet_no_pause() -> None:
+    watch = StepWatch(timeout=1.0, factor=10.0, min_timeout=60.0)
+    watch.pause(now=1.0)
+    watch.resume(now=2.0)
+    assert watch.mark is None

@@ -331,7 +331,8 @@ def test_late_ranks(where: list[tuple[int, str]], behind: list[int]) -> None:
 
 def test_phases_are_in_step_order() -> None:
     assert PHASES == ("forward", "backward", "after backward", "optimizer step", "between steps",
-                      "validating", "saving a checkpoint", "epoch end")  # fmt: skip
+                      "validating", "saving a checkpoint", "epoch end",
+                      "paused by a kit callback")  # fmt: skip
 
 
 def test_a_rank_stuck_after_its_step_is_caught_and_its_recovery_timed(tmp_path: Path) -> None:
