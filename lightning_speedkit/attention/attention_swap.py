@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info
 
 from lightning_speedkit import _validation
+from lightning_speedkit._model_ready import forget_pending, when_model_ready
 from lightning_speedkit.attention._documents import StepDocuments
 from lightning_speedkit.attention._own_calls import remove_model_hooks
 from lightning_speedkit.attention.backends import BackendChoice, check_backend
@@ -25,7 +27,8 @@ class AttentionSwap(L.Callback):
     """Runs :func:`~lightning_speedkit.swap_attention` on the LightningModule in ``setup``.
 
     The swap happens before the strategy wraps the model (DDP, FSDP, DeepSpeed
-    see the swapped modules; parameters are untouched). Each swapped module is
+    see the swapped modules; parameters are untouched); a LightningModule that builds
+    its layers in ``configure_model`` is swapped right after that hook. Each swapped module is
     checked against its own forward on its first real inputs, forward and
     backward, inside the first training step (the step's numbers are the
     module's own); one that fails is reverted with a warning. After the first
@@ -89,6 +92,10 @@ class AttentionSwap(L.Callback):
         self._documents = StepDocuments()
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        # Lightning calls configure_model after the callbacks' setup: its layers, after it
+        when_model_ready(pl_module, partial(self._swap, pl_module))
+
+    def _swap(self, pl_module: L.LightningModule) -> None:
         if self.report is not None and swapped_modules(pl_module):
             return  # a later fit() on the same module: already swapped
         self.report = swap_attention(
@@ -124,6 +131,7 @@ class AttentionSwap(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         self._documents.exit()
+        forget_pending(pl_module)  # a fit that raised before configure_model
 
     def on_train_batch_end(
         self,
