@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -14,10 +17,12 @@ from tests.helpers.multiprocess import REPO, clean_env, run_script
 from tests.helpers.warm_ranks import WarmRanks, rank_env
 
 RANK = """
-import json, os, sys, time
+import atexit, json, os, sys, time
 from pathlib import Path
 
+import numpy as np
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
 
 out = Path(sys.argv[sys.argv.index("--out") + 1])
 rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -27,8 +32,12 @@ if "--fail" in sys.argv:
     time.sleep(600)  # a peer left waiting, as in a collective
 seen = {k: os.environ.get(k) for k in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR")}
 seen.update(pid=os.getpid(), main=__name__, argv=sys.argv[1:], threads=torch.get_num_threads(),
-            port=os.environ.get("MASTER_PORT"), mine=os.environ.get("MINE"))
+            port=os.environ.get("MASTER_PORT"), mine=os.environ.get("MINE"),
+            rank_zero_only=rank_zero_only.rank, numpy=float(np.random.rand()))
 (out / f"rank{rank}.json").write_text(json.dumps(seen))
+atexit.register(lambda: (out / f"exit{rank}").write_text("ran"))  # a normal interpreter exit
+if "--sleep" in sys.argv:
+    time.sleep(600)
 """
 
 
@@ -56,6 +65,43 @@ def test_each_rank_is_a_process_of_its_own_with_a_launched_ranks_environment(
         assert (rank["main"], rank["mine"]) == ("__main__", "kept")
         assert rank["argv"] == ["--out", str(tmp_path), "-x"]
         assert rank["threads"] == 1  # OMP_NUM_THREADS of the job, not of the server
+    assert [r["rank_zero_only"] for r in ranks] == [0, 1]  # as Lightning reads it at import
+    assert ranks[0]["numpy"] != ranks[1]["numpy"]  # seeded per process, as when fresh
+    assert [(tmp_path / f"exit{r}").read_text() for r in range(2)] == ["ran", "ran"]
+
+
+def test_a_wait_cut_short_ends_the_server_and_its_ranks(tmp_path: Path) -> None:
+    """A test's timeout or Ctrl-C inside ``run``: the job's reply must not answer the next."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK)
+    server = WarmRanks(REPO, clean_env())
+
+    def interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    try:
+        signal.alarm(8)  # well after the ranks started (about 1 s), long before 600 s
+        with pytest.raises(KeyboardInterrupt):
+            server.run(script, ["--out", str(tmp_path), "--sleep"], clean_env(), 2, 900)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not server.alive()
+    pids = [json.loads((tmp_path / f"rank{r}.json").read_text())["pid"] for r in range(2)]
+    for pid in pids:  # the sleeping ranks died with their server
+        for _ in range(100):
+            if not Path(f"/proc/{pid}").exists() or "Z" in _state(pid):
+                break
+            time.sleep(0.05)
+        assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return "Z"
 
 
 def test_a_failing_rank_ends_the_job_with_its_traceback(warm: WarmRanks, tmp_path: Path) -> None:

@@ -71,8 +71,9 @@ def run_script(
     script that launches its ranks itself (``--launcher``) and CUDA runs are always fresh.
     """
     args = ("--out", str(out_dir), *args)
-    warm = not (fresh or "cuda" in args or "--launcher" in args
-                or os.environ.get("SPEEDKIT_TEST_FRESH_RANKS"))  # fmt: skip
+    on_gpu = any("cuda" in arg or "gpu" in arg for arg in args)
+    warm = not (fresh or on_gpu or "--launcher" in args
+                or os.environ.get("SPEEDKIT_TEST_FRESH_RANKS") == "1")  # fmt: skip
     for attempt in range(2):
         for stale in out_dir.glob("rank*.json"):
             stale.unlink()
@@ -95,10 +96,16 @@ def run_script(
     return results
 
 
-def _fresh_interpreter(script: Path, args: tuple[str, ...], timeout: float) -> tuple[int, str]:
+def _python(
+    script: Path, args: tuple[str, ...], timeout: float
+) -> subprocess.CompletedProcess[str]:
     """``python script.py ARGS``: Lightning's launcher starts the other ranks."""
-    proc = subprocess.run([sys.executable, str(script), *args], env=clean_env(),
+    return subprocess.run([sys.executable, str(script), *args], env=clean_env(),
                           capture_output=True, text=True, timeout=timeout, check=False)  # fmt: skip
+
+
+def _fresh_interpreter(script: Path, args: tuple[str, ...], timeout: float) -> tuple[int, str]:
+    proc = _python(script, args, timeout)
     return proc.returncode, f"--- stdout ---\n{proc.stdout}\n--- stderr ---\n{proc.stderr}"
 
 
@@ -106,12 +113,22 @@ _SERVER: WarmRanks | None = None
 
 
 def _warm_ranks() -> WarmRanks:
-    """This test process's warm-rank server (started on first use, ended with the process)."""
+    """This test process's warm-rank server, started on first use; started again when it
+    died or when the environment changed (what a rank reads at import, it read then)."""
     global _SERVER
-    if _SERVER is None or not _SERVER.alive():
-        _SERVER = WarmRanks(REPO, clean_env())
-        atexit.register(_SERVER.close)
+    env = clean_env()
+    if _SERVER is not None and (not _SERVER.alive() or _SERVER.env != env):
+        _SERVER.close()
+        _SERVER = None
+    if _SERVER is None:
+        _SERVER = WarmRanks(REPO, env)
     return _SERVER
+
+
+@atexit.register
+def _close_server() -> None:
+    if _SERVER is not None:
+        _SERVER.close()
 
 
 def run_script_failing(
@@ -123,10 +140,7 @@ def run_script_failing(
     job that exits with 0 is an AssertionError. The call returns once every rank has
     closed its output, so what the ranks wrote before exiting is on disk.
     """
-    cmd = [sys.executable, str(SCRIPTS / script), "--out", str(out_dir), *args]
-    proc = subprocess.run(
-        cmd, env=clean_env(), capture_output=True, text=True, timeout=timeout, check=False
-    )
+    proc = _python(SCRIPTS / script, ("--out", str(out_dir), *args), timeout)
     if proc.returncode == 0:
         raise AssertionError(
             f"{script} was meant to fail and exited with 0\n--- stdout ---\n"

@@ -19,28 +19,29 @@ wait for the job's whole timeout).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import json
 import os
 import runpy
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
+from collections.abc import Iterable
 from pathlib import Path
 from typing import IO, Any
 
+from lightning.fabric.plugins.environments.lightning import find_free_network_port
+
 #: Seconds the other ranks get to finish after one rank failed.
 GRACE = 5.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+#: prctl's PR_SET_PDEATHSIG: the signal a process gets when its parent dies.
+_PR_SET_PDEATHSIG = 1
 
 
 def rank_env(env: dict[str, str], rank: int, world_size: int, port: int) -> dict[str, str]:
@@ -52,9 +53,10 @@ def rank_env(env: dict[str, str], rank: int, world_size: int, port: int) -> dict
 
 
 class WarmRanks:
-    """The client: one server per test process, started on first use, ended with it."""
+    """The client: a server started with ``env``, for jobs run with that environment."""
 
     def __init__(self, cwd: Path, env: dict[str, str]) -> None:
+        self.env = dict(env)
         self._server = subprocess.Popen(
             [sys.executable, "-m", "tests.helpers.warm_ranks"], cwd=cwd, env=env,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
@@ -68,18 +70,20 @@ class WarmRanks:
         timeout: float,
     ) -> tuple[int, str]:  # fmt: skip
         """Run the job; the exit code of the rank that failed first (0: every rank passed)
-        and the ranks' output, rank 0's first."""
+        and the ranks' output, rank 0's first.
+
+        Anything that interrupts the wait (a test's timeout, Ctrl-C) ends the server and
+        its ranks: a reply left unread would answer the next job.
+        """
         with tempfile.TemporaryDirectory(prefix="ranks-") as logs_dir:  # not in out_dir
             request = {"script": str(script), "args": args, "logs": logs_dir, "env": env,
                        "world_size": world_size, "timeout": timeout}  # fmt: skip
-            assert self._server.stdin is not None
-            assert self._server.stdout is not None
-            self._server.stdin.write(json.dumps(request) + "\n")
-            self._server.stdin.flush()
-            line = self._server.stdout.readline()
-            if not line:
-                raise RuntimeError(f"the warm-rank server ended (exit {self._server.poll()})")
-            reply = json.loads(line)
+            try:
+                reply = self._ask(request)
+            except BaseException:
+                self._server.kill()  # its ranks die with it (their parent-death signal)
+                self._server.wait()
+                raise
             logs = "".join(
                 f"--- rank {rank} ---\n"
                 + Path(logs_dir, f"rank{rank}.log").read_text(errors="replace")
@@ -91,6 +95,17 @@ class WarmRanks:
             return reply["codes"][reply["first_failed"]], logs
         return next((code for code in reply["codes"] if code != 0), 0), logs
 
+    def _ask(self, request: dict[str, Any]) -> dict[str, Any]:
+        assert self._server.stdin is not None
+        assert self._server.stdout is not None
+        self._server.stdin.write(json.dumps(request) + "\n")
+        self._server.stdin.flush()
+        line = self._server.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the warm-rank server ended (exit {self._server.wait(5)})")
+        reply: dict[str, Any] = json.loads(line)
+        return reply
+
     def close(self) -> None:
         if self._server.stdin is not None:
             self._server.stdin.close()
@@ -98,60 +113,75 @@ class WarmRanks:
             self._server.wait(timeout=10)
         except subprocess.TimeoutExpired:
             self._server.kill()
+            self._server.wait()
 
 
 # -- the server ----------------------------------------------------------------------------
 
 
-def _run_rank(script: str, args: list[str], env: dict[str, str], log: str) -> None:
-    """In a forked child: become the rank (output, environment, argv) and run the script."""
-    code = 1
-    try:
-        os.setpgid(0, 0)  # the rank and its loader workers: one group to stop
-        fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.environ.clear()
-        os.environ.update(env)
-        if "OMP_NUM_THREADS" in env:  # read at import, in the server: apply it here
-            import torch
+class _Rank(BaseException):
+    """Raised in a forked child: unwinds it out of the server's loop to run as a rank."""
 
-            torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
-        sys.argv = [script, *args]
-        sys.path[0] = os.path.dirname(script)  # as `python script.py` puts it
-        runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as stop:
-        code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        for stream in (sys.stdout, sys.stderr):
-            with contextlib.suppress(Exception):
-                stream.flush()
-        os._exit(code)
+    def __init__(self, script: str, args: list[str], env: dict[str, str], log: str) -> None:
+        super().__init__()
+        self.script, self.args, self.env, self.log = script, args, env, log
 
 
-def _stop(pids: dict[int, int]) -> None:
-    for pid in pids:
+def _become_rank(rank: _Rank, server: int) -> None:
+    """In a forked child: the rank's process group, output, environment and argv."""
+    os.setpgid(0, 0)  # the rank and its loader workers: one group to stop
+    ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != server:  # the server died before the line above
+        os._exit(1)
+    fd = os.open(rank.log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.dup2(null, 0)
+    os.close(fd)
+    os.close(null)
+    os.environ.clear()
+    os.environ.update(rank.env)
+    # What a fresh interpreter would have read or drawn for itself at start.
+    import numpy as np
+    import torch
+    from lightning.pytorch.utilities.rank_zero import rank_zero_only
+
+    np.random.seed()
+    rank_zero_only.rank = int(rank.env.get("LOCAL_RANK", "0"))
+    if "OMP_NUM_THREADS" in rank.env:  # read at import, in the server: apply it here
+        torch.set_num_threads(int(rank.env["OMP_NUM_THREADS"]))
+    sys.argv = [rank.script, *rank.args]
+    sys.path[0] = os.path.dirname(rank.script)  # as `python script.py` puts it
+
+
+def _stop(pids: Iterable[int]) -> None:
+    for pid in pids:  # each rank leads its own process group
         with contextlib.suppress(ProcessLookupError):
             os.killpg(pid, signal.SIGKILL)
 
 
 def _launch(request: dict[str, Any]) -> dict[str, Any]:
-    world_size, port = int(request["world_size"]), free_port()
-    pids: dict[int, int] = {}
-    for rank in range(world_size):
-        env = rank_env(request["env"], rank, world_size, port)
-        log = os.path.join(request["logs"], f"rank{rank}.log")
-        pid = os.fork()
-        if pid == 0:
-            _run_rank(request["script"], request["args"], env, log)
-        pids[pid] = rank
-    codes: dict[int, int] = {}
-    deadline, timed_out = time.monotonic() + float(request["timeout"]), False
+    """Fork the job's ranks (a child raises :class:`_Rank`), wait for them, stop leftovers."""
+    world_size, port = int(request["world_size"]), find_free_network_port()
+    server, pids = os.getpid(), {}
+    try:
+        for rank in range(world_size):
+            env = rank_env(request["env"], rank, world_size, port)
+            log = os.path.join(request["logs"], f"rank{rank}.log")
+            pid = os.fork()
+            if pid == 0:
+                raise _Rank(request["script"], request["args"], env, log) from None
+            pids[pid] = rank
+        return _wait(dict(pids), float(request["timeout"]))
+    finally:
+        if pids and os.getpid() == server:  # the server (a child leaves its siblings be)
+            _stop(pids)  # a rank's loader workers left behind, or ranks of a failed fork
+
+
+def _wait(pids: dict[int, int], timeout: float) -> dict[str, Any]:
+    world_size, codes = len(pids), {}
+    deadline, timed_out = time.monotonic() + timeout, False
     failed_at: float | None = None
     first_failed: int | None = None
     while len(codes) < world_size:
@@ -178,6 +208,7 @@ def _launch(request: dict[str, Any]) -> dict[str, Any]:
 def serve(requests: IO[str], replies: IO[str]) -> None:
     # What every rank would import first; imported once, here, before any fork.
     import lightning  # noqa: F401
+    import numpy  # noqa: F401
     import torch.distributed  # noqa: F401
 
     import lightning_speedkit  # noqa: F401
@@ -188,5 +219,46 @@ def serve(requests: IO[str], replies: IO[str]) -> None:
         replies.flush()
 
 
+def _main() -> int:
+    """The server, or, in a forked child, a rank: run as ``__main__``, ended as
+    ``python script.py`` ends (non-daemon threads joined, atexit handlers run, output
+    flushed) less the teardown of every module, about a second of the interpreter's own
+    work per rank here."""
+    server = os.getpid()
+    # Replies go to a descriptor of their own; anything printed goes to stderr, so a
+    # library that prints on import cannot corrupt the protocol.
+    replies = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    try:
+        serve(sys.stdin, replies)
+        return 0
+    except _Rank as raised:
+        rank = raised
+    replies.close()  # the server's end of the protocol: not a rank's
+    _become_rank(rank, server)
+    code = _run_script(rank.script)
+    threading._shutdown()  # type: ignore[attr-defined]  # what Py_FinalizeEx does first,
+    atexit._run_exitfuncs()  # then this
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def _run_script(script: str) -> int:
+    """The script as ``__main__``; its exit code as the interpreter would give it."""
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)  # sys.exit("message"): said, and exit 1
+        return 1
+    except BaseException:
+        traceback.print_exc()
+        return 1
+    return 0
+
+
 if __name__ == "__main__":
-    serve(sys.stdin, sys.stdout)
+    sys.exit(_main())
