@@ -137,9 +137,10 @@ def real_tokens(batch: Any, tensors: list[torch.Tensor]) -> int | torch.Tensor |
         5
     """
     ids = _ids(tensors)
-    if isinstance(batch, Mapping):
-        documents, cu = _packing_field(batch, "document_ids"), _packing_field(batch, "cu_seqlens")
-        mask = batch.get("attention_mask")
+    fields = _tensor_walk.named_fields(batch)  # a dict, a namedtuple, a dataclass
+    if fields is not None:
+        documents, cu = _packing_field(fields, "document_ids"), _packing_field(fields, "cu_seqlens")
+        mask = fields.get("attention_mask")
         if isinstance(documents, torch.Tensor) and documents.ndim in (1, 2):
             return (documents >= 0).sum()
         if isinstance(cu, torch.Tensor) and cu.ndim == 1 and cu.numel():
@@ -216,11 +217,12 @@ class BatchReader:
         """Samples of one loader's batch: a packed batch's documents (its ``cu_seqlens``
         has one entry more; else :func:`_counted_documents`), else the first dimension of its
         first tensor."""
-        if isinstance(batch, Mapping):
-            cu = _packing_field(batch, "cu_seqlens")
+        fields = _tensor_walk.named_fields(batch)  # a dict, a namedtuple, a dataclass
+        if fields is not None:
+            cu = _packing_field(fields, "cu_seqlens")
             if cu is not None and cu.ndim == 1 and cu.numel():
                 return int(cu.shape[0]) - 1
-            documents = _counted_documents(batch, _ids(tensors))
+            documents = _counted_documents(fields, _ids(tensors))
             if documents is not None:
                 return documents
         if tensors and tensors[0].ndim:

@@ -32,3 +32,25 @@ def tensors(value: Any) -> Iterator[torch.Tensor]:
     elif dataclasses.is_dataclass(value) and not isinstance(value, type):
         for each in dataclasses.fields(value):
             yield from tensors(getattr(value, each.name, None))
+
+
+def named_fields(value: Any) -> Mapping[Any, Any] | None:
+    """A batch's fields by name: a mapping itself, a namedtuple's or a dataclass
+    instance's fields; None for anything else (a plain list or tuple, a tensor).
+
+    Example::
+
+        >>> from collections import namedtuple
+        >>> Batch = namedtuple("Batch", "input_ids attention_mask")
+        >>> list(named_fields(Batch(1, 2)))
+        ['input_ids', 'attention_mask']
+        >>> named_fields([1, 2]) is None
+        True
+    """
+    if isinstance(value, Mapping):
+        return value
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return dict(zip(value._fields, value, strict=True))
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {each.name: getattr(value, each.name, None) for each in dataclasses.fields(value)}
+    return None

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import warnings
 
 import pytest
@@ -45,3 +47,37 @@ def test_a_batch_without_tensors_counts_one_sample_and_says_so_once() -> None:
 def test_a_users_function_must_return_a_finite_number(value: object) -> None:
     with pytest.raises(SpeedkitConfigError, match="`tokens_per_batch`"):
         number(value, "tokens_per_batch")
+
+
+@dataclasses.dataclass
+class _Padded:
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor
+
+
+_Named = collections.namedtuple("_Named", "input_ids attention_mask")
+
+
+@pytest.mark.parametrize(
+    "container", [dict, _Padded, _Named], ids=["dict", "dataclass", "namedtuple"]
+)
+def test_padding_is_read_from_a_batch_of_any_kind_with_fields(container: type) -> None:
+    """A dataclass or namedtuple batch's ``attention_mask`` was not read: its padding
+    counted as tokens (tokens_per_sec 16/6 = 2.7x too high here)."""
+    ids = torch.ones(4, 16, dtype=torch.long)
+    mask = torch.zeros(4, 16, dtype=torch.long)
+    mask[:, :6] = 1
+    batch = container(input_ids=ids, attention_mask=mask)
+    info = BatchReader().read(batch, [batch])
+    assert (info.samples, info.tokens, int(info.throughput_tokens)) == (4, 64, 24)
+
+
+def test_a_packed_dataclass_batch_counts_its_documents() -> None:
+    @dataclasses.dataclass
+    class Packed:
+        input_ids: torch.Tensor
+        cu_seqlens: torch.Tensor
+
+    batch = Packed(torch.ones(1, 8, dtype=torch.long), torch.tensor([0, 3, 5, 8]))
+    info = BatchReader().read(batch, [batch])
+    assert (info.samples, info.tokens, int(info.throughput_tokens)) == (3, 8, 8)
