@@ -98,6 +98,12 @@ class CachedModule:
         self.module.forward = self.forward
         self.module._speedkit_frozen = self  # type: ignore[assignment]
 
+    def recheck_weights(self) -> None:
+        """Fingerprint the weights again at the next call: a write through ``p.data``
+        (an EMA teacher's update, as DINO and MoCo write it) changes no version counter
+        the cheap stamp reads."""
+        self._stamp = None
+
     def detach(self) -> None:
         vars(self.module).pop("forward", None)
         vars(self.module).pop("_speedkit_frozen", None)
@@ -323,9 +329,11 @@ class CachedModule:
                     "on its first reuse, recomputed features differ from the stored ones "
                     f"(largest difference {(again.float() - stored.float()).abs().max():.3g}): "
                     "most likely a random augmentation of its input (random crops, flips, color "
-                    "jitter), randomness inside it, or a collate_fn that reorders the samples "
-                    "(the rows must follow the sampler's order). Augment before caching only "
-                    "with a fixed per-sample transform, or remove FrozenFeatureCache",
+                    "jitter), randomness inside it, its weights written through `p.data` in "
+                    "this epoch (an EMA teacher: cache it only if it changes between epochs), "
+                    "or a collate_fn that reorders the samples (the rows must follow the "
+                    "sampler's order). Augment before caching only with a fixed per-sample "
+                    "transform, or remove FrozenFeatureCache",
                     wrong=True,
                 )
                 return False

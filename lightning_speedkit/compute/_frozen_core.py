@@ -173,6 +173,13 @@ class FrozenFeatures:
                 cached.drops += 1
         self._scope.data = data
 
+    def recheck_weights(self) -> None:
+        """Fingerprint every cached module's weights again at its next call (the callback
+        does it as each epoch starts). Call it after writing their weights through
+        ``p.data``, which the per-call check cannot see; other writes it sees."""
+        for cached in self.cached.values():
+            cached.recheck_weights()
+
     def flush(self) -> None:
         """Write the features the disk store holds in its buffer (none without ``directory``)."""
         if self.store.disk is not None:

@@ -141,6 +141,10 @@ class FrozenFeatureCache(L.Callback):
             self.cache.use_loader(wrapper.plan, read)
         return loader
 
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.cache is not None:  # weights written through `p.data` since: seen from here
+            self.cache.recheck_weights()
+
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
