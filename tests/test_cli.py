@@ -345,6 +345,10 @@ BAD_INPUT = [
     ("plan --params 1e9", ["--gpus", "required"]),
     ("plan --params 1e9 --gpus 2 --seq 4096", ["`--batch`", "`--hidden`", "`--layers`"]),
     ("plan --params 1e9 --gpus 2 --heads 8", ["--heads", "--hidden"]),
+    (
+        "plan --params 1e9 --gpus 2 --batch 1 --seq 128 --hidden 2048 --layers 2 --heads 7",
+        ["`--heads`", "must divide `--hidden 2048`", "got 7"],
+    ),
     ("plan --model speedkit_examples.vlm --gpus 2", ["--model", "MODULE:FACTORY"]),
     (
         "plan --model not_a_module_xyz:build --gpus 2",

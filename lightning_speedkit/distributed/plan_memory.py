@@ -305,6 +305,9 @@ def plan_memory(
     activations = checkpointed = None
     if shape is not None:
         batch, seq, hidden, layers = shape
+        if n_heads is not None and hidden % n_heads:
+            fix = f"each head is hidden_size / n_heads wide: give a divisor of {hidden}"
+            _validation.fail("n_heads", n_heads, f"must divide `hidden_size={hidden}`", fix)
         heads = n_heads or max(1, hidden // 64)
         shape_args = (batch, seq, hidden, layers, heads)
         act_bytes = 4 if precision == "fp32" else 2

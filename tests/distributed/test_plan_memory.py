@@ -297,3 +297,8 @@ def test_count_parameters_on_the_meta_device() -> None:
                        ("speedkit_examples.vlm:nothing", "no callable")]:  # fmt: skip
         with pytest.raises(SpeedkitConfigError, match=match):
             count_parameters(bad)
+
+
+def test_heads_that_do_not_divide_the_hidden_size_are_refused() -> None:
+    with pytest.raises(SpeedkitConfigError, match=r"`n_heads` must divide `hidden_size=2048`"):
+        plan_memory(1e9, 2, batch_size=1, seq_len=128, hidden_size=2048, n_layers=2, n_heads=7)
