@@ -333,11 +333,14 @@ def _restart_run_on(
     offset = ids[:, :1]
     counts_on = ids == offset + arange
     lead = counts_on.int().cumprod(dim=1).sum(dim=1)
-    from_zero = _from_zero(ids, positions).to(lead.dtype).expand_as(lead)
+    read = [lead, offset[:, 0].to(lead.dtype)]
+    pad = padding_idx if padding_idx is not None and padding_idx < documents.length else None
+    if pad is not None:  # a RoBERTa-style table: were its positions counted from 0? (same read)
+        read.append(_from_zero(ids, positions).to(lead.dtype).expand_as(lead))
     # SYNC: one read per packed row-shaped embedding input (a token table's too: rejected here)
-    leads, offsets, zero = torch.stack([lead, offset[:, 0].to(lead.dtype), from_zero]).tolist()
-    if padding_idx is not None and padding_idx < documents.length and zero[0]:
-        _name_positions_from_zero(padding_idx)
+    leads, offsets, *zero = torch.stack(read).tolist()
+    if pad is not None and zero[0][0]:
+        _name_positions_from_zero(pad)
     if len(set(offsets)) != 1:
         return None
     for n, spans in zip(leads, documents.spans, strict=True):

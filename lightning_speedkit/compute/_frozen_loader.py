@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit.compute._frozen_skip import SkipPlan
 from lightning_speedkit.data.rebuild import _batching
+from lightning_speedkit.measure._tensor_walk import named_fields
 
 __all__ = [
     "INDEX_FIELD",
@@ -251,15 +252,15 @@ def batch_rows(batch: Any, key: str) -> tuple[list[Hashable], list[int]]:
             f"index as its last item, a dict batch as {INDEX_FIELD!r}), or pass "
             f"`key='<field>'`, a batch field that identifies each sample",
         )
-    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # a namedtuple's fields
-        batch = batch._asdict()  # type: ignore[attr-defined]
-    if not isinstance(batch, Mapping):
+    named = named_fields(batch)  # a dict, a namedtuple, a dataclass
+    if named is None:
         _validation.fail(
             "key",
             key,
             f"names a batch field, but the batch is a {type(batch).__name__} without fields",
             "return a dict from the collate_fn, or pass `key='index'`",
         )
+    batch = named
     if key not in batch:
         fields = ", ".join(repr(f) for f in batch)
         _validation.fail(

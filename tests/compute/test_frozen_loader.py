@@ -127,3 +127,23 @@ def test_a_field_key_reads_the_field_and_a_missing_one_names_the_fields() -> Non
         batch_keys({"x": torch.zeros(2)}, "id")
     with pytest.raises(SpeedkitConfigError, match=r"carries no dataset index"):
         batch_keys({"x": torch.zeros(2)}, "index")
+
+
+def test_a_key_field_is_read_from_a_dataclass_or_namedtuple_batch_too() -> None:
+    """``key='<field>'``: any batch with named fields, as SpeedMonitor reads them."""
+    import collections
+    import dataclasses
+
+    from lightning_speedkit.compute._frozen_loader import batch_rows
+
+    @dataclasses.dataclass
+    class Batch:
+        x: torch.Tensor
+        uid: torch.Tensor
+
+    Named = collections.namedtuple("Named", "x uid")
+    ids = torch.tensor([4, 9])
+    assert batch_rows(Batch(torch.zeros(2), ids), "uid") == ([4, 9], [])
+    assert batch_rows(Named(torch.zeros(2), ids), "uid") == ([4, 9], [])
+    with pytest.raises(SpeedkitConfigError, match="a list without fields"):
+        batch_rows([torch.zeros(2), ids], "uid")
