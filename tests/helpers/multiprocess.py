@@ -71,7 +71,7 @@ def run_script(
     script that launches its ranks itself (``--launcher``) and CUDA runs are always fresh.
     """
     args = ("--out", str(out_dir), *args)
-    on_gpu = any("cuda" in arg or "gpu" in arg for arg in args)
+    on_gpu = any(arg.rpartition("=")[2] in ("cuda", "gpu") for arg in args)  # not a path's
     warm = not (fresh or on_gpu or "--launcher" in args
                 or os.environ.get("SPEEDKIT_TEST_FRESH_RANKS") == "1")  # fmt: skip
     for attempt in range(2):
