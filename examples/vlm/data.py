@@ -127,9 +127,10 @@ class CaptionShardDataset(Dataset[Batch | None]):
         return state
 
     def __del__(self) -> None:
-        for fd in self._files.values():
+        files = vars(self).get("_files", {})  # none when __init__ raised (a bad shard)
+        for fd in files.values():
             os.close(fd)
-        self._files.clear()
+        files.clear()
 
     def _read(self, shard: int, span: tuple[int, int]) -> bytes:
         fd = self._files.get(shard)

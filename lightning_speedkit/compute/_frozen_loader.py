@@ -3,11 +3,12 @@
 ``key="index"``: the train loader is built again around the same sampler (or batch
 sampler), with its dataset wrapped so that each sample comes with its index, and its
 collate_fn wrapped so that the batch carries them: a dict batch gets the field
-``"speedkit_index"``, a list or tuple batch one more item at its end (a tuple batch
-becomes a list). Whatever chooses the indices (a shuffle, a DistributedSampler,
-bucketing) chooses them as before. :func:`batch_keys` takes the field out again before
-the model sees the batch. A sample the user's collate_fn drops (``None`` for an
-undecodable one) takes its index with it.
+``"speedkit_index"``, a list or tuple batch one more item at its end. Whatever chooses
+the indices (a shuffle, a DistributedSampler, bucketing) chooses them as before.
+:class:`IndexTaker` takes them out again where the fit loop first touches the batch,
+before the user's batch hooks, which see the batch as their collate_fn made it (a tuple
+a tuple again). A sample the user's collate_fn drops (``None`` for an undecodable one)
+takes its index with it.
 
 ``key="<field>"``: the batch's own field (a tensor or list with one id per sample).
 """
@@ -31,6 +32,7 @@ from lightning_speedkit.measure._tensor_walk import named_fields
 
 __all__ = [
     "INDEX_FIELD",
+    "IndexTaker",
     "IndexedCollate",
     "IndexedDataset",
     "SampleIndex",
@@ -49,11 +51,14 @@ class SampleIndex:
     stand-ins (:mod:`._frozen_skip`): a plain object, so that moving the batch to a device,
     pinning it or measuring its size leaves it alone."""
 
-    __slots__ = ("indices", "stand_ins")
+    __slots__ = ("indices", "stand_ins", "tuple_batch")
 
-    def __init__(self, indices: list[Hashable], stand_ins: list[int] | None = None) -> None:
+    def __init__(
+        self, indices: list[Hashable], stand_ins: list[int] | None = None, tuple_batch: bool = False
+    ) -> None:
         self.indices = indices
         self.stand_ins = stand_ins or []
+        self.tuple_batch = tuple_batch  # the collate_fn's batch was a tuple: give one back
 
     def __repr__(self) -> str:
         return f"SampleIndex({self.indices}, stand_ins={self.stand_ins})"
@@ -154,7 +159,7 @@ class IndexedCollate:
         batch = self.collate_fn([t[1] for t in triples])
         kept = [t for t in triples if t[1] is not None]  # what the user's collate keeps
         stand_ins = [row for row, t in enumerate(kept) if len(t) > 2 and t[2]]
-        index = SampleIndex([t[0] for t in kept], stand_ins)
+        index = SampleIndex([t[0] for t in kept], stand_ins, tuple_batch=isinstance(batch, tuple))
         if isinstance(batch, MutableMapping):
             batch[INDEX_FIELD] = index
             return batch
@@ -216,14 +221,82 @@ def with_sample_index(loader: DataLoader[Any], plan: SkipPlan | None = None) -> 
     return DataLoader(**kwargs)
 
 
+class IndexTaker:
+    """Takes the dataset index out of each training batch where the fit loop first
+    touches it: the precision plugin's ``convert_input``, which Lightning's training loop
+    calls before ``on_before_batch_transfer``. So the user's batch hooks and
+    ``training_step`` get the batch their collate_fn made (``x, y = batch`` works, a tuple
+    is a tuple), and :meth:`take` gives the step's index to the cache.
+
+    Example::
+
+        >>> class Plugin:
+        ...     def convert_input(self, batch):
+        ...         return batch
+        >>> plugin, taker = Plugin(), IndexTaker()
+        >>> taker.attach(plugin)
+        >>> plugin.convert_input([torch.zeros(2), SampleIndex([7, 3], tuple_batch=True)])
+        (tensor([0., 0.]),)
+        >>> taker.take().indices, taker.take()
+        ([7, 3], None)
+        >>> taker.detach(); "convert_input" in vars(plugin)
+        False
+    """
+
+    def __init__(self) -> None:
+        self.taken: SampleIndex | None = None
+        self._plugin: Any = None
+        self._mine: Callable[[Any], Any] | None = None
+
+    def attach(self, plugin: Any) -> None:
+        self.detach()
+        original = plugin.convert_input
+
+        def convert_input(batch: Any) -> Any:
+            batch, index = take_index(batch)
+            if index is not None:
+                self.taken = index
+            return original(batch)
+
+        plugin.convert_input = convert_input  # on the instance: its class stays as it is
+        self._plugin, self._mine = plugin, convert_input
+
+    def detach(self) -> None:
+        plugin, self._plugin = self._plugin, None
+        if plugin is not None and vars(plugin).get("convert_input") is self._mine:
+            del plugin.convert_input
+        self.taken = None
+
+    def take(self) -> SampleIndex | None:
+        """The index of the batch the loop took last, once."""
+        index, self.taken = self.taken, None
+        return index
+
+
+def take_index(batch: Any) -> tuple[Any, SampleIndex | None]:
+    """``batch`` without the index :class:`IndexedCollate` put in it, and that index (None
+    when it carries none)."""
+    if isinstance(batch, Mapping) and isinstance(batch.get(INDEX_FIELD), SampleIndex):
+        if isinstance(batch, MutableMapping):
+            return batch, batch.pop(INDEX_FIELD)
+        return {k: v for k, v in batch.items() if k != INDEX_FIELD}, batch[INDEX_FIELD]
+    if isinstance(batch, list) and batch and isinstance(batch[-1], SampleIndex):
+        index = batch.pop()
+        return (tuple(batch) if index.tuple_batch else batch), index
+    return batch, None
+
+
 def batch_keys(batch: Any, key: str) -> list[Hashable]:
     """The samples ``batch`` holds, by ``key`` (see :func:`batch_rows`)."""
     return batch_rows(batch, key)[0]
 
 
-def batch_rows(batch: Any, key: str) -> tuple[list[Hashable], list[int]]:
+def batch_rows(
+    batch: Any, key: str, taken: SampleIndex | None = None
+) -> tuple[list[Hashable], list[int]]:
     """The samples ``batch`` holds, by ``key``, and its rows whose cached inputs are
-    stand-ins; the index field taken out of the batch.
+    stand-ins. With ``key="index"``: ``taken`` (the :class:`IndexTaker`'s) or the index
+    field, taken out of the batch.
 
     Example::
 
@@ -234,11 +307,7 @@ def batch_rows(batch: Any, key: str) -> tuple[list[Hashable], list[int]]:
         ([5, 6], [])
     """
     if key == "index":
-        index = None
-        if isinstance(batch, Mapping) and isinstance(batch.get(INDEX_FIELD), SampleIndex):
-            index = batch.pop(INDEX_FIELD)  # type: ignore[attr-defined]
-        elif isinstance(batch, list) and batch and isinstance(batch[-1], SampleIndex):
-            index = batch.pop()
+        index = taken if taken is not None else take_index(batch)[1]
         if index is not None:
             return list(index.indices), list(index.stand_ins)
         _validation.fail(
@@ -246,11 +315,8 @@ def batch_rows(batch: Any, key: str) -> tuple[list[Hashable], list[int]]:
             key,
             "needs the train loader the cache rebuilt, but this batch "
             "carries no dataset index (a loader the cache did not see, a "
-            "collate step that drops fields, or a batch hook such as "
-            "`on_after_batch_transfer` that returns a new batch)",
-            f"return the batch you were given from such a hook (a list batch carries the "
-            f"index as its last item, a dict batch as {INDEX_FIELD!r}), or pass "
-            f"`key='<field>'`, a batch field that identifies each sample",
+            "collate step that drops fields, or `training_step(dataloader_iter)`)",
+            "pass `key='<field>'`, a batch field that identifies each sample",
         )
     named = named_fields(batch)  # a dict, a namedtuple, a dataclass
     if named is None:

@@ -23,6 +23,7 @@ from lightning_speedkit.compute._frozen_disk import check_directory
 from lightning_speedkit.compute._frozen_lease import PruneReport, prune_frozen_features
 from lightning_speedkit.compute._frozen_loader import (
     IndexedDataset,
+    IndexTaker,
     batch_rows,
     with_sample_index,
 )
@@ -52,9 +53,10 @@ class FrozenFeatureCache(L.Callback):
             that requires grad, or with dropout or BatchNorm in train mode.
         key: what identifies a sample across epochs. ``"index"`` (default): its index in
             the train dataset, carried by the train loader, which the callback builds again
-            around the same sampler (any sampler, DistributedSampler, bucketing); the model
-            never sees the extra field. Or the name of a batch field with one id per sample
-            (a list, or a tensor: on an accelerator that tensor is read to the host, a sync).
+            around the same sampler (any sampler, DistributedSampler, bucketing); neither
+            the batch hooks nor the model see the index. Or the name of a batch field with
+            one id per sample (a list, or a tensor: on an accelerator that tensor is read to
+            the host, a sync).
         budget: host memory the store may use: bytes, or a share of the free memory
             (``"50%"``). Past it nothing more is kept in memory: those samples run every
             time, or with a ``directory`` are served from disk.
@@ -100,6 +102,7 @@ class FrozenFeatureCache(L.Callback):
         self.verify = _validation.boolean("verify", verify)
         self.cache: FrozenFeatures | None = None
         self._state: dict[str, Any] = {}
+        self._taker = IndexTaker()
 
     #: Remove a ``directory``'s features nobody uses (:func:`prune_frozen_features`):
     #: ``FrozenFeatureCache.prune(directory, older_than=..., max_bytes=...)``, no Trainer.
@@ -124,6 +127,7 @@ class FrozenFeatureCache(L.Callback):
             self.cache.attach()
         if self.key == "index":
             _compat.change_train_loader(trainer, OWNER, partial(self._carry_index, trainer))
+            self._taker.attach(trainer.precision_plugin)  # the index out before batch hooks
 
     def _carry_index(self, trainer: L.Trainer, loader: Any) -> Any:
         """The train loader again, carrying each sample's index; with a dataset that builds
@@ -149,7 +153,7 @@ class FrozenFeatureCache(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.cache is not None:
-            keys, stand_ins = batch_rows(batch, self.key)
+            keys, stand_ins = batch_rows(batch, self.key, self._taker.take())
             self.cache.start_step(keys, batch, stand_ins)
 
     def on_train_batch_end(
@@ -172,6 +176,7 @@ class FrozenFeatureCache(L.Callback):
         self.cache.end_step()
         self.cache.remove()  # the model runs as it is outside fit; the store is kept
         _compat.drop_train_loader_change(trainer, OWNER)
+        self._taker.detach()
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
