@@ -30,7 +30,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_speedkit import _surgery
-from lightning_speedkit.attention._packed_fields import (
+from lightning_speedkit.data._packed_fields import (
     HF_NAMES,
     ROW_FIELDS,
     cu_seqlens_values,
@@ -184,7 +184,7 @@ def packed(batch: Any, *, check: bool) -> Iterator[Documents | None]:
 def documents_of(batch: Any) -> Documents | None:
     """A batch's documents, from its ``document_ids`` and/or ``cu_seqlens`` (or
     transformers' ``seq_idx`` and ``cu_seq_lens_q``); None if unpacked. Lists and arrays of
-    integers are read as tensors (:mod:`._packed_fields`), never skipped.
+    integers are read as tensors (:mod:`lightning_speedkit.data._packed_fields`), never skipped.
 
     This reads the boundaries on the host: on a GPU, one device-to-host copy per batch.
     """

@@ -14,7 +14,9 @@ shape of its ``cu_seqlens``, for free; a packed batch without one (transformers'
 document) is counted from its values, one device read per step (pass
 ``return_flash_attn_kwargs=True`` to that collator to avoid it). A step of several train
 loaders (Lightning's CombinedLoader) trains one batch of each: its samples and tokens are
-summed over them.
+summed over them. The packing fields are read as AttentionSwap reads them
+(:mod:`lightning_speedkit.data._packed_fields`): lists and NumPy arrays too, and a
+``(1, n)`` ``cu_seqlens`` (one row packed ahead of time, stacked by a ``DataLoader``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_speedkit.attention._documents import _HF_NAMES
+from lightning_speedkit.data._packed_fields import one_row_offsets, packing_field
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure import _tensor_walk
 
@@ -82,20 +84,21 @@ def _ids(tensors: list[torch.Tensor]) -> torch.Tensor | None:
     return max(ids, key=lambda t: t.numel(), default=None)
 
 
-def _packing_field(batch: Mapping[Any, Any], name: str) -> torch.Tensor | None:
-    """A packed batch's ``document_ids`` or ``cu_seqlens``, under our name or transformers'."""
-    for key in (name, _HF_NAMES[name]):
-        value = batch.get(key)
-        if isinstance(value, torch.Tensor):
-            return value
-    return None
+def _offsets(batch: Mapping[Any, Any]) -> torch.Tensor | None:
+    """A packed batch's ``cu_seqlens`` as 1-D offsets (a ``(1, n)`` stack of one row's is
+    its ``n``), as AttentionSwap reads them; None when absent or of another shape."""
+    cu = packing_field(batch, "cu_seqlens")
+    if cu is None:
+        return None
+    cu = one_row_offsets(cu)
+    return cu if cu.ndim == 1 and cu.numel() else None
 
 
 def _counted_documents(batch: Mapping[Any, Any], ids: torch.Tensor | None) -> int | None:
     """A packed batch's documents counted from its values (no ``cu_seqlens`` to count them
     from its shape): where ``document_ids`` start a document (-1 is padding), else where the
     ``position_ids`` of one flattened row restart; None when neither says."""
-    documents = _packing_field(batch, "document_ids")
+    documents = packing_field(batch, "document_ids")
     if documents is not None and documents.ndim in (1, 2) and documents.numel():
         rows = documents.reshape(-1, documents.shape[-1])
         starts = (rows[:, 1:] != rows[:, :-1]) & (rows[:, 1:] >= 0)
@@ -139,11 +142,11 @@ def real_tokens(batch: Any, tensors: list[torch.Tensor]) -> int | torch.Tensor |
     ids = _ids(tensors)
     fields = _tensor_walk.named_fields(batch)  # a dict, a namedtuple, a dataclass
     if fields is not None:
-        documents, cu = _packing_field(fields, "document_ids"), _packing_field(fields, "cu_seqlens")
+        documents, cu = packing_field(fields, "document_ids"), _offsets(fields)
         mask = fields.get("attention_mask")
-        if isinstance(documents, torch.Tensor) and documents.ndim in (1, 2):
+        if documents is not None and documents.ndim in (1, 2):
             return (documents >= 0).sum()
-        if isinstance(cu, torch.Tensor) and cu.ndim == 1 and cu.numel():
+        if cu is not None:
             return cu[-1] - cu[0]
         if isinstance(mask, torch.Tensor) and ids is not None and mask.shape == ids.shape:
             return (mask != 0).sum()
@@ -219,8 +222,8 @@ class BatchReader:
         first tensor."""
         fields = _tensor_walk.named_fields(batch)  # a dict, a namedtuple, a dataclass
         if fields is not None:
-            cu = _packing_field(fields, "cu_seqlens")
-            if cu is not None and cu.ndim == 1 and cu.numel():
+            cu = _offsets(fields)
+            if cu is not None:
                 return int(cu.shape[0]) - 1
             documents = _counted_documents(fields, _ids(tensors))
             if documents is not None:

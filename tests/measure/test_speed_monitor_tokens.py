@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
 
-from lightning_speedkit import AttentionSwap, SpeedMonitor
+from lightning_speedkit import AttentionSwap, SpeedkitConfigError, SpeedMonitor
 from lightning_speedkit.data import PackingCollate
 from lightning_speedkit.measure import _clock
 from lightning_speedkit.measure._batch_info import BatchReader, real_tokens
@@ -76,6 +76,48 @@ def test_hugging_faces_names_count_the_documents_and_their_tokens() -> None:
         assert int(info.real_tokens) == 27, fields
     only_ids = {**batch, "document_ids": ours["document_ids"]}  # ours, without cu_seqlens
     assert BatchReader().read(only_ids, [only_ids]).samples == 6
+
+
+def _spelled(value: Tensor, spelling: str) -> Any:
+    return {"list": value.tolist(), "numpy": value.numpy(), "(1, n)": value[None]}[spelling]
+
+
+@pytest.mark.parametrize("spelling", ["list", "numpy"])
+@pytest.mark.parametrize("name", ["document_ids", "seq_idx"])
+def test_document_ids_of_any_spelling_count_as_the_tensors_do(name: str, spelling: str) -> None:
+    """A collate of one's own (or transformers' with ``return_tensors="np"``) gives the
+    ids as a list or an array: AttentionSwap keeps those documents apart, and SpeedMonitor
+    counted every row as a sample and the padding as tokens (3 and 36, not 6 and 27)."""
+    ours = _packed()
+    batch = {k: v for k, v in ours.items() if k not in ("cu_seqlens", "document_ids")}
+    tensor = {**batch, name: ours["document_ids"]}
+    spelled = {**batch, name: _spelled(ours["document_ids"], spelling)}
+    counts = []
+    for each in (tensor, spelled):
+        info = BatchReader().read(each, [each])
+        counts.append((info.samples, info.tokens, int(info.real_tokens)))
+    assert counts == [(6, 36, 27)] * 2
+
+
+@pytest.mark.parametrize("spelling", ["list", "numpy", "(1, n)"])
+@pytest.mark.parametrize("name", ["cu_seqlens", "cu_seq_lens_q"])
+def test_cu_seqlens_of_any_spelling_count_as_the_tensor_does(name: str, spelling: str) -> None:
+    """One row packed ahead of time, which a ``DataLoader`` stacks into ``(1, n)``
+    ``cu_seqlens``; or offsets a collate of one's own left as a list or an array."""
+    lengths = (5, 3, 7)
+    row = {"input_ids": torch.ones(1, sum(lengths), dtype=torch.long)}
+    offsets = torch.tensor([0, 5, 8, 15], dtype=torch.int32)
+    counts = []
+    for each in ({**row, name: offsets}, {**row, name: _spelled(offsets, spelling)}):
+        info = BatchReader().read(each, [each])
+        counts.append((info.samples, info.tokens, int(info.real_tokens)))
+    assert counts == [(3, 15, 15)] * 2
+
+
+def test_packing_fields_that_hold_no_integers_are_refused_as_attentionswap_does() -> None:
+    batch = {"input_ids": torch.ones(1, 4, dtype=torch.long), "document_ids": [[0.0, 0.5, 1, 1]]}
+    with pytest.raises(SpeedkitConfigError, match="`document_ids` must hold integers"):
+        BatchReader().read(batch, [batch])
 
 
 def test_a_flattened_row_counts_a_document_where_its_positions_restart() -> None:

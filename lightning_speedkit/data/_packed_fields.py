@@ -4,7 +4,9 @@ A collate of one's own, or transformers' ``DataCollatorWithFlattening(return_ten
 gives ``cu_seqlens`` and ``document_ids`` as lists or NumPy arrays; a ``DataLoader`` over
 rows packed ahead of time stacks each row's ``cu_seqlens`` into ``(1, n)``. Read as
 tensors here, they keep documents apart as PackingCollate's do: skipped, they would leave
-every token attending across the documents of its row, silently.
+every token attending across the documents of its row, silently. Both readers of a packed
+batch read its fields here, AttentionSwap (the documents it keeps apart) and SpeedMonitor
+(the documents and real tokens it counts), so the two never disagree on what a batch holds.
 """
 
 from __future__ import annotations
@@ -18,7 +20,14 @@ from torch import Tensor
 
 from lightning_speedkit.errors import SpeedkitConfigError
 
-__all__ = ["HF_NAMES", "ROW_FIELDS", "cu_seqlens_values", "packing_field", "row_shaped"]
+__all__ = [
+    "HF_NAMES",
+    "ROW_FIELDS",
+    "cu_seqlens_values",
+    "one_row_offsets",
+    "packing_field",
+    "row_shaped",
+]
 
 #: The fields as transformers' ``DataCollatorWithFlattening`` names them
 #: (``return_flash_attn_kwargs=True``, ``return_seq_idx=True``), read when ours are absent.
@@ -63,11 +72,17 @@ def row_shaped(ids: Tensor, batch: Mapping[Any, Any]) -> Tensor:
     return ids.unsqueeze(0)
 
 
+def one_row_offsets(cu: Tensor) -> Tensor:
+    """``cu_seqlens`` as the 1-D offsets it holds: a ``(1, n)`` stack of one row's (a
+    ``DataLoader``'s batch of one row packed ahead of time) is taken as its ``n``; any
+    other shape is returned as it is. A view: nothing is read."""
+    return cu[0] if cu.ndim == 2 and cu.shape[0] == 1 else cu
+
+
 def cu_seqlens_values(cu: Tensor) -> list[int]:
     """``cu_seqlens`` as a list of offsets, checked: 1-D (a ``(1, n)`` stack of one row's
     is taken as its ``n``), starting at 0, never decreasing."""
-    if cu.ndim == 2 and cu.shape[0] == 1:
-        cu = cu[0]  # a DataLoader's batch of one row packed ahead of time
+    cu = one_row_offsets(cu)
     if cu.ndim != 1:
         raise SpeedkitConfigError(
             f"`cu_seqlens` must be 1-D, the offsets over the batch's rows flattened "
