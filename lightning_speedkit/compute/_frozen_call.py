@@ -6,6 +6,11 @@ call while the owner's keys are set: the samples stored under the module's weigh
 fingerprint are served from the store and do not run; the others (the misses) are
 gathered, run once, stored, and scattered back into the batch's order. A batch with no
 stored sample runs as it came, so the first epoch is the plain run's, bit for bit.
+
+A module called more than once in a step (two images per sample, a view computed in the
+model) keeps one :class:`Slot` of features per kind of call: a call on a batch field is
+known by the field, any other by its place among such calls in the step. Each slot is
+checked on its first reuse, as a module called once is.
 """
 
 from __future__ import annotations
@@ -30,7 +35,11 @@ from lightning_speedkit.compute._frozen_modules import (
 from lightning_speedkit.compute._frozen_store import FeatureStore
 from lightning_speedkit.measure.flops import model_flops_so_far
 
-__all__ = ["CachedModule", "Scope", "same_tensor"]
+__all__ = ["CachedModule", "Scope", "Slot", "same_tensor"]
+
+#: What a module's output is rebuilt from: its tree spec, the slots of its tensors among
+#: the leaves, the leaf count, and each tensor's dtype and device.
+Layout = tuple[Any, list[int], int, list[torch.dtype], list[torch.device]]
 
 
 @dataclass
@@ -73,25 +82,64 @@ class ModuleCounts:
     stood_down: str | None = None
 
 
+@dataclass
+class Slot:
+    """One kind of call of a module within a step, and the features stored for it.
+
+    ``source``: the batch field the call's input is (as the batch has it), or None for an
+    input computed in the model, then told apart by its place among those calls (``key``).
+    """
+
+    key: Hashable
+    source: Hashable | None
+    ready: set[Hashable] = field(default_factory=set)  # keys stored under current weights
+    verified: bool = False
+    layout: Layout | None = None
+    flops_per_row: float | None = None  # its forward's model FLOPs per sample, counted
+
+
 class CachedModule:
     """``module``'s forward with the store in front of it (see the module docstring)."""
 
     def __init__(self, name: str, module: nn.Module, scope: Scope) -> None:
         self.name, self.module, self.scope = name, module, scope
         self.counts = ModuleCounts()
-        self.calls = 0  # calls in the current step
+        self.slots: dict[Hashable, Slot] = {}
+        self._unnamed = 0  # calls in the current step whose input is not a batch field
         self._chance = _chance_layers(module)
         self._weights = ModuleWeights(module)
         self._stamp: Stamp | None = None
         self._fingerprint = ""
-        self._layout: tuple[Any, list[int], int, list[torch.dtype], list[torch.device]] | None = (
-            None
-        )
         self.original = module.forward
-        self.field: Hashable | None = None  # the batch field its input is, as the batch has it
-        self.ready: set[Hashable] = set()  # keys stored under the current weights
         self.drops = 0  # times its stored features were dropped (weights changed, stood down)
-        self.flops_per_row: float | None = None  # its forward's model FLOPs per sample, counted
+
+    def new_step(self) -> None:
+        self._unnamed = 0
+
+    @property
+    def sources(self) -> list[Hashable] | None:
+        """The batch fields its calls read (None when one reads an input made in the model,
+        or before its first call): what the loader may leave out of a served sample."""
+        sources = [slot.source for slot in self.slots.values()]
+        return None if not sources or None in sources else sources
+
+    @property
+    def ready(self) -> set[Hashable]:
+        """The samples every slot has stored (and may serve)."""
+        slots = list(self.slots.values())
+        return set.intersection(*(s.ready for s in slots)) if slots else set()
+
+    @property
+    def verified(self) -> bool:
+        return bool(self.slots) and all(slot.verified for slot in self.slots.values())
+
+    def forget(self, keys: set[Hashable] | None = None) -> None:
+        """``keys`` (all when None) are no longer stored for any slot."""
+        for slot in self.slots.values():
+            if keys is None:
+                slot.ready.clear()
+            else:
+                slot.ready -= keys
 
     def attach(self) -> None:
         self.original = self.module.forward
@@ -116,7 +164,7 @@ class CachedModule:
             self.scope.store.reject(self.name)
         else:
             self.scope.store.drop(where=self.name)
-        self.ready.clear()
+        self.forget()
         self.drops += 1
         self.scope.warn_once(f"FrozenFeatureCache stopped serving `{self.name}`: {reason}.")
 
@@ -126,58 +174,72 @@ class CachedModule:
         keys = self.scope.keys
         if keys is None:
             return self.original(*args, **kwargs)
+        slot = self._slot(args, kwargs)
         if self.counts.stood_down is not None:
-            return self._run(args, kwargs)
-        self.calls += 1
-        if self.calls > 1:
-            self.stand_down(
-                "it ran more than once in one step, so its calls cannot be told "
-                "apart by sample; cache a module that runs once per batch"
-            )
-            return self._run(args, kwargs)
-        self.field = self._batch_field(args, kwargs)
+            return self._run(args, kwargs, slot=slot)
         signature, why = self._signature(args, kwargs, len(keys))
         stamp = self._weights.stamp()  # one walk of the weights: trainable? changed?
         why = why or why_not_now(self.name, self.module, self._chance) or self._trainable(stamp)
         if why is not None:
             self.counts.plain_calls += 1
             self.scope.warn_once(f"FrozenFeatureCache runs `{self.name}` without the store: {why}.")
-            return self._run(args, kwargs)
+            return self._run(args, kwargs, slot=slot)
         dtype = str(self.scope.dtype or "as computed")
-        base = (self.name, self._weights_fingerprint(stamp), signature, self.scope.data, dtype)
+        fingerprint = self._weights_fingerprint(stamp)
+        base = (self.name, fingerprint, signature, self.scope.data, dtype, slot.key)
         found = [self.scope.store.get((*base, key)) for key in keys]
         hit = [i for i, entry in enumerate(found) if entry is not None]
         miss = [i for i, entry in enumerate(found) if entry is None]
-        check = bool(hit) and self.scope.verify and not self.counts.verified
-        if not hit or check or self._layout is None:  # the layout: a cache warm from disk
-            out = self._run(args, kwargs)  # as the plain run computes it
-            leaves = self._leaves(out, len(keys))
-            if leaves is not None and (not check or self._check(leaves, found, hit)):
-                self._keep(leaves, base, [keys[i] for i in miss], miss)
-                self.ready.update(keys[i] for i in hit)
+        check = bool(hit) and self.scope.verify and not slot.verified
+        if not hit or check or slot.layout is None:  # no layout: a cache warm from disk
+            out = self._run(args, kwargs, slot=slot)  # as the plain run computes it
+            leaves = self._leaves(out, len(keys), slot)
+            if leaves is not None and (not check or self._check(leaves, found, hit, slot)):
+                self._keep(leaves, base, [keys[i] for i in miss], miss, slot)
+                slot.ready.update(keys[i] for i in hit)
             return out
         computed = None
         if miss:
-            computed = self._run(args, kwargs, miss)
-            leaves = self._leaves(computed, len(miss))
+            computed = self._run(args, kwargs, miss, slot)
+            leaves = self._leaves(computed, len(miss), slot)
             if leaves is None:
-                return self._run(args, kwargs)
-            self._keep(leaves, base, [keys[i] for i in miss], list(range(len(miss))))
+                return self._run(args, kwargs, slot=slot)
+            self._keep(leaves, base, [keys[i] for i in miss], list(range(len(miss))), slot)
             computed = leaves[0]
         self.counts.hits += len(hit)
-        self.ready.update(keys[i] for i in hit)  # also those found on disk
-        if self.flops_per_row is not None:  # a FLOP count of this step must leave them out
-            note_served_flops(self.flops_per_row * len(hit))
-        return self._assemble(found, hit, miss, computed, len(keys))
+        slot.ready.update(keys[i] for i in hit)  # also those found on disk
+        if slot.flops_per_row is not None:  # a FLOP count of this step must leave them out
+            note_served_flops(slot.flops_per_row * len(hit))
+        return self._assemble(found, hit, miss, computed, len(keys), slot)
+
+    def _slot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Slot:
+        """This call's slot: by the batch field it reads, else by its place in the step
+        among calls on inputs made in the model."""
+        source = self._batch_field(args, kwargs)
+        if source is not None:
+            key: Hashable = ("field", source)
+        else:
+            key, self._unnamed = ("call", self._unnamed), self._unnamed + 1
+        slot = self.slots.get(key)
+        if slot is None:  # a fit resumed as checked has its first slot checked
+            slot = self.slots[key] = Slot(key, source, verified=self._resumed_verified())
+        return slot
+
+    def _resumed_verified(self) -> bool:
+        return self.counts.verified and not self.slots
 
     def _run(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], rows: list[int] | None = None
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        rows: list[int] | None = None,
+        slot: Slot | None = None,
     ) -> Any:
         """The module's own forward on ``rows`` of the batch (all when None), with the real
         inputs of any stand-in row among them read again first."""
         keys, stand = self.scope.keys, self.scope.stand_ins
         if keys is not None and stand and (rows is None or set(rows) & set(stand)):
-            args, kwargs = self._real_inputs(args, kwargs, keys)
+            args, kwargs = self._real_inputs(args, kwargs, keys, slot)
         # A lone row runs beside a copy of itself: math libraries compute one row with other
         # kernels (a matrix-vector product, a single-image convolution) than a batch, whose
         # last bits differ from the whole batch's.
@@ -189,8 +251,8 @@ class CachedModule:
         out = self.original(*args, **kwargs)
         after = model_flops_so_far()
         run = len(rows) * (2 if lone else 1) if rows is not None else len(keys or ())
-        if before is not None and after is not None and run:
-            self.flops_per_row = (after - before) / run
+        if slot is not None and before is not None and after is not None and run:
+            slot.flops_per_row = (after - before) / run
         return _first_row(out) if lone else out
 
     def _batch_field(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable | None:
@@ -202,17 +264,22 @@ class CachedModule:
         return None
 
     def _real_inputs(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], keys: Sequence[Hashable]
+        self,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        keys: Sequence[Hashable],
+        slot: Slot | None,
     ) -> tuple[tuple[Any, ...], dict[str, Any]]:
         """``args`` and ``kwargs`` with the stand-in rows of the batch field filled in."""
         stand = list(self.scope.stand_ins)
-        tensor = self.scope.fields.get(self.field) if self.field is not None else None
+        source = slot.source if slot is not None else None
+        tensor = self.scope.fields.get(source) if source is not None else None
         if tensor is None or self.scope.refetch is None:
             raise RuntimeError(
                 f"FrozenFeatureCache: `{self.name}` must run on rows whose inputs the loader "
                 f"left out, and its input is not a batch field it can read again"
             )
-        real = self.scope.refetch([keys[i] for i in stand], self.field)
+        real = self.scope.refetch([keys[i] for i in stand], source)
         whole = tensor.clone()
         whole[torch.tensor(stand, device=whole.device)] = real.to(whole.device, whole.dtype)
         self.counts.refetched += len(stand)
@@ -243,7 +310,7 @@ class CachedModule:
                 if self.scope.store.disk is not None:  # their shards stay, uncounted
                     name = self.name
                     self.scope.store.disk.release(lambda b: b[0] == name and b[1] != fresh)
-                self.ready.clear()
+                self.forget()
                 self.drops += 1
             self._stamp, self._fingerprint = stamp, fresh
         return self._fingerprint
@@ -276,7 +343,7 @@ class CachedModule:
 
     # -- storing, checking, serving -------------------------------------------------------
 
-    def _leaves(self, out: Any, rows: int) -> tuple[list[torch.Tensor], Any] | None:
+    def _leaves(self, out: Any, rows: int, slot: Slot) -> tuple[list[torch.Tensor], Any] | None:
         """``out``'s tensors and its structure (``None`` fields, such as hidden states not
         asked for, kept as they are); None (and stand down) when not one row per sample."""
         tree_flatten, _ = _compat.tree_flatten_and_map()
@@ -287,9 +354,9 @@ class CachedModule:
         ):
             self.stand_down("its output is not made of tensors with one row per sample")
             return None
-        slots = [i for i, t in enumerate(leaves) if t is not None]
-        self._layout = (spec, slots, len(leaves), [t.dtype for t in tensors],
-                        [t.device for t in tensors])  # fmt: skip
+        places = [i for i, t in enumerate(leaves) if t is not None]
+        slot.layout = (spec, places, len(leaves), [t.dtype for t in tensors],
+                       [t.device for t in tensors])  # fmt: skip
         return tensors, spec
 
     def _keep(
@@ -298,6 +365,7 @@ class CachedModule:
         base: tuple[Hashable, ...],
         keys: Sequence[Hashable],
         rows: list[int],
+        slot: Slot,
     ) -> None:
         """Count ``rows`` of the output as run, and store each under its sample's key."""
         self.counts.misses += len(flat[0][0]) if flat[0] else 0
@@ -309,12 +377,12 @@ class CachedModule:
         for row, key in zip(rows, keys, strict=True):
             if self.scope.store.put((*base, key), tuple(t[row].clone() for t in host)):
                 self.counts.stored += 1
-                self.ready.add(key)
+                slot.ready.add(key)
             else:
                 self.counts.not_stored += 1
 
     def _check(
-        self, flat: tuple[list[torch.Tensor], Any], found: list[Any], hit: list[int]
+        self, flat: tuple[list[torch.Tensor], Any], found: list[Any], hit: list[int], slot: Slot
     ) -> bool:
         """The first reuse: the stored rows must equal the rows just computed."""
         for j, leaf in enumerate(flat[0]):
@@ -337,14 +405,16 @@ class CachedModule:
                     wrong=True,
                 )
                 return False
-        self.counts.verified = True
+        slot.verified = True
+        self.counts.verified = self.verified
         return True
 
     def _assemble(
-        self, found: list[Any], hit: list[int], miss: list[int], computed: Any, rows: int
-    ) -> Any:
-        assert self._layout is not None  # set when the first hit's sample was stored
-        spec, slots, count, dtypes, devices = self._layout
+        self, found: list[Any], hit: list[int], miss: list[int], computed: Any, rows: int,
+        slot: Slot,
+    ) -> Any:  # fmt: skip
+        assert slot.layout is not None  # set when the first hit's sample was stored
+        spec, places, count, dtypes, devices = slot.layout
         leaves = []
         fresh: list[torch.Tensor] | None = computed
         for j, (dtype, device) in enumerate(zip(dtypes, devices, strict=True)):
@@ -359,8 +429,8 @@ class CachedModule:
             whole[torch.tensor(miss, device=device)] = fresh[j].to(dtype)
             leaves.append(whole)
         full: list[torch.Tensor | None] = [None] * count
-        for slot, leaf in zip(slots, leaves, strict=True):
-            full[slot] = leaf
+        for place, leaf in zip(places, leaves, strict=True):
+            full[place] = leaf
         return spec.unflatten(full)
 
 

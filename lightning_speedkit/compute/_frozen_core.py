@@ -102,7 +102,7 @@ class FrozenFeatures:
         self._scope.fields = _fields(batch)
         self.skipped += len(stand_ins)
         for cached in self.cached.values():
-            cached.calls = 0
+            cached.new_step()
         if self._auto and not self.cached and not self._probes and batch is not None:
             self._watch(batch)
 
@@ -129,9 +129,9 @@ class FrozenFeatures:
             self._drops, self._primed = drops, False
             plan.clear()
         usable = bool(cached) and all(
-            c.field is not None
+            c.sources is not None
             and c.counts.stood_down is None
-            and (c.counts.verified or not self._scope.verify)
+            and (c.verified or not self._scope.verify)
             for c in cached
         )
         if not usable:
@@ -140,9 +140,10 @@ class FrozenFeatures:
             self._primed = False
             return
         if not self._primed:  # newly usable (checked, or a new loader): all stored so far
-            self._primed = plan.set_fields({str(c.field) for c in cached})
+            self._primed = plan.set_fields({str(f) for c in cached for f in c.sources or ()})
             keys = list(set.intersection(*(c.ready for c in cached)))
-        ready = [k for k in keys if all(k in c.ready for c in cached)]
+        readies = [c.ready for c in cached]
+        ready = [k for k in keys if all(k in r for r in readies)]
         plan.mark([int(k) for k in ready if isinstance(k, int)])
 
     def _forget_lost(self) -> None:
@@ -152,7 +153,7 @@ class FrozenFeatures:
         for cached in self.cached.values():
             gone = {key[-1] for key in lost if key[0] == cached.name}
             if gone:
-                cached.ready -= gone
+                cached.forget(gone)
                 cached.drops += 1
 
     # -- the data and the disk -----------------------------------------------------------------
@@ -169,7 +170,7 @@ class FrozenFeatures:
             if self.store.disk is not None:  # the shards stay, uncounted
                 self.store.disk.release(lambda base: base[3] != data)
             for cached in self.cached.values():
-                cached.ready.clear()
+                cached.forget()
                 cached.drops += 1
         self._scope.data = data
 

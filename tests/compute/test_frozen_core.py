@@ -306,14 +306,18 @@ def test_calls_that_cannot_be_served_run_plainly() -> None:
     assert cache.counts()["stored"] == 0
 
 
-def test_a_module_called_twice_in_a_step_stands_down() -> None:
+def test_a_module_called_twice_in_a_step_serves_each_call_its_own_features() -> None:
     model, x = _Model(), _data()
+    expected = model.tower(x), model.tower(-x)
     cache = cache_frozen_features(model, ["tower"], verify=False)
-    with cache.keys(range(8)):
-        model.tower(x)
-        with pytest.warns(UserWarning, match="more than once in one step"):
-            model.tower(-x)
-    assert list(cache.counts()["stood_down"]) == ["tower"]
+    for _ in range(2):  # the first step stores both calls' features, the second serves them
+        with cache.keys(range(8)):
+            served = model.tower(x), model.tower(-x)  # inputs made in the model: by order
+        assert all(torch.equal(a, b) for a, b in zip(served, expected, strict=True))
+    counts = cache.counts()
+    assert (counts["misses"], counts["stored"], counts["hits"]) == (16, 16, 16)
+    assert counts["stood_down"] == {}
+    assert sorted(cache.cached["tower"].slots) == [("call", 0), ("call", 1)]
 
 
 def test_bfloat16_store_halves_the_bytes_and_rounds_the_features() -> None:
