@@ -125,9 +125,16 @@ class CachedModule:
 
     @property
     def ready(self) -> set[Hashable]:
-        """The samples every slot has stored (and may serve)."""
+        """The samples every slot has stored (and may serve): a new set when there are
+        several slots, so ask :meth:`holds` of a few keys."""
         slots = list(self.slots.values())
+        if len(slots) == 1:
+            return slots[0].ready
         return set.intersection(*(s.ready for s in slots)) if slots else set()
+
+    def holds(self, key: Hashable) -> bool:
+        """Whether every slot has ``key`` stored."""
+        return bool(self.slots) and all(key in s.ready for s in self.slots.values())
 
     @property
     def verified(self) -> bool:

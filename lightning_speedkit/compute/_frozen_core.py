@@ -142,8 +142,7 @@ class FrozenFeatures:
         if not self._primed:  # newly usable (checked, or a new loader): all stored so far
             self._primed = plan.set_fields({str(f) for c in cached for f in c.sources or ()})
             keys = list(set.intersection(*(c.ready for c in cached)))
-        readies = [c.ready for c in cached]
-        ready = [k for k in keys if all(k in r for r in readies)]
+        ready = [k for k in keys if all(c.holds(k) for c in cached)]
         plan.mark([int(k) for k in ready if isinstance(k, int)])
 
     def _forget_lost(self) -> None:
