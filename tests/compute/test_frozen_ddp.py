@@ -35,6 +35,7 @@ def _check_cached_run(ranks: list[dict[str, Any]]) -> None:
         for counts in cached["counts"]:  # this rank's 32 in memory; both ranks' 64 on disk
             assert counts["store_bytes"] == EPOCH * ROW
             assert counts["disk_bytes"] == 2 * EPOCH * ROW
+            assert counts["disk_other_bytes"] == 0  # no shard of other weights or data
         # epoch 3 was served whole, and it held samples only the other rank had run
         first, last = cached["samples"][0], cached["samples"][2]
         from_other = set(last) - set(first)
@@ -127,5 +128,6 @@ def test_under_fsdp_zero2_a_tower_trained_mid_run_runs_then_is_fingerprinted_aga
         # the shards it serves from: both ranks', of the trained weights only (the first
         # weights' stay in the folder, counted apart: disk_other_bytes)
         assert counts[-1]["disk_bytes"] == 2 * EPOCH * ROW
+        assert counts[-1]["disk_other_bytes"] == 2 * EPOCH * ROW
     folders = {p.parent for p in features.rglob("*.bin")}
     assert len(folders) == 2  # the first weights' and the trained ones'

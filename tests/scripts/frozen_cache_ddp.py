@@ -94,7 +94,8 @@ class EpochCounts(L.Callback):
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         counts = self.cache.counts
-        keys = ("hits", "misses", "stored", "plain_calls", "store_bytes", "disk_bytes")
+        keys = ("hits", "misses", "stored", "plain_calls", "store_bytes", "disk_bytes",
+                "disk_other_bytes")  # fmt: skip
         self.counts.append({k: counts[k] for k in keys})
         sampler = trainer.train_dataloader.sampler  # type: ignore[union-attr]
         self.samples.append(sorted(int(i) for i in sampler))
