@@ -23,6 +23,7 @@ from lightning_speedkit.errors import SpeedkitConfigError
 __all__ = [
     "HF_NAMES",
     "ROW_FIELDS",
+    "carries_packing",
     "cu_seqlens_values",
     "one_row_offsets",
     "packing_field",
@@ -34,6 +35,12 @@ __all__ = [
 HF_NAMES = {"cu_seqlens": "cu_seq_lens_q", "document_ids": "seq_idx"}
 #: Fields whose ``(rows, S)`` shape gives a batch's rows.
 ROW_FIELDS = ("document_ids", "position_ids", "input_ids", "labels")
+
+
+def carries_packing(batch: Mapping[Any, Any]) -> bool:
+    """Whether ``batch`` carries a packing field (ours or transformers' name for it): a
+    look at its keys, nothing converted or read."""
+    return any(batch.get(key) is not None for pair in HF_NAMES.items() for key in pair)
 
 
 def packing_field(batch: Mapping[Any, Any], name: str) -> Tensor | None:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 
-from lightning_speedkit.data._packed_fields import one_row_offsets, packing_field
+from lightning_speedkit.data._packed_fields import carries_packing, one_row_offsets, packing_field
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure import _tensor_walk
 
@@ -45,6 +45,10 @@ class BatchInfo:
     real_tokens: int | torch.Tensor | None = field(default=None, compare=False)
     """Tokens that are not padding (a 0-d tensor on the batch's device when counted from
     its values); None: as ``tokens``."""
+    first_packed: bool = field(default=False, compare=False)
+    """The first batch the reader read that carries packing fields (``cu_seqlens``,
+    ``document_ids``, or transformers' names): SpeedMonitor then checks, once, that
+    attention keeps its documents apart."""
 
     @property
     def throughput_tokens(self) -> int | torch.Tensor | None:
@@ -153,6 +157,12 @@ def real_tokens(batch: Any, tensors: list[torch.Tensor]) -> int | torch.Tensor |
     return None if ids is None else ids.numel()
 
 
+def _packed(batch: Any) -> bool:
+    """Whether one loader's batch carries packing fields (its keys looked at, no value read)."""
+    fields = _tensor_walk.named_fields(batch)  # a dict, a namedtuple, a dataclass
+    return fields is not None and carries_packing(fields)
+
+
 class BatchReader:
     """Reads :class:`BatchInfo` from batches, with the user's functions where given.
 
@@ -191,11 +201,14 @@ class BatchReader:
         self.samples_per_batch = samples_per_batch
         self.tokens_per_batch = tokens_per_batch
         self._said_samples = False
+        self._seen_packed = False
 
     def read(self, batch: Any, parts: Sequence[Any]) -> BatchInfo:
         """``batch``'s info; ``parts`` are its loaders' batches (``[batch]`` for one loader)."""
         tensors = [list(_tensor_walk.tensors(part)) for part in parts]
         signature = tuple((tuple(t.shape), str(t.dtype)) for each in tensors for t in each)
+        first_packed = not self._seen_packed and any(map(_packed, parts))
+        self._seen_packed = self._seen_packed or first_packed
         if self.samples_per_batch is not None:
             samples = int(number(self.samples_per_batch(batch), "samples_per_batch"))
         else:
@@ -204,7 +217,7 @@ class BatchReader:
             )
         if self.tokens_per_batch is not None:
             count = int(number(self.tokens_per_batch(batch), "tokens_per_batch"))
-            return BatchInfo(signature, samples, count)
+            return BatchInfo(signature, samples, count, first_packed=first_packed)
         counts = [n for found in tensors if (n := tokens(found)) is not None]
         reals = [
             r
@@ -214,7 +227,8 @@ class BatchReader:
         real: int | torch.Tensor | None = None
         for each in reals:
             real = each if real is None else real + each
-        return BatchInfo(signature, samples, sum(counts) if counts else None, real)
+        positions = sum(counts) if counts else None
+        return BatchInfo(signature, samples, positions, real, first_packed=first_packed)
 
     def _samples(self, batch: Any, tensors: list[torch.Tensor]) -> int:
         """Samples of one loader's batch: a packed batch's documents (its ``cu_seqlens``

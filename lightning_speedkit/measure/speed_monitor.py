@@ -47,7 +47,10 @@ logged as 0.
 At fit start it also warns, once, when the run trains in bf16 (mixed or true) on a
 CPU without native bf16 instructions (Linux x86-64 with neither AVX512_BF16 nor
 AMX_BF16, as torch reports them), where bf16 is emulated and several times slower
-than float32.
+than float32. At the end of a fit's first packed batch (``cu_seqlens``/``document_ids``)
+it warns when no attention was swapped to keep the batch's documents apart (no
+AttentionSwap, no ``swap_attention``): every token then attends across the documents of
+its row (:mod:`~lightning_speedkit.measure._packed_check`).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ from lightning_speedkit.measure._clock import StepClock
 from lightning_speedkit.measure._compile_watch import CompileWatch
 from lightning_speedkit.measure._flop_book import CountSchedule, FlopBook, step_flops
 from lightning_speedkit.measure._host_memory import host_memory_bytes
+from lightning_speedkit.measure._packed_check import warn_if_documents_mix
 from lightning_speedkit.measure._profiler_windows import window_open
 from lightning_speedkit.measure._throughput import Throughput
 
@@ -163,8 +167,7 @@ class SpeedMonitor(L.Callback):
         self.last_metrics: dict[str, float] = {}
         self._throughput = Throughput(window)
         self._peak: float | None = None
-        self._peak_warned = False
-        self._bf16_warned = False
+        self._peak_warned = self._bf16_warned = False
         self._device = torch.device("cpu")
         self._reset_fit_state()
 
@@ -253,6 +256,7 @@ class SpeedMonitor(L.Callback):
         )
         if info is not None:
             self._counts.step_end(info)
+        warn_if_documents_mix(info, trainer, pl_module)  # the fit's first packed batch only
         if keep and info is not None:
             flops = step_flops(info, batch, self.flops, self.flops_per_batch, self._counts.served)
             real = info.throughput_tokens  # padding left out where the batch marks it
