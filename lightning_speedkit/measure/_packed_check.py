@@ -57,5 +57,6 @@ def warn_if_documents_mix(
     when nothing keeps its documents apart; every other batch returns at once."""
     if info is None or not info.first_packed:
         return
-    if not documents_kept_apart(trainer.callbacks, model):
+    callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+    if not documents_kept_apart(callbacks, model):
         rank_zero_warn(MIXED_DOCUMENTS)
