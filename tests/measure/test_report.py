@@ -140,6 +140,25 @@ def test_a_compute_bound_step_is_not_blamed_on_data() -> None:
     assert report.findings[0].evidence.startswith("compute-bound: operators 85% of the step")
 
 
+def test_a_step_mostly_outside_any_operator_is_overhead_bound_not_compute_bound() -> None:
+    """A 1000 us CPU step with 100 us of addmm and 80 us of add: the other 820 us are
+    Python and the framework between operators. The report called it compute-bound."""
+    report = analyze_trace({"traceEvents": [
+        _x("ProfilerStep#1", "user_annotation", 0, 1000),
+        _x("aten::addmm", "cpu_op", 0, 100),
+        _x("aten::add", "cpu_op", 100, 80),
+    ]})  # fmt: skip
+    assert report.breakdown["overhead"] == pytest.approx(0.82, abs=1e-3)
+    assert report.kinds == ["compute"]
+    (finding,) = report.findings
+    assert finding.share == pytest.approx(1.0, abs=1e-3)
+    assert finding.evidence == (
+        "overhead-bound: 82% of the step is spent outside any operator (Python, the framework "
+        "between operators) against 18% in operators (matmul 10%): the host's own work, not "
+        "computation, sets the pace"
+    )
+
+
 def test_a_clean_compute_bound_run_is_not_blamed_on_data(
     tmp_path: Path, virtual_clock: VirtualClock
 ) -> None:

@@ -185,6 +185,18 @@ _HEAVIEST = f"{'k' * 60} 40%, add 30%, mm 20%"
             f"compute-bound: operators 60% of the step (matmul 50%); heaviest: {_HEAVIEST}",
             id="cpu-idle",
         ),
+        pytest.param(  # a CPU step mostly outside any operator was called compute-bound
+            {"matmul": 0.1, "elementwise": 0.08, "overhead": 0.82}, False, 1.0,
+            "overhead-bound: 82% of the step is spent outside any operator (Python, the "
+            "framework between operators) against 18% in operators (matmul 10%): the host's "
+            "own work, not computation, sets the pace",
+            id="cpu-overhead",
+        ),
+        pytest.param(  # overhead that does not outweigh the operators: compute-bound still
+            {"matmul": 0.4, "elementwise": 0.1, "overhead": 0.5}, False, 0.5,
+            f"compute-bound: operators 50% of the step (matmul 40%); heaviest: {_HEAVIEST}",
+            id="cpu-overhead-even",
+        ),
     ],
 )  # fmt: skip
 def test_compute_names_what_the_step_is_bound_by(
@@ -258,6 +270,31 @@ def test_compute_fix_qualifies_bf16_and_compile_on_a_cpu(
     (both measured slower on a CPU: benchmarks/cpu_step.py); a GPU trace keeps the plain advice."""
     finding = compute_rule(evidence(shares, top_ops=_TOP, on_device=on_device), ())
     assert finding is not None
+    assert finding.fix == fix
+
+
+@pytest.mark.parametrize(
+    ("cuda_run", "fix"),
+    [
+        pytest.param(
+            False,
+            "fewer Python-side hooks and callbacks per step; a larger micro-batch (the same "
+            f"calls, more work each); torch.compile, {_CPU_COMPILE}",
+            id="cpu",
+        ),
+        pytest.param(
+            True,
+            "fewer Python-side hooks and callbacks per step; a larger micro-batch (the same "
+            "calls, more work each); torch.compile (fewer, fused calls)",
+            id="cuda-run-traced-without-kernels",
+        ),
+    ],
+)  # fmt: skip
+def test_an_overhead_bound_step_gets_the_hosts_fix_not_computes(cuda_run: bool, fix: str) -> None:
+    shares = {"matmul": 0.1, "elementwise": 0.08, "overhead": 0.82}
+    finding = compute_rule(evidence(shares, top_ops=_TOP, cuda_run=cuda_run), ())
+    assert finding is not None
+    assert finding.evidence.startswith("overhead-bound: 82% of the step")
     assert finding.fix == fix
 
 
@@ -400,6 +437,16 @@ def test_a_compute_fix_leaves_out_the_levers_already_on(
     report = _compute_report(device)
     amend_for_callbacks(report, callbacks)
     assert report.findings[0].fix == fix
+
+
+@pytest.mark.parametrize("bound", ["host-bound", "overhead-bound"])
+def test_a_host_or_overhead_bound_fix_is_not_turned_into_compute_levers(bound: str) -> None:
+    from lightning_speedkit.measure.report import amend_for_callbacks
+
+    report = _compute_report("cpu")
+    report.findings[0].evidence = f"{bound}: 82% of the step ..."
+    amend_for_callbacks(report, ["RegionalCompile", "FusedOptimizer"])
+    assert report.findings[0].fix == "torch.compile, a fused optimizer"
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])

@@ -223,25 +223,22 @@ def memory_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None:
 
 def compute_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None:
     """When no finding before it explains the step (a sync or memory finding does not):
-    host-bound on a device idling over ``HOST_BOUND_SHARE``; otherwise compute-bound, and
-    by what (copies over ``COPY_SHARE``, elementwise kernels, or the matmuls). On a CPU
-    trace the fix says where bf16 and torch.compile help, and names them last."""
+    host-bound on a device idling over ``HOST_BOUND_SHARE``; on a host-only trace (a CPU
+    run, or a CUDA run traced without its kernels) overhead-bound where the time outside
+    any operator (Python, the framework between operators) is over ``HOST_BOUND_SHARE``
+    and outweighs the operators: such a step is not compute-bound, and compute fixes would
+    not touch it. Otherwise compute-bound, and by what (copies over ``COPY_SHARE``,
+    elementwise kernels, or the matmuls). On a CPU trace the fix says where bf16 and
+    torch.compile help, and names them last."""
     if any(f.kind not in ("host_sync", "memory") for f in found):
         return None
     cpu = not (evidence.on_device or evidence.cuda_run)
     breakdown, compute = evidence.breakdown, evidence.compute
     heaviest = ", ".join(f"{op['name'][:60]} {op['share']:.0%}" for op in evidence.top_ops[:3])
     idle, copies = breakdown["overhead"], breakdown["memory_copy"]
-    if evidence.on_device and idle >= HOST_BOUND_SHARE:
-        evidence_text = (
-            f"host-bound: the device idles {idle:.0%} of the step with no data wait or "
-            f"sync to blame (kernels {compute:.0%}, matmul {breakdown['matmul']:.0%}): "
-            "the host does not launch work fast enough"
-        )
-        fix = (
-            "torch.compile (fewer, fused kernels) or CUDA graphs; a larger micro-batch "
-            "per launch; fewer Python-side hooks per step"
-        )
+    bound = _host_bound(evidence, cpu)
+    if bound is not None:
+        evidence_text, fix = bound
     elif copies >= COPY_SHARE and copies + breakdown["elementwise"] > breakdown["matmul"]:
         evidence_text = (
             f"compute-bound, and copies and dtype casts take {copies:.0%} of the step "
@@ -293,8 +290,33 @@ def compute_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None
                 "SpeedMonitor's MFU (`from lightning_speedkit import SpeedMonitor`) says how "
                 "far from the hardware's peak"
             )
-    share = compute + (idle if evidence.on_device else 0.0)
+    share = compute + (idle if evidence.on_device or bound is not None else 0.0)
     return Finding("compute", share, evidence_text, fix)
+
+
+def _host_bound(evidence: Evidence, cpu: bool) -> tuple[str, str] | None:
+    """The compute finding's text and fix when the host sets the pace, else None: on a
+    device idling over ``HOST_BOUND_SHARE`` (host-bound), or, on a host-only trace, where
+    the time outside any operator is over it and outweighs the operators (overhead-bound)."""
+    breakdown, compute, idle = evidence.breakdown, evidence.compute, evidence.breakdown["overhead"]
+    if evidence.on_device and idle >= HOST_BOUND_SHARE:
+        return (
+            f"host-bound: the device idles {idle:.0%} of the step with no data wait or "
+            f"sync to blame (kernels {compute:.0%}, matmul {breakdown['matmul']:.0%}): "
+            "the host does not launch work fast enough",
+            "torch.compile (fewer, fused kernels) or CUDA graphs; a larger micro-batch "
+            "per launch; fewer Python-side hooks per step",
+        )
+    if evidence.on_device or idle < HOST_BOUND_SHARE or idle <= compute:
+        return None
+    compile_ = f"torch.compile, {_CPU_COMPILE}" if cpu else "torch.compile (fewer, fused calls)"
+    return (
+        f"overhead-bound: {idle:.0%} of the step is spent outside any operator (Python, the "
+        f"framework between operators) against {compute:.0%} in operators (matmul "
+        f"{breakdown['matmul']:.0%}): the host's own work, not computation, sets the pace",
+        "fewer Python-side hooks and callbacks per step; a larger micro-batch (the same "
+        f"calls, more work each); {compile_}",
+    )
 
 
 #: The diagnosis, in the order it asks (each rule sees the findings before it).
@@ -350,6 +372,9 @@ _MICRO_BATCH = "a larger micro-batch (`from lightning_speedkit import MicroBatch
 def amend_for_callbacks(report: Report, callbacks: Iterable[str]) -> None:
     """Say so where a finding's fix is a callback the run already has (by class name).
 
+    A compute-bound finding's fix names the compute levers left; a host- or overhead-bound
+    one keeps its own fix, which those levers do not touch.
+
     On a CPU report the compute levers left are ranked by how surely they help there:
     bf16 only with native bf16, torch.compile last and to be measured against eager.
     """
@@ -359,7 +384,8 @@ def amend_for_callbacks(report: Report, callbacks: Iterable[str]) -> None:
         if name in present:
             finding.fix = fix
         on = [lever for lever in _COMPUTE_LEVERS if lever in present]
-        if finding.kind == "compute" and on:
+        # A host- or overhead-bound step's fix is the host's, not these compute levers.
+        if finding.kind == "compute" and on and finding.evidence.startswith("compute-bound"):
             missing = [lever for lever in _COMPUTE_LEVERS if lever not in present]
             if cpu:  # torch.compile last, and to be measured
                 left = [_COMPUTE_LEVERS[lever] for lever in missing if lever != "RegionalCompile"]
