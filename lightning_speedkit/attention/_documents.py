@@ -30,6 +30,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_speedkit import _surgery
+from lightning_speedkit.attention._mixing_advice import mixing_message
 from lightning_speedkit.data._packed_fields import (
     HF_NAMES,
     ROW_FIELDS,
@@ -454,13 +455,7 @@ class StepDocuments:
         ]
         if (report.modules or kept_apart) and not mixing:
             return
-        which = ", ".join(repr(name or "(root)") for name in mixing) or "no attention was found"
-        rank_zero_warn(
-            f"A packed batch (`cu_seqlens`/`document_ids`) reached attention that AttentionSwap "
-            f"did not swap, which attends across the documents of a row: {which}. Swap it "
-            f"(`register_adapter` for a family the kit does not know; `tolerance=` for a module "
-            f"that failed its check), or write the document mask into that module, or do not pack."
-        )
+        rank_zero_warn(mixing_message(mixing, named))  # with the fix for each case
 
 
 def per_document_rows(
