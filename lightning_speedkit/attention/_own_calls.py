@@ -161,6 +161,8 @@ def warn_if_mixed(documents: _documents.Documents) -> None:
 
 def _note_whole_row_softmax(args: tuple[Any, ...], kwargs: dict[str, Any] | None) -> None:
     """A softmax over ``(S, S)`` of the packed rows is attention nobody cut: noted."""
+    if torch.compiler.is_compiling():
+        return
     documents = _documents.active()
     x = args[0] if args else (kwargs or {}).get("input")
     if documents is None or not isinstance(x, Tensor) or x.ndim < 3 or "mixed" in documents.seen:
@@ -223,12 +225,14 @@ class _OwnCalls(_documents._SdpaPerDocument):
         args: tuple[Any, ...] = (),
         kwargs: dict[str, Any] | None = None,
     ) -> Any:
-        if torch.compiler.is_compiling():
-            pass  # inside a compiled block: no bookkeeping for dynamo to guard on
-        elif func is F.scaled_dot_product_attention:
-            calls = _calls()
-            if calls:
-                _OWN_SDPA.add(calls[-1])
+        # Inside a compiled block no bookkeeping is kept (nothing for dynamo to guard on),
+        # and that is asked only of the three kinds of call kept: with
+        # `torch.compiler.is_compiling()` asked here for every call, torch 2.13 compiled
+        # this method as a frame of its own when it ran eagerly under a model compiled
+        # whole (a frame dynamo gave up on), and that frame served one attribute read's
+        # value for another (`idx.device` came back as `idx.shape`).
+        if func is F.scaled_dot_product_attention:
+            _note_own_sdpa()
         elif func in _ADDS and len(args) == 2:
             _name_position_table(*args)
         elif func in _SOFTMAXES:
@@ -236,8 +240,19 @@ class _OwnCalls(_documents._SdpaPerDocument):
         return super().__torch_function__(func, types, args, kwargs)
 
 
+def _note_own_sdpa() -> None:
+    """The module whose own SDPA call this is ran it per document: noted."""
+    if torch.compiler.is_compiling():
+        return
+    calls = _calls()
+    if calls:
+        _OWN_SDPA.add(calls[-1])
+
+
 def _name_position_table(a: Any, b: Any) -> None:
     """Warn once about a table of the packed length added over the rows (positions)."""
+    if torch.compiler.is_compiling():
+        return  # first: reading the documents while traced would guard on them
     documents = _documents.active()
     if documents is None or not isinstance(a, Tensor) or not isinstance(b, Tensor):
         return
@@ -314,6 +329,9 @@ def _restart_positions(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, .
     return None if restarted is None else (restarted, *args[1:])
 
 
+@_documents.not_compiled  # eager only; run eagerly under a compiled model, dynamo would
+# otherwise compile it as a frame of its own, guarded on the batch's documents (a recompile
+# for every new layout)
 def _restart_run_on(
     ids: Tensor, documents: _documents.Documents, arange: Tensor, padding_idx: int | None
 ) -> Tensor | None:
