@@ -19,6 +19,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
+from lightning_speedkit._random import random_state_kept
 from lightning_speedkit._surgery import (
     note_first_call_work,
     original_forward,
@@ -131,7 +132,13 @@ class _SwappedForward:
         # packed batch's documents are left out: both forwards attend over whole rows.
         note_first_call_work()  # a step unlike later ones: SpeedMonitor counts another
         modes = [(m, m.training) for m in self.module.modules()]
-        with eval_mode(self.module), not_counted(), _keep_saved_tensors(), _documents.suspended():
+        with (
+            eval_mode(self.module),
+            not_counted(),
+            _keep_saved_tensors(),
+            _documents.suspended(),
+            random_state_kept(),  # in the user's step: its dropout draws as without the check
+        ):
             passed = self._check(
                 args,
                 kwargs,

@@ -46,6 +46,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_speedkit import _validation
+from lightning_speedkit._random import random_state_kept
 from lightning_speedkit._surgery import refuse_wrapped, replace_forward, replaced_forward
 from lightning_speedkit.attention._attention_pattern import Found
 from lightning_speedkit.attention._discovery import Discovery, probed
@@ -132,16 +133,19 @@ def swap_attention(
     _validation.boolean("measure", measure)
     refuse_wrapped(model, "swap_attention")
     report = SwapReport(backend)
-    swaps, excluded = _swap_modules(model, report, backend, tolerance, measure)
-    discovery = _discover(model, report, excluded, backend, tolerance, measure)
-    if not swaps and not report.skipped and discovery is None:
-        _warn_nothing_found(type(model).__name__)
-    if sample is not None:
-        with eval_mode(model), torch.enable_grad():
-            _call(model, sample)  # checks the swaps; the first call of probed modules is traced
-    else:
-        for swap in swaps:
-            swap.check_synthetic()
+    # The checks' synthetic inputs and timed calls draw no number of the user's run (its
+    # loader's shuffle seed comes from the same global generator).
+    with random_state_kept():
+        swaps, excluded = _swap_modules(model, report, backend, tolerance, measure)
+        discovery = _discover(model, report, excluded, backend, tolerance, measure)
+        if not swaps and not report.skipped and discovery is None:
+            _warn_nothing_found(type(model).__name__)
+        if sample is not None:
+            with eval_mode(model), torch.enable_grad():
+                _call(model, sample)  # checks the swaps; probed modules' first call is traced
+        else:
+            for swap in swaps:
+                swap.check_synthetic()
     return report
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import random
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat
+from lightning_speedkit._random import random_state_kept
 from lightning_speedkit.data.worker_search import _generators
 
 __all__ = ["eager", "no_logging", "preserved"]
@@ -41,18 +41,12 @@ def preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
                for m in model.modules()]  # fmt: skip
     metrics = [(m, copy.deepcopy(_compat.metric_state(m))) for m in model.modules()
                if _is_metric(m)]  # fmt: skip
-    torch_state = torch.get_rng_state()
-    cuda_states = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
-    python_state = random.getstate()
-    numpy = sys.modules.get("numpy")
-    numpy_state = numpy.random.get_state() if numpy is not None else None
-    generators = _generators(loader)
-    generator_states = [g.get_state() for g in generators]
     try:
         for p in params:
             p.grad = None
         model.train()
-        yield
+        with random_state_kept(_generators(loader)):
+            yield
     finally:
         for p, grad in zip(params, grads, strict=True):
             p.grad = grad
@@ -67,14 +61,6 @@ def preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
         for m, kept in metrics:
             for name, value in kept.items():
                 setattr(m, name, value)
-        torch.set_rng_state(torch_state)
-        if cuda_states is not None:
-            torch.cuda.set_rng_state_all(cuda_states)
-        random.setstate(python_state)
-        if numpy is not None and numpy_state is not None:
-            numpy.random.set_state(numpy_state)
-        for generator, state in zip(generators, generator_states, strict=True):
-            generator.set_state(state)
 
 
 def _is_metric(module: nn.Module) -> bool:

@@ -37,11 +37,10 @@ measured rates in ``_candidates.py``, the timing of one candidate in
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from lightning_speedkit import _validation
+from lightning_speedkit._random import random_state_kept
 from lightning_speedkit.data import _candidates, _result_cache
 from lightning_speedkit.data._candidate_timing import describe_failure
 from lightning_speedkit.data._candidate_timing import measure_loader as _measure
@@ -115,22 +115,6 @@ def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:
         if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
             found.append(generator)
     return found
-
-
-@contextlib.contextmanager
-def _randomness_kept(loader: DataLoader[Any]) -> Iterator[None]:
-    """Within it, trial loaders may draw random numbers: torch's global generator and the
-    generators they share with ``loader`` are set back after, so the first epoch shuffles
-    as it would have without the search."""
-    torch_state = torch.get_rng_state()
-    generators = _generators(loader)
-    generator_states = [g.get_state() for g in generators]
-    try:
-        yield
-    finally:
-        torch.set_rng_state(torch_state)
-        for generator, state in zip(generators, generator_states, strict=True):
-            generator.set_state(state)
 
 
 def _attempt(
@@ -316,7 +300,9 @@ def tune_num_workers(
             log.info("num_workers: using the cached result %s", cached.best)
             return cached
 
-    with _randomness_kept(dataloader):
+    # Trial loaders draw random numbers (their shuffles): the first epoch shuffles as it
+    # would have without the search.
+    with random_state_kept(_generators(dataloader)):
         start = _clock()
 
         def timed(trial: DataLoader[Any]) -> float:
