@@ -20,6 +20,7 @@ from lightning_speedkit.compute._frozen_disk import DiskStore, prepare_directory
 from lightning_speedkit.compute._frozen_lease import PruneReport, prune_frozen_features
 from lightning_speedkit.compute._frozen_loader import dataset_fingerprint
 from lightning_speedkit.compute._frozen_modules import (
+    check_modules,
     choose_modules,
     frozen_candidates,
     topmost,
@@ -28,7 +29,7 @@ from lightning_speedkit.compute._frozen_modules import (
 from lightning_speedkit.compute._frozen_skip import SkipPlan
 from lightning_speedkit.compute._frozen_store import FeatureStore, budget_bytes
 
-__all__ = ["FrozenFeatures", "cache_frozen_features"]
+__all__ = ["FrozenFeatures", "cache_frozen_features", "check_dtype"]
 
 _COUNTERS = ("hits", "misses", "stored", "not_stored", "plain_calls", "refetched")
 
@@ -344,6 +345,18 @@ def _fields(batch: Any) -> dict[Hashable, torch.Tensor]:
     return {}
 
 
+def check_dtype(dtype: Any) -> torch.dtype | None:
+    """A store dtype: a floating ``torch.dtype``, or None (the output's)."""
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        _validation.fail(
+            "dtype",
+            dtype,
+            "must be a floating torch.dtype or None",
+            "pass e.g. `dtype=torch.bfloat16`, or None to keep the output's",
+        )
+    return dtype
+
+
 def cache_frozen_features(
     model: nn.Module,
     modules: Any = "auto",
@@ -407,13 +420,8 @@ def cache_frozen_features(
     if not isinstance(model, nn.Module):
         _validation.fail("model", model, "must be a torch.nn.Module", "pass the model itself")
     verify = _validation.boolean("verify", verify)
-    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
-        _validation.fail(
-            "dtype",
-            dtype,
-            "must be a floating torch.dtype or None",
-            "pass e.g. `dtype=torch.bfloat16`, or None to keep the output's",
-        )
+    check_dtype(dtype)
+    check_modules(modules)
     disk = DiskStore(prepare_directory(directory)) if directory is not None else None
     store = FeatureStore(budget_bytes(budget), disk)
     scope = Scope(store=store, dtype=dtype, verify=verify)

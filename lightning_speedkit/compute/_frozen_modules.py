@@ -26,6 +26,7 @@ from lightning_speedkit import _compat, _validation
 __all__ = [
     "ModuleWeights",
     "Stamp",
+    "check_modules",
     "choose_modules",
     "fingerprint",
     "frozen_candidates",
@@ -129,12 +130,11 @@ def topmost(names: Iterable[str]) -> list[str]:
     return [n for n in chosen if not any(n.startswith(o + ".") for o in chosen if o != n)]
 
 
-def choose_modules(model: nn.Module, modules: Any) -> list[tuple[str, nn.Module]]:
-    """The submodules ``modules`` names: a name, a module type, or a list of either.
-
-    Every name must exist and every type must match at least one submodule; a module
-    inside another chosen one is left to its ancestor.
-    """
+def check_modules(modules: Any) -> list[Any]:
+    """``modules`` as a list of names and module types (``[]`` for ``"auto"``), refused
+    with the fix when it is none of those: judged before any model is seen."""
+    if modules == "auto":
+        return []
     given = list(modules) if isinstance(modules, (list, tuple)) else [modules]
     if not given:
         _validation.fail(
@@ -143,6 +143,26 @@ def choose_modules(model: nn.Module, modules: Any) -> list[tuple[str, nn.Module]
             "names no module",
             "pass `modules='auto'`, a submodule's name or a module type",
         )
+    for item in given:
+        if not isinstance(item, str) and not (
+            isinstance(item, type) and issubclass(item, nn.Module)
+        ):
+            _validation.fail(
+                "modules",
+                item,
+                "must be 'auto', a submodule name or an nn.Module type",
+                "pass e.g. `modules=['vision']` or `modules=[MyVisionTower]`",
+            )
+    return given
+
+
+def choose_modules(model: nn.Module, modules: Any) -> list[tuple[str, nn.Module]]:
+    """The submodules ``modules`` names: a name, a module type, or a list of either.
+
+    Every name must exist and every type must match at least one submodule; a module
+    inside another chosen one is left to its ancestor.
+    """
+    given = check_modules(modules)
     named = dict(model.named_modules())
     names: list[str] = []
     for item in given:
@@ -159,7 +179,7 @@ def choose_modules(model: nn.Module, modules: Any) -> list[tuple[str, nn.Module]
                 )
                 _validation.fail("modules", item, "is not a submodule of the model", fix)
             names.append(item)
-        elif isinstance(item, type) and issubclass(item, nn.Module):
+        else:  # a module type (check_modules refused anything else)
             matched = [n for n, m in named.items() if n and isinstance(m, item)]
             if not matched:
                 _validation.fail(
@@ -169,13 +189,6 @@ def choose_modules(model: nn.Module, modules: Any) -> list[tuple[str, nn.Module]
                     "pass a type the model holds, or the submodule's name",
                 )
             names.extend(matched)
-        else:
-            _validation.fail(
-                "modules",
-                item,
-                "must be 'auto', a submodule name or an nn.Module type",
-                "pass e.g. `modules=['vision']` or `modules=[MyVisionTower]`",
-            )
     return [(n, named[n]) for n in topmost(names)]
 
 

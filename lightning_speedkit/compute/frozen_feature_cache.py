@@ -18,7 +18,11 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat, _validation
-from lightning_speedkit.compute._frozen_core import FrozenFeatures, cache_frozen_features
+from lightning_speedkit.compute._frozen_core import (
+    FrozenFeatures,
+    cache_frozen_features,
+    check_dtype,
+)
 from lightning_speedkit.compute._frozen_disk import check_directory
 from lightning_speedkit.compute._frozen_lease import PruneReport, prune_frozen_features
 from lightning_speedkit.compute._frozen_loader import (
@@ -27,6 +31,7 @@ from lightning_speedkit.compute._frozen_loader import (
     batch_rows,
     with_sample_index,
 )
+from lightning_speedkit.compute._frozen_modules import check_modules
 from lightning_speedkit.compute._frozen_skip import SkipPlan, can_skip, refetch_field
 from lightning_speedkit.compute._frozen_store import budget_bytes
 
@@ -98,7 +103,8 @@ class FrozenFeatureCache(L.Callback):
         if isinstance(dtype, str):
             dtype = _validation.choice("dtype", dtype, list(_DTYPES))
             dtype = _DTYPES[dtype]  # type: ignore[index]
-        self.modules, self.budget, self.dtype = modules, budget, dtype
+        check_modules(modules)
+        self.modules, self.budget, self.dtype = modules, budget, check_dtype(dtype)
         self.verify = _validation.boolean("verify", verify)
         self.cache: FrozenFeatures | None = None
         self._state: dict[str, Any] = {}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any, cast
 
@@ -10,6 +11,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from lightning_speedkit import _validation
 from lightning_speedkit.errors import SpeedkitConfigError
 
 __all__ = ["TOKEN_FIELDS", "PackingCollate", "document_mask"]
@@ -112,18 +114,19 @@ class PackingCollate:
         separate_documents: bool = False,
         first_fit: bool = False,
     ) -> None:
-        if not isinstance(max_tokens, int) or max_tokens < 1:
-            raise SpeedkitConfigError(
-                f"`max_tokens` must be a positive integer, got {max_tokens!r}."
-            )
+        self.max_tokens = _validation.positive_int("max_tokens", max_tokens, example=2048)
+        self.key = _validation.text("key", key, example="input_ids")
+        self.pad_id = _validation.integer("pad_id", pad_id, example=0)
         if pad_values is not None and not isinstance(pad_values, Mapping):
             raise SpeedkitConfigError(
                 f"`pad_values` must map field names to padding values, e.g. "
                 f"{{'labels': -100}}; got {pad_values!r}."
             )
-        self.max_tokens = max_tokens
-        self.key = key
-        self.pad_id = pad_id
+        given: Mapping[str, Any] = pad_values or {}  # as typed, or not: it is checked here
+        for field, value in given.items():
+            if isinstance(value, bool) or not isinstance(value, numbers.Real):
+                _validation.fail(f"pad_values[{field!r}]", value, "must be a number",
+                                 "pass e.g. `pad_values={'labels': -100}`")  # fmt: skip
         if isinstance(token_fields, str) or not all(isinstance(f, str) for f in token_fields):
             raise SpeedkitConfigError(
                 f"`token_fields` must be a list of field names, e.g. ['labels']; got "

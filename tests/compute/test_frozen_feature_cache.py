@@ -201,6 +201,10 @@ def test_a_missing_key_field_names_the_fix(small_corpus: Path) -> None:
         ({"dtype": "int8"}, "`dtype` is not one of the choices"),
         ({"verify": "yes"}, "`verify` must be True or False"),
         ({"key": ""}, "`key` must be a non-empty string"),
+        # these three were accepted until the fit started
+        ({"dtype": torch.int8}, "`dtype` must be a floating torch.dtype or None, got torch.int8"),
+        ({"dtype": 5}, "`dtype` must be a floating torch.dtype or None, got 5"),
+        ({"modules": 5}, "`modules` must be 'auto', a submodule name or an nn.Module type"),
     ],
 )
 def test_bad_arguments_are_refused_at_construction(kwargs: dict[str, Any], message: str) -> None:

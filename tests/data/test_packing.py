@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -60,6 +62,24 @@ def test_overlong_samples_are_cut_and_bad_input_is_named() -> None:
         PackingCollate(max_tokens=0)
     with pytest.raises(SpeedkitConfigError, match="found no 'tokens'"):
         PackingCollate(max_tokens=4, key="tokens")(_docs([2]))
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"max_tokens": True}, r"`max_tokens` must be an integer >= 1, got True \(a bool\)"),
+        ({"max_tokens": "8"}, r"`max_tokens` .* pass a number, e.g. 8, not the string '8'"),
+        ({"max_tokens": 8, "pad_id": "0"}, r"`pad_id` must be an integer, got '0'"),
+        ({"max_tokens": 8, "key": 3}, r"`key` must be a non-empty string, got 3"),
+        ({"max_tokens": 8, "pad_values": {"labels": "x"}},
+         r"`pad_values\['labels'\]` must be a number, got 'x'"),
+    ],
+)  # fmt: skip
+def test_bad_arguments_are_refused_at_construction(options: dict[str, Any], message: str) -> None:
+    """Before, ``max_tokens=True`` packed 1-token rows and ``pad_id="0"`` raised a bare
+    TypeError at the first batch."""
+    with pytest.raises(SpeedkitConfigError, match=message):
+        PackingCollate(**options)
 
 
 def test_a_tokenizers_fields_are_packed_with_the_tokens_and_nothing_is_dropped() -> None:
