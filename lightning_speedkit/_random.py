@@ -13,10 +13,11 @@ import contextlib
 import random
 import sys
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import torch
 
-__all__ = ["random_state_kept"]
+__all__ = ["loader_generators", "random_state_kept"]
 
 
 @contextlib.contextmanager
@@ -51,3 +52,20 @@ def random_state_kept(generators: Iterable[torch.Generator] = ()) -> Iterator[No
             numpy.random.set_state(numpy_state)
         for generator, state in kept:
             generator.set_state(state)
+
+
+def loader_generators(loader: Any) -> list[torch.Generator]:
+    """The random generators of ``loader`` that loaders built from it share and advance.
+
+    A loader rebuilt for a trial reuses the loader's generator and its sampler objects, so
+    a sampler with its own generator (``RandomSampler(ds, generator=g)``) would be drawn
+    from by every trial iteration and shuffle the real first epoch differently.
+    """
+    holders = [loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+               getattr(getattr(loader, "batch_sampler", None), "sampler", None)]  # fmt: skip
+    found: list[torch.Generator] = []
+    for holder in holders:
+        generator = getattr(holder, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found

@@ -20,8 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat
-from lightning_speedkit._random import random_state_kept
-from lightning_speedkit.data.worker_search import _generators
+from lightning_speedkit._random import loader_generators, random_state_kept
 
 __all__ = ["eager", "no_logging", "preserved"]
 
@@ -45,7 +44,7 @@ def preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
         for p in params:
             p.grad = None
         model.train()
-        with random_state_kept(_generators(loader)):
+        with random_state_kept(loader_generators(loader)):
             yield
     finally:
         for p, grad in zip(params, grads, strict=True):

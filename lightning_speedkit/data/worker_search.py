@@ -50,7 +50,7 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from lightning_speedkit import _validation
-from lightning_speedkit._random import random_state_kept
+from lightning_speedkit._random import loader_generators, random_state_kept
 from lightning_speedkit.data import _candidates, _result_cache
 from lightning_speedkit.data._candidate_timing import describe_failure
 from lightning_speedkit.data._candidate_timing import measure_loader as _measure
@@ -98,23 +98,6 @@ def _check_worker_arguments(
     for name, flag in (("cache", cache), ("force", force), ("progress", progress)):
         _validation.boolean(name, flag)
     _validation.optional(_validation.path, "cache_dir", cache_dir)
-
-
-def _generators(loader: DataLoader[Any]) -> list[torch.Generator]:
-    """The random generators that trial loaders share with ``loader`` and would advance.
-
-    Trial loaders reuse the loader's generator and its sampler objects, so a sampler
-    with its own generator (``RandomSampler(ds, generator=g)``) would be drawn from by
-    every trial iteration and shuffle the real first epoch differently.
-    """
-    holders = [loader, loader.sampler, loader.batch_sampler,
-               getattr(loader.batch_sampler, "sampler", None)]  # fmt: skip
-    found: list[torch.Generator] = []
-    for holder in holders:
-        generator = getattr(holder, "generator", None)
-        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
-            found.append(generator)
-    return found
 
 
 def _attempt(
@@ -302,7 +285,7 @@ def tune_num_workers(
 
     # Trial loaders draw random numbers (their shuffles): the first epoch shuffles as it
     # would have without the search.
-    with random_state_kept(_generators(dataloader)):
+    with random_state_kept(loader_generators(dataloader)):
         start = _clock()
 
         def timed(trial: DataLoader[Any]) -> float:
