@@ -15,7 +15,6 @@ them apart at all: it must not be packed.
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Iterable, Mapping, Sequence
 
 from torch import nn
@@ -82,16 +81,11 @@ def _classes(modules: Iterable[nn.Module]) -> str:
 
 
 def _without_sdpa(module: nn.Module) -> bool:
-    """A transformers model whose family transformers runs without SDPA (the kit's
-    ``huggingface`` adapter skips it). transformers is not imported here: a model of it
-    exists only once it is."""
-    transformers = sys.modules.get("transformers")
-    pretrained = getattr(transformers, "PreTrainedModel", None)
-    return (
-        pretrained is not None
-        and isinstance(module, pretrained)
-        and not getattr(type(module), "_supports_sdpa", False)
-    )
+    """A transformers model whose family transformers runs without SDPA: one the kit's
+    ``huggingface`` adapter skips, by its own test."""
+    from lightning_speedkit.attention.adapters import _hf_match  # it imports _documents
+
+    return isinstance(_hf_match(module), str)
 
 
 def _takes_position_ids(module: nn.Module) -> bool:
