@@ -263,8 +263,11 @@ def measure_matmul_peak(
     so it is the peak of this process as configured.
     """
     device = torch.device(device)
-    a = torch.randn(size, size, device=device, dtype=dtype)
-    b = torch.randn(size, size, device=device, dtype=dtype)
+    # Its own generator: a seeded run draws its loader's shuffle seed from the global one,
+    # and SpeedMonitor measures before the first epoch.
+    generator = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
+    b = torch.randn(size, size, device=device, dtype=dtype, generator=generator)
 
     def sync() -> None:
         if device.type == "cuda":
