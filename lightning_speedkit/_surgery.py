@@ -42,6 +42,7 @@ import copyreg
 import threading
 import types
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
@@ -283,9 +284,22 @@ def restore_forward(module: nn.Module, forward: Callable[..., Any]) -> None:
 
 def wrapped_forward(module: nn.Module) -> Callable[..., Any]:
     """What the kit's wrapper on ``module`` runs now: the kit's forward under it, or the
-    module's own (read at each call: a swap installed later runs under the wrapper)."""
+    module's own (read at each call: a swap installed later runs under the wrapper).
+
+    The module's class forward comes as ``partial(type(module).forward, module)``, not
+    bound as a method: this runs inside a compiled block's frame, and dynamo names a
+    method it binds there by where it would be looked up, ``module.forward``, which is
+    the kit's (this wrapper). Where the block's forward breaks the graph (a Hugging Face
+    model's output-capturing hooks, asked for hidden states), dynamo calls what it named
+    (the wrapper again, and so on until ``RecursionError``). A partial is rebuilt from
+    ``type(module).forward``, the class's own.
+    """
     wrapped: Callable[..., Any] | None = module.__dict__.get(_WRAPPED)
-    return wrapped if wrapped is not None else original_forward(module)
+    if wrapped is not None:
+        return wrapped
+    if _PREVIOUS in module.__dict__:
+        return original_forward(module)  # another tool's forward, kept on the module
+    return partial(type(module).forward, module)
 
 
 def wrapper(module: nn.Module) -> Any:
