@@ -338,7 +338,7 @@ class RegionalCompile(L.Callback):
         fullgraph: require each block to compile into one graph.
         backend: ``"inductor"`` (default) or any ``torch.compile`` backend. On CPU
             inductor needs a C++ compiler: without one the blocks are left uncompiled,
-            with a warning.
+            with a warning. A name torch does not register is refused here.
         recompile_warning: recompilations of one frame that trigger the warning.
         verbose: print what was compiled, and the compile time after the first step.
 
@@ -360,6 +360,7 @@ class RegionalCompile(L.Callback):
         verbose: bool = True,
     ) -> None:
         _check_options(mode, dynamic, fullgraph, backend, blocks)
+        _check_backend_name(backend)  # a typo fails here, not when the fit starts
         _validation.positive_int("recompile_warning", recompile_warning,
                                  hint="4 warns well before dynamo's limit of 8")  # fmt: skip
         _validation.boolean("verbose", verbose)
