@@ -31,6 +31,7 @@ import math
 import numbers
 import os
 from collections.abc import Callable, Collection, Iterable, Mapping
+from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
 from lightning_speedkit.errors import SpeedkitConfigError
@@ -373,6 +374,32 @@ def check_keywords(owner: str, given: Mapping[str, Any], accepted: Collection[st
         guess = f"did you mean `{close[0]}`? " if close else ""
         fail(key, given[key], f"is not an argument of {owner}",
              f"{guess}{owner} accepts {', '.join(sorted(accepted))}")  # fmt: skip
+
+
+def directory(name: str, value: Any, *, fix: str) -> Path:
+    """A folder path that can be created or written: refused when it is not a path, is a
+    file or under one, or its nearest existing folder is not writable. Creates nothing
+    (:func:`write_error` writes to find out).
+
+    Example::
+
+        >>> directory("dirpath", __file__, fix="pass a folder")
+        Traceback (most recent call last):
+        ...
+        lightning_speedkit.errors.SpeedkitConfigError: `dirpath` is a file, got '...' (a string); pass a folder.
+    """  # noqa: E501
+    if not isinstance(value, (str, os.PathLike)) or not os.fspath(value):
+        fail(name, value, "must be a path or None", fix)
+    path = Path(os.fspath(value)).expanduser()
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing.exists() and not existing.is_dir():
+        fail(name, str(path), "is a file" if existing == path else f"is under a file ({existing})",
+             fix)  # fmt: skip
+    if not os.access(existing, os.W_OK | os.X_OK):
+        fail(name, str(path), f"cannot be written to ({existing})", fix)
+    return path
 
 
 def write_error(directory: str | os.PathLike[str], probe: str) -> OSError | None:

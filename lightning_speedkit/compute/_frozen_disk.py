@@ -81,18 +81,7 @@ def check_directory(directory: Any) -> Path | None:
     """  # noqa: E501
     if directory is None:
         return None
-    if not isinstance(directory, (str, os.PathLike)) or not os.fspath(directory):
-        _validation.fail("directory", directory, "must be a path or None", _FIX)
-    path = Path(os.fspath(directory)).expanduser()
-    existing = path
-    while not existing.exists() and existing != existing.parent:
-        existing = existing.parent
-    if existing.exists() and not existing.is_dir():
-        where = "is a file" if existing == path else f"is under a file ({existing})"
-        _validation.fail("directory", str(path), where, _FIX)
-    if not os.access(existing, os.W_OK | os.X_OK):
-        _validation.fail("directory", str(path), f"cannot be written to ({existing})", _FIX)
-    return path
+    return _validation.directory("directory", directory, fix=_FIX)
 
 
 def prepare_directory(directory: Any) -> Path:

@@ -119,7 +119,7 @@ class ProfilerSchedule(L.Callback):
     ) -> None:
         cycle = ProfilerCycle(skip_first, wait, warmup, active, repeat)  # checks them
         _validation.integer("num_traces_to_keep", num_traces_to_keep, at_least=1)
-        _validation.optional(_validation.path, "dirpath", dirpath)
+        dirpath = _trace_folder(dirpath)
         _validation.positive_number("max_trace_mb", max_trace_mb, example=200, hint="megabytes")
         options = ProfilerOptions(record_shapes=record_shapes, with_stack=with_stack,
                                   profile_memory=profile_memory)  # fmt: skip
@@ -127,7 +127,7 @@ class ProfilerSchedule(L.Callback):
             _validation.boolean(name, flag)
         self.skip_first, self.wait, self.warmup = skip_first, wait, warmup
         self.active, self.repeat = active, repeat
-        self.dirpath = Path(dirpath) if dirpath is not None else None
+        self.dirpath = dirpath
         self.num_traces_to_keep, self.max_trace_mb = num_traces_to_keep, float(max_trace_mb)
         self.record_shapes, self.with_stack = record_shapes, with_stack
         self.profile_memory = profile_memory
@@ -254,3 +254,12 @@ class ProfilerSchedule(L.Callback):
                               callbacks=self._callbacks, analyze=analyze_trace)  # fmt: skip
         if made is not None:
             self.report, self.report_files = made
+
+
+def _trace_folder(dirpath: Any) -> Path | None:
+    """``dirpath`` as a path, refused now when it cannot be a folder (a file, under one,
+    not writable) rather than found out when the fit writes its first trace."""
+    if dirpath is None:
+        return None
+    fix = "pass a folder you can write to (created if missing), or None for the log dir"
+    return _validation.directory("dirpath", dirpath, fix=fix)

@@ -324,8 +324,8 @@ def test_a_trace_over_the_cap_is_dropped_with_one_warning(tmp_path: Path) -> Non
 
 def test_an_unwritable_directory_does_not_stop_training(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
-    blocker.write_text("")
     callback = ProfilerSchedule(skip_first=0, wait=0, warmup=0, active=1, dirpath=blocker / "x")
+    blocker.write_text("")  # after construction, which refuses a path under a file
     with pytest.warns(UserWarning, match="training goes on without profiling"):
         trainer = fit(callback, steps=3)
     assert trainer.global_step == 3
@@ -354,6 +354,22 @@ def test_a_profiler_error_warns_once_and_training_finishes(
 def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(SpeedkitConfigError, match=match):
         ProfilerSchedule(**kwargs)
+
+
+def test_a_trace_folder_that_cannot_be_one_is_refused_at_construction(tmp_path: Path) -> None:
+    """Before, the fit ran and warned that no trace was written."""
+    taken = tmp_path / "a_file"
+    taken.write_text("")
+    with pytest.raises(SpeedkitConfigError, match=r"^`dirpath` is a file, got '/"):
+        ProfilerSchedule(dirpath=taken)
+    with pytest.raises(SpeedkitConfigError, match=r"^`dirpath` is under a file \("):
+        ProfilerSchedule(dirpath=taken / "traces")
+    with pytest.raises(SpeedkitConfigError, match=r"^`dirpath` must be a path or None, got 3"):
+        ProfilerSchedule(dirpath=3)  # type: ignore[arg-type]
+    assert (
+        ProfilerSchedule(dirpath=tmp_path / "new" / "traces").dirpath == tmp_path / "new" / "traces"
+    )
+    assert not (tmp_path / "new").exists()  # nothing made before the fit
 
 
 @pytest.mark.multiprocess
@@ -473,8 +489,8 @@ def test_why_a_trace_was_not_written_names_what_took_the_directorys_place(
 
 def test_a_dirpath_that_is_a_file_is_named_so(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
-    blocker.write_text("")
     callback = ProfilerSchedule(wait=0, warmup=0, active=1, dirpath=blocker)
+    blocker.write_text("")  # after construction, which refuses a file
     with pytest.warns(UserWarning, match="training goes on without profiling") as record:
         fit(callback, steps=2)
     (message,) = [str(w.message) for w in record if "ProfilerSchedule" in str(w.message)]
