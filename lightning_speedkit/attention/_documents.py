@@ -32,7 +32,6 @@ from torch.overrides import TorchFunctionMode
 from lightning_speedkit import _surgery
 from lightning_speedkit.attention._mixing_advice import mixing_message
 from lightning_speedkit.data._packed_fields import (
-    HF_NAMES,
     ROW_FIELDS,
     cu_seqlens_values,
     packing_field,
@@ -47,7 +46,6 @@ _Fn = TypeVar("_Fn", bound=Callable[..., Any])
 
 #: The batch fields that mark a packed batch (what PackingCollate returns).
 PACKING_FIELDS = ("cu_seqlens", "document_ids")
-_HF_NAMES, _ROW_FIELDS = HF_NAMES, ROW_FIELDS  # transformers' names for them; rows' fields
 
 
 @dataclass(frozen=True)
@@ -198,7 +196,7 @@ def documents_of(batch: Any) -> Documents | None:
     if ids is not None:
         return _from_document_ids(row_shaped(ids, batch), cu_list)
     assert cu_list is not None  # one of the two is there
-    rows = next((batch[f] for f in _ROW_FIELDS if isinstance(batch.get(f), Tensor)), None)
+    rows = next((batch[f] for f in ROW_FIELDS if isinstance(batch.get(f), Tensor)), None)
     if rows is None or rows.ndim != 2:
         raise SpeedkitConfigError(
             f"`cu_seqlens` came without `document_ids` or a 2-D `input_ids`/`position_ids` "
