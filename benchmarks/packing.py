@@ -1,11 +1,11 @@
 """Padding against bucketing against packing, on a causal LM with long-tailed lengths.
 
 A nanoGPT-style decoder (eager causal attention, which ``AttentionSwap("sdpa")`` swaps in
-every arm, so all three run the same fused kernel) trains on a synthetic corpus whose
-lengths are long-tailed as instruction data is: log-normal, median about a quarter of
-the longest. The documents follow a fixed sparse bigram chain, so the loss really
-falls. Each arm trains one epoch over the same documents, ``--docs-per-step`` of them
-per step (so the same tokens per step, on average):
+every arm, so all of them run the same fused kernel; ``--backend`` picks another) trains
+on a synthetic corpus whose lengths are long-tailed as instruction data is: log-normal,
+median about a quarter of the longest. The documents follow a fixed sparse bigram chain,
+so the loss really falls. Each arm trains one epoch over the same documents,
+``--docs-per-step`` of them per step (so the same tokens per step, on average):
 
 - ``padded``: the documents in a shuffled order, padded to the longest of the batch
   (plain ``pad_sequence``);
@@ -31,7 +31,18 @@ The attention share is the attention operators' share of the step in a
 
     python benchmarks/packing.py
 
-Prints a table and writes JSON (``--out``).
+On a GPU, FlexAttention with a document mask (one call over the packed rows, where
+``sdpa`` runs one call per document), at a size a GPU is not idle on::
+
+    python benchmarks/packing.py --accelerator gpu --precision bf16-mixed --backend flex \
+        --dim 512 --layers 8 --heads 8 --max-len 2048
+
+CUDA's time is SpeedMonitor's (CUDA events, read at log time); the losses are read to
+the host once the fit ends, so no step waits for the device. On CPU the timing is as it
+was before these options.
+
+Prints a table and writes JSON (``--out``), after every fit with ``"complete": false``
+and the rates so far (a run cut off by a time limit keeps them), then whole.
 """
 
 from __future__ import annotations
@@ -56,10 +67,12 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import AttentionSwap, ProfilerSchedule, SpeedMonitor
+from lightning_speedkit.attention.backends import BACKENDS
 from lightning_speedkit.data import LengthBucketBatchSampler, PackingCollate
 
 HERE = Path(__file__).resolve()
 ARMS = ("padded", "bucketed", "packed", "packed_ffd")
+PRECISIONS = ("32-true", "bf16-mixed", "16-mixed")
 
 
 # --- the corpus --------------------------------------------------------------------------
@@ -187,12 +200,12 @@ class LM(L.LightningModule):
     def __init__(self, args: argparse.Namespace) -> None:
         super().__init__()
         self.model = GPT(args.vocab, args.dim, args.layers, args.heads, args.max_len)
-        self.losses: list[float] = []
+        self.losses: list[Tensor] = []
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         logits = self.model(batch["input_ids"])
         loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
-        self.losses.append(float(loss.detach()))  # the curve; a CPU run: no device waits
+        self.losses.append(loss.detach())  # the curve, read once the fit ends: no step waits
         return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -203,18 +216,26 @@ class LM(L.LightningModule):
 
 
 def fit(arm: str, data: Documents, args: argparse.Namespace, profile: bool = False) -> Any:
-    """One arm's epoch from seed 0: SpeedMonitor's summary and the losses, or with
-    ``profile`` a ProfilerSchedule window's attention share."""
+    """One arm's epoch from seed 0: SpeedMonitor's summary, the losses and the kernels the
+    swapped attention ran, or with ``profile`` a ProfilerSchedule window's attention share."""
     L.seed_everything(0, verbose=False)
     task = LM(args)
-    monitor = SpeedMonitor(peak_flops=None, warmup_steps=args.warmup, max_flop_counts=1)
-    callbacks: list[L.Callback] = [AttentionSwap("sdpa", measure=False, verbose=False)]
+    # SpeedMonitor counts the first step's FLOPs under a dispatch mode that has no rule for
+    # FlexAttention's operator; AttentionSwap checks its modules in that same step, and the
+    # error made it revert every one (seen on CPU). This table needs no FLOPs: with
+    # `flex` nothing is counted (a count of 0), and the other backends are as they were.
+    flops = (lambda batch: 0.0) if args.backend == "flex" else None
+    monitor = SpeedMonitor(peak_flops=None, warmup_steps=args.warmup, max_flop_counts=1,
+                           flops_per_batch=flops)  # fmt: skip
+    swap = AttentionSwap(args.backend, measure=False, verbose=False)
+    callbacks: list[L.Callback] = [swap]
     with tempfile.TemporaryDirectory() as traces:
         profiler = ProfilerSchedule(skip_first=args.warmup, wait=0, warmup=1, active=3,
                                     dirpath=traces, with_stack=False)  # fmt: skip
         callbacks.append(profiler if profile else monitor)
         trainer = L.Trainer(
-            accelerator="cpu", devices=1, max_epochs=1, logger=False,
+            accelerator=args.accelerator, devices=1, precision=args.precision, max_epochs=1,
+            logger=False,
             max_steps=args.warmup + 4 if profile else -1, callbacks=callbacks,
             enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         )  # fmt: skip
@@ -222,7 +243,22 @@ def fit(arm: str, data: Documents, args: argparse.Namespace, profile: bool = Fal
         if profile:
             report = profiler.report
             return None if report is None else report.breakdown.get("attention", 0.0)
-    return {"summary": monitor.summary, "losses": task.losses}
+    # SYNC: the losses to the host, once, after the fit (never inside a step)
+    losses = torch.stack(task.losses).float().tolist() if task.losses else []
+    return {"summary": monitor.summary, "losses": losses, "attention": kernels(swap)}
+
+
+def kernels(swap: AttentionSwap) -> dict[str, Any]:
+    """What the swapped modules ran (a backend the device lacks: its fallback, said so),
+    and how many were reverted to their own attention, with why (a reverted module
+    attends across the documents of a packed row)."""
+    modules = swap.report.modules if swap.report is not None else []
+    return {
+        "backends": sorted({m.backend or "-" for m in modules if m.status != "reverted"}),
+        "swapped": sum(m.status != "reverted" for m in modules),
+        "reverted": sum(m.status == "reverted" for m in modules),
+        "reasons": sorted({m.reason for m in modules if m.status == "reverted"}),
+    }
 
 
 def curve(losses: list[float], points: int = 5) -> list[float]:
@@ -231,7 +267,8 @@ def curve(losses: list[float], points: int = 5) -> list[float]:
     return [statistics.fmean(losses[i : i + size]) for i in range(0, size * points, size)]
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
+def measure(args: argparse.Namespace, progress: Any = None) -> dict[str, Any]:
+    """The arms' rows; ``progress(arm, round, tokens_per_sec)`` after every fit."""
     docs = corpus(args.docs_per_step * args.steps, args.max_len, args.vocab, seed=args.seed)
     data = Documents(docs)
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in ARMS}
@@ -240,6 +277,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             runs[arm].append(fit(arm, data, args))
             rate = runs[arm][-1]["summary"]["tokens_per_sec"]
             print(f"round {r + 1}/{args.rounds} {arm}: {rate:.0f} tokens/s", flush=True)
+            if progress is not None:
+                progress(arm, r, rate)
     rows = [_row(arm, runs[arm], data, args) for arm in ARMS]
     base = {row["arm"]: row["tokens_per_sec"] for row in rows}
     padded = rows[0]["losses"]
@@ -272,13 +311,20 @@ def _row(
         "step_ms_p50": statistics.median(run["summary"]["step_ms_p50"] for run in runs),
         "padding_share": padding_share(arm, data, args),
         "attention_share": fit(arm, data, args, profile=True),
+        "attention_kernels": runs[-1]["attention"],
         "loss_curve": curve(losses),
         "losses": losses,
     }
 
 
 def _table(report: dict[str, Any]) -> None:
-    print(f"\n{'arm':<11} {'tokens/s':>9} {'x padded':>9} {'x bucketed':>11} {'step p50 ms':>12} "
+    print(f"\n{report['device']}, {report['precision']}, AttentionSwap({report['backend']!r})")
+    for row in report["rows"]:
+        ran = row["attention_kernels"]
+        reverted = f"; {ran['reverted']} reverted ({'; '.join(ran['reasons'])})"
+        print(f"  {row['arm']}: {ran['swapped']} module(s) on {', '.join(ran['backends']) or '-'}"
+              + (reverted if ran["reverted"] else ""))  # fmt: skip
+    print(f"{'arm':<11} {'tokens/s':>9} {'x padded':>9} {'x bucketed':>11} {'step p50 ms':>12} "
           f"{'padding':>8} {'attention':>10}  loss curve (5 stretches)")  # fmt: skip
     for row in report["rows"]:
         attention = "-" if row["attention_share"] is None else f"{row['attention_share']:.1%}"
@@ -303,10 +349,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0, help="the corpus's")
+    parser.add_argument("--accelerator", default="cpu", choices=("cpu", "gpu", "cuda"))
+    parser.add_argument("--precision", default="32-true", choices=PRECISIONS)
+    parser.add_argument("--backend", default="sdpa", choices=("auto", *BACKENDS),
+                        help="AttentionSwap's, every arm (flex: one FlexAttention call with "
+                        "a document mask on a packed batch; CUDA only in training)")  # fmt: skip
     parser.add_argument("--out", type=Path, default=HERE.parent / "results" / "packing.json")
     args = parser.parse_args(argv)
     if args.steps <= args.warmup + 1 or args.rounds < 1 or args.max_len < 8:
         parser.error("need --steps > --warmup + 1, --rounds >= 1 and --max-len >= 8")
+    if args.accelerator != "cpu" and not torch.cuda.is_available():
+        parser.error(f"--accelerator {args.accelerator} needs a CUDA device; torch sees none")
     torch.set_num_threads(args.threads)
     for name in ("lightning", "lightning.pytorch", "lightning_speedkit"):
         logging.getLogger(name).setLevel(logging.WARNING)  # one fit per arm and round: quiet
@@ -315,15 +368,31 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "date": datetime.now(timezone.utc).strftime("%Y-%m-%d"),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores, {args.threads} thread(s), "
         f"torch {torch.__version__}",
+        "device": device_name(args.accelerator),
+        "torch": torch.__version__,
+        "precision": args.precision,
+        "backend": args.backend,
         "load_average_at_start": load,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
-        **measure(args),
+        "complete": False,
+        "progress": [],
     }
-    report["load_average_at_end"] = list(os.getloadavg()) if load is not None else None
     args.out.parent.mkdir(parents=True, exist_ok=True)
+
+    def progress(arm: str, round_: int, rate: float) -> None:
+        report["progress"].append({"round": round_, "arm": arm, "tokens_per_sec": rate})
+        args.out.write_text(json.dumps(report, indent=2) + "\n")  # what a time limit keeps
+
+    report.update(measure(args, progress), complete=True)
+    report["load_average_at_end"] = list(os.getloadavg()) if load is not None else None
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     _table(report)
     return report
+
+
+def device_name(accelerator: str) -> str:
+    """The device the steps ran on: the GPU's name, or ``"cpu"``."""
+    return torch.cuda.get_device_name(0) if accelerator != "cpu" else "cpu"
 
 
 if __name__ == "__main__":

@@ -214,3 +214,66 @@ def test_the_quick_stage_writes_every_parts_record(demo_corpus: Path, tmp_path: 
     assert {row["head_dim"] for row in attention["attention"]} == {64, 128}
     assert [run["image_size"] for run in attention["end_to_end"]] == [32, 64]
     assert all(len(run["parity"]) == 4 for run in attention["end_to_end"])
+
+
+def test_the_issue_parts_are_not_in_quicks_default_list(tmp_path: Path) -> None:
+    """The default list stays within its budget: frozen and packing are asked for by name."""
+    done = suite("quick", tmp_path, QUICK_BUDGET="9")
+    assert done.returncode == 1
+    summary = json.loads((tmp_path / "results" / "quick_summary.json").read_text())
+    assert summary["not_run"] == ["device", "hand", "tests", "parity", "attention"]
+    done = suite("quick", tmp_path, QUICK_PARTS="frozen,packing", QUICK_BUDGET="9",
+                 ACCELERATOR="cpu", PACKING_BACKENDS="flex sdpa auto")  # fmt: skip
+    summary = json.loads((tmp_path / "results" / "quick_summary.json").read_text())
+    assert [(p["name"], p["ran"], p["results"]) for p in summary["parts"]] == [
+        ("frozen", False, ["quick_frozen_tower_cpu.json"]),
+        ("packing", False, [f"quick_packing_{b}_cpu.json" for b in ("flex", "sdpa", "auto")]),
+    ]
+    assert summary["settings"]["PACKING_BACKENDS"] == "flex sdpa auto"
+
+
+@pytest.mark.slow
+def test_the_quick_frozen_and_packing_parts_write_their_records(
+    demo_corpus: Path, tmp_path: Path
+) -> None:
+    """Issues 36 and 37's GPU parts on a CPU at a tiny size: each record and the summary
+    (packing with flex alone: each backend is a process of its own, and test_packing runs
+    the others)."""
+    packing = ("--steps 6 --docs-per-step 8 --max-len 64 --vocab 32 --dim 16 --layers 1 "
+               "--heads 2 --warmup 2 --rounds 1")  # fmt: skip
+    tiny = {"SIZE": "tiny", "PRECISION": "32-true", "ACCELERATOR": "cpu", "BATCH": "4",
+            "DATA_DIR": str(demo_corpus), "QUICK_PARTS": "frozen packing",
+            "FROZEN_SAMPLES": "8", "PACKING_ARGS": packing,
+            "PACKING_BACKENDS": "flex"}  # fmt: skip
+    done = suite("quick", tmp_path, **tiny)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    results = tmp_path / "results"
+    summary = json.loads((results / "quick_summary.json").read_text())
+    assert [(p["name"], p["exit"], p["limit_s"], p["results"], p["missing"])
+            for p in summary["parts"]] == [
+        ("frozen", 0, 150, ["quick_frozen_tower_cpu.json"], []),
+        ("packing", 0, 105, ["quick_packing_flex_cpu.json"], []),
+    ]  # fmt: skip
+    settings = summary["settings"]
+    assert (settings["FROZEN_SAMPLES"], settings["PACKING_ARGS"]) == ("8", packing)
+
+    frozen = json.loads((results / "quick_frozen_tower_cpu.json").read_text())
+    assert (frozen["device"], frozen["torch"]) == ("cpu", torch.__version__)
+    assert (frozen["precision"], frozen["complete"]) == ("32-true", True)
+    (row,) = frozen["rows"]
+    assert (row["model"], row["samples"], row["batch_size"]) == ("vlm-tiny", 8, 4)
+    assert (row["epochs"], row["timed_epochs"], row["rounds"]) == (4, 2, 2)
+    assert len(frozen["progress"]) == 4  # plain and cached, 2 rounds
+    # epoch 0 runs 8; epoch 1 verifies batch 1 (4 run) and serves batch 2; epochs 2-3 serve
+    assert (row["misses"], row["hits"], row["inputs_skipped"]) == (12, 20, 20)
+    assert (row["same_losses"], row["store_bytes"]) == (True, 8 * 16 * 64 * 4)
+
+    record = json.loads((results / "quick_packing_flex_cpu.json").read_text())
+    assert (record["device"], record["precision"], record["backend"]) == ("cpu", "32-true", "flex")
+    assert record["complete"] is True
+    assert (record["settings"]["dim"], record["settings"]["steps"]) == (16, 6)  # PACKING_ARGS
+    arms = [row["arm"] for row in record["rows"]]
+    assert arms == ["padded", "bucketed", "packed", "packed_ffd"]
+    fallback = "sdpa (flex unavailable: FlexAttention has no backward on CPU)"
+    assert all(row["attention_kernels"]["backends"] == [fallback] for row in record["rows"])
+    assert all(row["loss_gap_to_padded"] <= 1e-5 for row in record["rows"][2:])

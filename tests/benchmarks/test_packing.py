@@ -5,10 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+from datetime import datetime, timezone
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
+import torch
 
 from tests.helpers.modules import load_module
 
@@ -76,3 +79,67 @@ def test_the_benchmark_runs_the_arms_side_by_side_and_writes_its_table(
     assert shares == sorted(shares, reverse=True)  # packing pads less, and FFD less again
     assert all(0 < row["attention_share"] < 1 for row in rows.values())
     assert report["real_tokens"] == sum(len(d) - 1 for d in bench.corpus(48, max_len=64, vocab=32))
+
+
+@pytest.fixture(scope="module")
+def sdpa_run(bench: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """The tiny run with the defaults (CPU, float32, ``sdpa``), for the others to compare."""
+    return bench.main([*TINY, "--out", str(tmp_path_factory.mktemp("sdpa") / "packing.json")])
+
+
+def test_the_record_says_where_and_how_it_ran_and_what_each_fit_gave(
+    bench: ModuleType, sdpa_run: dict[str, Any]
+) -> None:
+    written = datetime.strptime(sdpa_run["date"], "%Y-%m-%d").replace(tzinfo=timezone.utc)
+    assert 0 <= (datetime.now(timezone.utc) - written).days <= 1  # today (UTC), at its start
+    assert (sdpa_run["device"], sdpa_run["torch"]) == ("cpu", torch.__version__)
+    assert (sdpa_run["precision"], sdpa_run["backend"]) == ("32-true", "sdpa")
+    assert sdpa_run["complete"] is True
+    # each fit's rate as it ended (what a time limit would have kept): one round, in order
+    rows = {row["arm"]: row for row in sdpa_run["rows"]}
+    assert [(p["round"], p["arm"]) for p in sdpa_run["progress"]] == [(0, arm) for arm in rows]
+    assert [p["tokens_per_sec"] for p in sdpa_run["progress"]] == [
+        row["tokens_per_sec_rounds"][0] for row in rows.values()
+    ]
+    for row in rows.values():  # the decoder's one attention module, on the kernel asked for
+        assert row["attention_kernels"] == {
+            "backends": ["sdpa"], "swapped": 1, "reverted": 0, "reasons": []}  # fmt: skip
+
+
+def test_flex_on_cpu_falls_back_per_document_and_keeps_the_documents_apart(
+    bench: ModuleType, sdpa_run: dict[str, Any], tmp_path: Path
+) -> None:
+    """FlexAttention has no backward on CPU: every arm runs SDPA per document instead, said
+    so, and trains exactly as the sdpa run. None is reverted to the model's own attention,
+    which would attend across a packed row's documents (SpeedMonitor's FLOP count of the
+    first step once made AttentionSwap revert every module under ``flex``)."""
+    report = bench.main([*TINY, "--backend", "flex", "--out", str(tmp_path / "flex.json")])
+    assert report["backend"] == "flex"
+    fallback = "sdpa (flex unavailable: FlexAttention has no backward on CPU)"
+    for row, sdpa in zip(report["rows"], sdpa_run["rows"], strict=True):
+        assert row["attention_kernels"] == {
+            "backends": [fallback], "swapped": 1, "reverted": 0, "reasons": []}  # fmt: skip
+        assert row["losses"] == sdpa["losses"]
+    assert all(row["loss_gap_to_padded"] <= 1e-5 for row in report["rows"][2:])
+
+
+def test_the_precision_is_the_trainers(
+    bench: ModuleType, sdpa_run: dict[str, Any], tmp_path: Path
+) -> None:
+    out = tmp_path / "bf16.json"
+    report = bench.main([*TINY, "--precision", "bf16-mixed", "--out", str(out)])
+    assert json.loads(out.read_text())["precision"] == report["precision"] == "bf16-mixed"
+    # bf16 autocast: float32's losses, rounded a little
+    for row, full in zip(report["rows"], sdpa_run["rows"], strict=True):
+        gaps = [abs(a - b) for a, b in zip(row["losses"], full["losses"], strict=True)]
+        assert 0 < max(gaps) < 0.05
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="asks for a GPU where there is none")
+def test_a_gpu_run_without_a_gpu_is_refused_before_it_starts(
+    bench: ModuleType, tmp_path: Path
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        bench.main([*TINY, "--accelerator", "gpu", "--out", str(tmp_path / "packing.json")])
+    assert exit_.value.code == 2
+    assert not (tmp_path / "packing.json").exists()
