@@ -27,17 +27,21 @@ __all__ = ["eager", "no_logging", "preserved"]
 
 @contextlib.contextmanager
 def preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
-    """Gradients, buffers, modes and random states of ``model`` and ``loader``, put back after."""
+    """Gradients, buffers, modes, counters, collected lists and random states of ``model``
+    and ``loader``, put back after."""
     params = list(model.parameters())
     grads = [p.grad for p in params]
     # By name: a forward may assign a new tensor (``self.count = self.count + 1``).
     buffers = [(m, name, b, b.detach().clone()) for m in model.modules()
                for name, b in m.named_buffers(recurse=False)]  # fmt: skip
     modes = [(m, m.training) for m in model.modules()]
-    # What a training step counts outside tensors (``self.seen += n``), and torchmetrics'
-    # states (not buffers): a trial's updates would show in the first epoch's metrics.
+    # What a training step counts outside tensors (``self.seen += n``), what it collects
+    # (Lightning's ``self.training_step_outputs.append(loss)``, emptied at the epoch's end),
+    # and torchmetrics' states (not buffers): a trial's would show in the first epoch's.
     scalars = [(m, {k: v for k, v in vars(m).items() if type(v) in (int, float, bool)})
                for m in model.modules()]  # fmt: skip
+    collections = [(v, copy.copy(v)) for m in model.modules() for k, v in vars(m).items()
+                   if not k.startswith("_") and type(v) in (list, dict, set)]  # fmt: skip
     metrics = [(m, copy.deepcopy(_compat.metric_state(m))) for m in model.modules()
                if _is_metric(m)]  # fmt: skip
     try:
@@ -57,6 +61,12 @@ def preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
             m.training = training
         for m, values in scalars:
             vars(m).update(values)
+        for collected, before in collections:  # in place: the step may hold it by name
+            collected.clear()
+            if isinstance(collected, list):
+                collected.extend(before)
+            else:
+                collected.update(before)
         for m, kept in metrics:
             for name, value in kept.items():
                 setattr(m, name, value)

@@ -241,17 +241,21 @@ class Counting(nn.Module):
         self.register_buffer("seen", torch.zeros(()))
         self.samples = torchmetrics.SumMetric()
         self.steps = 0
+        self.outputs: list[torch.Tensor] = [torch.zeros(1)]  # Lightning's epoch-end pattern
+        self.by_size: dict[int, int] = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen = self.seen + x.shape[0]  # a new tensor, not an in-place update
         self.samples.update(torch.tensor(float(x.shape[0])))
         self.steps += 1
+        self.outputs.append(x.sum())
+        self.by_size[x.shape[0]] = self.by_size.get(x.shape[0], 0) + 1
         return self.linear(x)
 
 
 def test_a_trial_steps_side_effects_are_undone() -> None:
     model = Counting()
-    buffer = model.seen
+    buffer, outputs = model.seen, model.outputs
     loader = DataLoader(TensorDataset(torch.randn(64, 16), torch.randn(64, 1)), batch_size=4)
 
     def step(batch: Any) -> torch.Tensor:
@@ -262,6 +266,9 @@ def test_a_trial_steps_side_effects_are_undone() -> None:
     assert model.seen is buffer
     assert float(model.seen) == 0.0
     assert model.steps == 0
+    assert model.outputs is outputs
+    assert len(model.outputs) == 1  # the trials' appends taken out, the list the same object
+    assert model.by_size == {}
     assert model.samples._update_count == 0
     model.samples.update(torch.tensor(3.0))
     assert float(model.samples.compute()) == 3.0  # nothing of the trials' 14 samples
@@ -381,9 +388,9 @@ def test_the_callback_trains_with_the_choice_and_accumulation_follows() -> None:
     assert isinstance(used.sampler, RandomSampler)
     assert used.sampler.generator is generator
     assert used.drop_last is True
-    # one trial step per size (the real training_step), then the global batch kept:
-    # 3 optimizer steps of 4 micro-batches of 8
-    assert model.sizes == [1, 2, 4, 8, 16, 32] + [8] * 12
+    # the global batch kept: 3 optimizer steps of 4 micro-batches of 8; the trial steps
+    # (the real training_step, one per size) leave nothing in what it collects
+    assert model.sizes == [8] * 12
     assert scheduler.history[0].accumulation == 4
     assert scheduler.history[0].global_batch == 32
     assert recorder.last("micro_batch/size") == 8
@@ -415,7 +422,7 @@ def test_a_loader_loaded_early_for_estimated_stepping_batches_is_replaced() -> N
     run.fit(model, DataLoader(dataset(128), batch_size=4))
     assert tuner.result is not None
     assert tuner.result.best == {"batch_size": 8}
-    assert model.sizes[4:] == [8] * 32  # after the trials: 2 epochs of 16 micro-batches of 8
+    assert model.sizes == [8] * 32  # 2 epochs of 16 micro-batches of 8 (trials left none)
     assert scheduler.history[0].accumulation == 4
     assert run.global_step == model.estimated == 8  # 2 epochs of 4 steps of 32 samples
 
@@ -589,9 +596,8 @@ def test_reloaded_loaders_come_from_the_hook_at_the_tuned_size() -> None:
     run.fit(model)
     assert model.hook_epochs == [0, 1, 2]  # once per epoch, as without the tuner
     assert epochs.seen == [(8, 0)] * 3
-    trained = model.shifts[3:]  # after the three trial steps
-    assert trained == [0] * 4 + [1] * 4 + [2] * 4  # each epoch its own data, in 4 x 8
-    assert model.sizes[3:] == [8] * 12
+    assert model.shifts == [0] * 4 + [1] * 4 + [2] * 4  # each epoch its own data, in 4 x 8
+    assert model.sizes == [8] * 12  # the three trial steps left no entry
     assert run.global_step == 6  # 2 steps of 16 samples an epoch
 
 
@@ -646,7 +652,7 @@ def test_trainer_counts_of_batches_keep_their_samples() -> None:
     run.fit(model, DataLoader(dataset(64), batch_size=4))
     # 8 batches of 4 an epoch (2 optimizer steps of 16): 4 micro-batches of 8, still 2 steps
     assert (counts.limit, counts.val_every) == (4, 3)  # 6 x 4 samples = 3 x 8
-    assert model.sizes[3:] == [8] * 8
+    assert model.sizes == [8] * 8  # the three trial steps left no entry
     assert run.global_step == 4
     assert (run.limit_train_batches, run.val_check_interval) == (8, 6)  # the user's, after
 
