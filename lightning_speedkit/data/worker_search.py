@@ -55,6 +55,7 @@ from lightning_speedkit.data import _candidates, _result_cache
 from lightning_speedkit.data._candidate_timing import describe_failure
 from lightning_speedkit.data._candidate_timing import measure_loader as _measure
 from lightning_speedkit.data._result_cache import default_cache_dir
+from lightning_speedkit.data._stream_split import repeats_in_each_worker
 from lightning_speedkit.data.rebuild import _settings, rebuild_dataloader
 from lightning_speedkit.data.tune_result import TuneResult
 from lightning_speedkit.data.worker_cores import cpu_budget, spare_cores
@@ -136,6 +137,14 @@ def _search(
     the loader as given (None if it failed).
     """
     table: list[dict[str, Any]] = []
+    if budget >= 2 and repeats_in_each_worker(loader):
+        rank_zero_warn(
+            "NumWorkersTuner: the IterableDataset gives every worker the whole stream (two "
+            "workers' first batches are the same), so more than one worker would repeat "
+            "every sample; only 0 and 1 are tried. Split the stream by worker "
+            "(`torch.utils.data.get_worker_info()`) to let more workers help."
+        )
+        budget = 1
     counts = _candidates.worker_counts(budget)
     pin = torch.cuda.is_available()
     best: dict[str, Any] = {}  # best with workers
