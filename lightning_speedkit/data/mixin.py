@@ -68,6 +68,8 @@ class SpeedDataModuleMixin:
         collate_fn: Callable[[list[Any]], Any] | None = None,
         lengths: Sequence[int] | None = None,
         seed: int = 0,
+        num_replicas: int | None = None,
+        rank: int | None = None,
         cache: bool | int = False,
         warm_cache: bool = False,
         **kwargs: Any,
@@ -82,6 +84,9 @@ class SpeedDataModuleMixin:
             collate_fn: e.g. a padding collate, or a ``PackingCollate``.
             lengths: per-sample lengths; turns on length bucketing.
             seed: bucketing's base seed (the same on every rank).
+            num_replicas, rank: with ``lengths``, the ranks bucketed batches are split
+                among and this one's, for a loader built outside Lightning's hooks (inside
+                them they come from the ``DistributedSampler`` Lightning injects).
             cache: keep samples in memory after their first read: True, or the most
                 bytes of samples per process (see :class:`SampleCache` for
                 what the dataset must promise).
@@ -95,6 +100,13 @@ class SpeedDataModuleMixin:
                 the tuner has chosen.
         """
         _validation.positive_int("batch_size", batch_size, example=32)
+        if lengths is None and (num_replicas is not None or rank is not None):
+            raise SpeedkitConfigError(
+                "`num_replicas` and `rank` split bucketed batches among ranks, and no "
+                "`lengths` were given; pass `lengths=` to bucket, or give a plain loader a "
+                "`sampler=DistributedSampler(dataset, num_replicas, rank)` (in a fit, "
+                "Lightning injects one)."
+            )
         _validation.boolean("shuffle", shuffle)
         _validation.boolean("drop_last", drop_last)
         _validation.optional(_validation.function, "collate_fn", collate_fn,
@@ -137,8 +149,9 @@ class SpeedDataModuleMixin:
                     f"{len(dataset)} samples; give one length per sample."  # type: ignore[arg-type]
                 )
             sampler = LengthBucketBatchSampler(
-                lengths, batch_size, shuffle=shuffle, seed=seed, drop_last=drop_last
-            )
+                lengths, batch_size, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
+                seed=seed, drop_last=drop_last,
+            )  # fmt: skip
             return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **options)
         return DataLoader(
             dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
