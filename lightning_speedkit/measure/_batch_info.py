@@ -21,6 +21,7 @@ summed over them. The packing fields are read as AttentionSwap reads them
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -244,6 +245,9 @@ class BatchReader:
                 return documents
         if tensors and tensors[0].ndim:
             return int(tensors[0].shape[0])
+        if fields is None and not isinstance(batch, (list, tuple, str)):
+            with contextlib.suppress(TypeError):  # an object of one's own: its own length
+                return len(batch)
         if not self._said_samples:
             self._said_samples = True
             found = "holds no tensor" if not tensors else "starts with a 0-d tensor"
