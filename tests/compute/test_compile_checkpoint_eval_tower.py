@@ -4,7 +4,6 @@ states. Each compiled block called its checkpoint wrapper again until ``Recursio
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -18,19 +17,11 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_speedkit import ActivationCheckpointing, RegionalCompile
 from lightning_speedkit.compute import compile_blocks
 from lightning_speedkit.distributed import checkpoint_blocks
+from tests.helpers.fresh_dynamo import fresh_dynamo  # noqa: F401 (autouse)
 
 from .models import Losses, trainer
 
 RTOL = 1e-5  # as the other compile tests: eager and compiled runs agree to this
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    """Each test compiles from nothing and reads its own dynamo counters."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 class Breaking(nn.Module):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -24,20 +23,12 @@ from lightning_speedkit import (
 from lightning_speedkit.compute import CompileWatch, compile_blocks, compiled_blocks
 from lightning_speedkit.compute import regional_compile as rc
 from lightning_speedkit.distributed import checkpoint_blocks, checkpointed_blocks
+from tests.helpers.fresh_dynamo import fresh_dynamo  # noqa: F401 (autouse)
 
 from ..helpers.recorder import Recorder
 from .models import Block, Losses, Net, dataset, loader, trainer
 
 RTOL = 1e-5
-
-
-@pytest.fixture(autouse=True)
-def _fresh_dynamo() -> Iterator[None]:
-    """Each test compiles from nothing and reads its own dynamo counters."""
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
 
 
 def test_blocks_compile_in_place_with_their_names_and_keys() -> None:
