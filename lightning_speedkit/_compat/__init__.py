@@ -58,6 +58,9 @@ from lightning_speedkit._compat._modules_and_loaders import (
 )
 from lightning_speedkit._compat._modules_and_loaders import mha_same_embed_dim as mha_same_embed_dim
 from lightning_speedkit._compat._modules_and_loaders import (
+    reuses_its_workers as reuses_its_workers,
+)
+from lightning_speedkit._compat._modules_and_loaders import (
     take_sampler_iterator as take_sampler_iterator,
 )
 from lightning_speedkit._compat._modules_and_loaders import tensor_version as tensor_version

@@ -128,3 +128,13 @@ def tensor_version(tensor: Any) -> int:
     if version is None:
         raise _missing("torch", "Tensor._version", "FrozenFeatureCache reads to see weights change")
     return int(version)
+
+
+def reuses_its_workers(loader: Any) -> bool:
+    """Whether iterating ``loader`` again reuses the iterator, and the worker processes,
+    of its last epoch (``persistent_workers``: ``DataLoader._iterator`` is kept)."""
+    return bool(
+        getattr(loader, "persistent_workers", False)
+        and getattr(loader, "num_workers", 0) > 0
+        and getattr(loader, "_iterator", None) is not None
+    )

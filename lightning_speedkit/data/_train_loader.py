@@ -9,13 +9,14 @@ from functools import partial
 from typing import Any
 
 import lightning as L
+import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat
 from lightning_speedkit.data._switch import switch_loader, why_not_switched
 from lightning_speedkit.data._verdict import not_tuned_message
-from lightning_speedkit.data.mixin import SpeedDataModuleMixin
+from lightning_speedkit.data.mixin import SpeedDataModuleMixin, built_by_speed_dataloader
 from lightning_speedkit.data.rebuild import rebuild_dataloader
 from lightning_speedkit.data.tune_result import TuneResult
 
@@ -52,13 +53,40 @@ def use_settings(trainer: L.Trainer, loader: DataLoader[Any] | None, best: dict[
     ``loader`` rebuilt, or (None) the next loader the user's hook or ``fit`` gives."""
     datamodule = _compat.datamodule(trainer)
     if isinstance(datamodule, SpeedDataModuleMixin):
-        datamodule.speed_loader_kwargs = dict(best)
-        return
-    # Loaders the fit loop requests later (`reload_dataloaders_every_n_epochs`, or
-    # the switch after the verdict) come from the user's hook: they get it too.
+        datamodule.speed_loader_kwargs = dict(best)  # speed_dataloader builds with them,
+        if loader is None or built_by_speed_dataloader(loader):  # inside Lightning's hook
+            return  # (where Lightning can build it again around a distributed sampler)
+    # Loaders the fit loop requests later (`reload_dataloaders_every_n_epochs`, or the
+    # switch after the verdict) come from the user's hook: they get it too, a plain
+    # DataLoader a mixin's hook builds included (it was left with its own settings).
     change = partial(with_settings, settings=dict(best))
     first = None if loader is None else change(loader)
     _compat.change_train_loader(trainer, OWNER, change, first)
+
+
+def keep_epoch_draws(trainer: L.Trainer, given: DataLoader[Any] | None) -> None:
+    """As an epoch ends, draw the number ``given`` would draw as the next one starts and a
+    loader reusing its workers does not, so that a shuffle seeded from the same generator
+    shuffles as the user's loader did.
+
+    A DataLoader draws a base seed for its workers from its generator (torch's global one
+    when it has none) each time it makes an iterator; a loader with persistent workers makes
+    one for the fit and reuses it, and the next epoch's shuffle seed is drawn as it is
+    reused (before any epoch-start hook). The seed comes from the same generator, so with
+    the tuner's persistent workers every epoch from the second on shuffled otherwise than
+    the loader as given, which made a new iterator each epoch. Not drawn after the last
+    epoch, nor before one that builds its loader again (it draws its own).
+    """
+    if given is None or given.persistent_workers or trainer.should_stop:
+        return
+    if trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs:
+        return
+    every = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)  # set on the Trainer
+    if every and (trainer.current_epoch + 1) % every == 0:
+        return
+    loader = trainer.train_dataloader
+    if isinstance(loader, DataLoader) and _compat.reuses_its_workers(loader):
+        torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
 
 
 def switch_running_epoch(trainer: L.Trainer, settings: dict[str, Any]) -> str | None:

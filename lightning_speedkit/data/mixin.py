@@ -17,7 +17,16 @@ from lightning_speedkit.data.cache import SampleCache
 from lightning_speedkit.data.worker_search import cpu_budget
 from lightning_speedkit.errors import SpeedkitConfigError
 
-__all__ = ["SpeedDataModuleMixin"]
+__all__ = ["SpeedDataModuleMixin", "built_by_speed_dataloader"]
+
+#: The loaders ``speed_dataloader`` made (a hook of the mixin may build its own instead).
+_BUILT: weakref.WeakSet[DataLoader[Any]] = weakref.WeakSet()
+
+
+def built_by_speed_dataloader(loader: Any) -> bool:
+    """Whether ``speed_dataloader`` made ``loader``, and so builds the next one with the
+    tuned settings it is given."""
+    return loader in _BUILT
 
 
 def _default_start_method() -> str:
@@ -152,11 +161,14 @@ class SpeedDataModuleMixin:
                 lengths, batch_size, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
                 seed=seed, drop_last=drop_last,
             )  # fmt: skip
-            return DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **options)
-        return DataLoader(
-            dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
-            collate_fn=collate_fn, **options,
-        )  # fmt: skip
+            loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **options)
+        else:
+            loader = DataLoader(
+                dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,
+                collate_fn=collate_fn, **options,
+            )  # fmt: skip
+        _BUILT.add(loader)
+        return loader
 
     def _warming_reaches_the_loader(self, options: dict[str, Any]) -> bool:
         """Whether the loader's reads see a warmed cache: in this process, or in workers

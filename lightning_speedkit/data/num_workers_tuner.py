@@ -19,6 +19,7 @@ from lightning_speedkit.data._compute_threads import ComputeThreads
 from lightning_speedkit.data._train_loader import (
     OWNER,
     NextEpochSwitch,
+    keep_epoch_draws,
     loader_to_tune,
     switch_running_epoch,
     use_settings,
@@ -241,6 +242,8 @@ class NumWorkersTuner(L.Callback):
         log_metrics(trainer, {"data/num_workers": float(found.best["num_workers"])})
 
     def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self._next_epoch.waiting is None:  # else the next epoch builds its loader anew
+            keep_epoch_draws(trainer, self._loader)  # before the next epoch's shuffle
         self._next_epoch.epoch_ended(trainer)  # after the epoch's validation
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
