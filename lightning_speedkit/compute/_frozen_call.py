@@ -94,7 +94,9 @@ class Slot:
     source: Hashable | None
     ready: set[Hashable] = field(default_factory=set)  # keys stored under current weights
     verified: bool = False
-    layout: Layout | None = None
+    #: Its output's layout by what else it is called with: one field read with other
+    #: arguments (``output_hidden_states=True``) may give another structure.
+    layouts: dict[Hashable, Layout] = field(default_factory=dict)
     flops_per_row: float | None = None  # its forward's model FLOPs per sample, counted
 
 
@@ -198,9 +200,9 @@ class CachedModule:
         hit = [i for i, entry in enumerate(found) if entry is not None]
         miss = [i for i, entry in enumerate(found) if entry is None]
         check = bool(hit) and self.scope.verify and not slot.verified
-        if not hit or check or slot.layout is None:  # no layout: a cache warm from disk
+        if not hit or check or signature not in slot.layouts:  # none: warm from disk
             out = self._run(args, kwargs, slot=slot)  # as the plain run computes it
-            leaves = self._leaves(out, len(keys), slot)
+            leaves = self._leaves(out, len(keys), slot, signature)
             if leaves is not None and (not check or self._check(leaves, found, hit, slot)):
                 self._keep(leaves, base, [keys[i] for i in miss], miss, slot)
                 slot.ready.update(keys[i] for i in hit)
@@ -208,7 +210,7 @@ class CachedModule:
         computed = None
         if miss:
             computed = self._run(args, kwargs, miss, slot)
-            leaves = self._leaves(computed, len(miss), slot)
+            leaves = self._leaves(computed, len(miss), slot, signature)
             if leaves is None:
                 return self._run(args, kwargs, slot=slot)
             self._keep(leaves, base, [keys[i] for i in miss], list(range(len(miss))), slot)
@@ -217,7 +219,7 @@ class CachedModule:
         slot.ready.update(keys[i] for i in hit)  # also those found on disk
         if slot.flops_per_row is not None:  # a FLOP count of this step must leave them out
             note_served_flops(slot.flops_per_row * len(hit))
-        return self._assemble(found, hit, miss, computed, len(keys), slot)
+        return self._assemble(found, hit, miss, computed, len(keys), slot.layouts[signature])
 
     def _slot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Slot:
         """This call's slot: by the batch field it reads, else by its place in the step
@@ -350,7 +352,9 @@ class CachedModule:
 
     # -- storing, checking, serving -------------------------------------------------------
 
-    def _leaves(self, out: Any, rows: int, slot: Slot) -> tuple[list[torch.Tensor], Any] | None:
+    def _leaves(
+        self, out: Any, rows: int, slot: Slot, signature: Hashable
+    ) -> tuple[list[torch.Tensor], Any] | None:
         """``out``'s tensors and its structure (``None`` fields, such as hidden states not
         asked for, kept as they are); None (and stand down) when not one row per sample."""
         tree_flatten, _ = _compat.tree_flatten_and_map()
@@ -362,8 +366,8 @@ class CachedModule:
             self.stand_down("its output is not made of tensors with one row per sample")
             return None
         places = [i for i, t in enumerate(leaves) if t is not None]
-        slot.layout = (spec, places, len(leaves), [t.dtype for t in tensors],
-                       [t.device for t in tensors])  # fmt: skip
+        slot.layouts[signature] = (spec, places, len(leaves), [t.dtype for t in tensors],
+                                   [t.device for t in tensors])  # fmt: skip
         return tensors, spec
 
     def _keep(
@@ -418,10 +422,9 @@ class CachedModule:
 
     def _assemble(
         self, found: list[Any], hit: list[int], miss: list[int], computed: Any, rows: int,
-        slot: Slot,
+        layout: Layout,
     ) -> Any:  # fmt: skip
-        assert slot.layout is not None  # set when the first hit's sample was stored
-        spec, places, count, dtypes, devices = slot.layout
+        spec, places, count, dtypes, devices = layout
         leaves = []
         fresh: list[torch.Tensor] | None = computed
         for j, (dtype, device) in enumerate(zip(dtypes, devices, strict=True)):

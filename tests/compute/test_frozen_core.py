@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -407,3 +408,35 @@ def test_remove_puts_the_forward_back() -> None:
     assert "forward" in vars(model.tower)
     cache.remove()
     assert "forward" not in vars(model.tower)
+
+
+class _Pooling(nn.Module):
+    """A tower whose output's layout depends on a keyword: a tensor, or a tuple of two."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 2).requires_grad_(False)
+
+    def forward(self, x: torch.Tensor, pool: bool = True) -> Any:
+        y = self.linear(x)
+        return y if pool else (y, y * 2)
+
+
+def test_calls_on_one_field_with_other_arguments_keep_their_own_layouts() -> None:
+    """Both calls read the same batch field; the second asks for the tuple. Served from one
+    slot, the tuple call came back as the first call's tensor."""
+    tower, x = _Pooling(), _data()
+    expected = tower(x), tower(x, pool=False)
+    model = nn.Module()
+    model.tower = tower
+    cache = cache_frozen_features(model, ["tower"], verify=True)
+    batch = {"x": x}
+    for _ in range(3):  # store, check each, serve
+        with cache.keys(range(8), batch):
+            pooled, pair = tower(batch["x"]), tower(batch["x"], pool=False)
+        assert torch.equal(pooled, expected[0])
+        assert isinstance(pair, tuple)
+        assert all(torch.equal(a, b) for a, b in zip(pair, expected[1], strict=True))
+    (slot,) = cache.cached["tower"].slots.values()  # one field: one slot, two layouts
+    assert len(slot.layouts) == 2
+    assert cache.counts()["hits"] == 8 + 16  # the second step checked the first call only
