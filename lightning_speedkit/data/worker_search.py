@@ -137,21 +137,22 @@ def _search(
     the loader as given (None if it failed).
     """
     table: list[dict[str, Any]] = []
-    if budget >= 2 and repeats_in_each_worker(loader):
+    given = _settings(loader)
+    repeats = (budget >= 2 or given["num_workers"] >= 2) and _repeats(loader)
+    if repeats:
         rank_zero_warn(
             "NumWorkersTuner: the IterableDataset gives every worker the whole stream (two "
             "workers' first batches are the same), so more than one worker would repeat "
             "every sample; only 0 and 1 are tried. Split the stream by worker "
             "(`torch.utils.data.get_worker_info()`) to let more workers help."
         )
-        budget = 1
+        budget = min(budget, 1)
     counts = _candidates.worker_counts(budget)
     pin = torch.cuda.is_available()
     best: dict[str, Any] = {}  # best with workers
     best_rate = 0.0
     in_process: dict[str, Any] = {}  # num_workers=0
     in_process_rate = 0.0
-    given = _settings(loader)
     bar = tqdm(total=len(counts) + 1, desc="Tuning DataLoader workers", unit="setting",
                disable=not progress)  # fmt: skip
     try:
@@ -183,10 +184,21 @@ def _search(
                 best, best_rate = deeper, rate
     finally:
         bar.close()
+    # The loader as given, on two workers or more, repeats every sample: never the pick.
+    as_given = None if repeats and given["num_workers"] >= 2 else given_rate
     best, best_rate = _candidates.choose(
-        (given, given_rate), (in_process, in_process_rate), (best, best_rate), min_gain
+        (given, as_given), (in_process, in_process_rate), (best, best_rate), min_gain
     )
     return table, best, best_rate, given_rate
+
+
+def _repeats(loader: DataLoader[Any]) -> bool:
+    """:func:`repeats_in_each_worker`, False where its two workers fail (a dataset that
+    fails in workers: the candidates with workers fail, and say so, as they are tried)."""
+    try:
+        return repeats_in_each_worker(loader)
+    except Exception:  # a worker's error, whatever the dataset raises
+        return False
 
 
 def _keep(cache_path: Path, result: TuneResult) -> None:
