@@ -40,8 +40,8 @@ def preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
     # and torchmetrics' states (not buffers): a trial's would show in the first epoch's.
     scalars = [(m, {k: v for k, v in vars(m).items() if type(v) in (int, float, bool)})
                for m in model.modules()]  # fmt: skip
-    collections = [(v, copy.copy(v)) for m in model.modules() for k, v in vars(m).items()
-                   if not k.startswith("_") and type(v) in (list, dict, set)]  # fmt: skip
+    collections = [(m, k, v, _contents(v)) for m in model.modules() for k, v in vars(m).items()
+                   if not k.startswith("_") and isinstance(v, _COLLECTIONS)]  # fmt: skip
     metrics = [(m, copy.deepcopy(_compat.metric_state(m))) for m in model.modules()
                if _is_metric(m)]  # fmt: skip
     try:
@@ -61,15 +61,38 @@ def preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
             m.training = training
         for m, values in scalars:
             vars(m).update(values)
-        for collected, before in collections:  # in place: the step may hold it by name
-            collected.clear()
-            if isinstance(collected, list):
-                collected.extend(before)
-            else:
-                collected.update(before)
+        for m, name, collected, before in collections:  # in place: the step may hold it
+            _refill(collected, before)
+            setattr(m, name, collected)  # and by name, should the step have bound another
         for m, kept in metrics:
             for name, value in kept.items():
                 setattr(m, name, value)
+
+
+_COLLECTIONS = (list, dict, set)
+
+
+def _contents(value: Any) -> Any:
+    """What a collection holds, one level further for the collections in a dict (a dict of
+    lists, ``{"train": [], "val": []}``); the elements themselves are not copied."""
+    if isinstance(value, dict):
+        return {k: (v, _contents(v) if isinstance(v, _COLLECTIONS) else None)
+                for k, v in value.items()}  # fmt: skip
+    return list(value)
+
+
+def _refill(collected: Any, contents: Any) -> None:
+    """``collected`` holding ``contents`` again (:func:`_contents`), the same object."""
+    collected.clear()
+    if isinstance(collected, dict):
+        for k, (v, inner) in contents.items():
+            if inner is not None:
+                _refill(v, inner)
+            collected[k] = v
+    elif isinstance(collected, list):
+        collected.extend(contents)
+    else:
+        collected.update(contents)
 
 
 def _is_metric(module: nn.Module) -> bool:

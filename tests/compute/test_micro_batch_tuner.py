@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import random
 from collections.abc import Callable
 from pathlib import Path
@@ -243,6 +244,9 @@ class Counting(nn.Module):
         self.steps = 0
         self.outputs: list[torch.Tensor] = [torch.zeros(1)]  # Lightning's epoch-end pattern
         self.by_size: dict[int, int] = {}
+        self.by_split: dict[str, list[int]] = {"train": []}  # a dict of lists
+        self.counted: collections.defaultdict[int, int] = collections.defaultdict(int)
+        self.rebound: list[int] = []  # the step binds a new list to the name
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.seen = self.seen + x.shape[0]  # a new tensor, not an in-place update
@@ -250,6 +254,9 @@ class Counting(nn.Module):
         self.steps += 1
         self.outputs.append(x.sum())
         self.by_size[x.shape[0]] = self.by_size.get(x.shape[0], 0) + 1
+        self.by_split["train"].append(x.shape[0])
+        self.counted[x.shape[0]] += 1
+        self.rebound = [*self.rebound, x.shape[0]]
         return self.linear(x)
 
 
@@ -269,6 +276,9 @@ def test_a_trial_steps_side_effects_are_undone() -> None:
     assert model.outputs is outputs
     assert len(model.outputs) == 1  # the trials' appends taken out, the list the same object
     assert model.by_size == {}
+    assert model.by_split == {"train": []}
+    assert model.counted == {}
+    assert model.rebound == []
     assert model.samples._update_count == 0
     model.samples.update(torch.tensor(3.0))
     assert float(model.samples.compute()) == 3.0  # nothing of the trials' 14 samples
