@@ -392,7 +392,7 @@ def directory(name: str, value: Any, *, fix: str) -> Path:
         fail(name, value, "must be a path or None", fix)
     path = Path(os.fspath(value)).expanduser()
     existing = path
-    while not existing.exists() and existing != existing.parent:
+    while not _exists(existing) and existing != existing.parent:
         existing = existing.parent
     if existing.exists() and not existing.is_dir():
         fail(name, str(path), "is a file" if existing == path else f"is under a file ({existing})",
@@ -400,6 +400,15 @@ def directory(name: str, value: Any, *, fix: str) -> Path:
     if not os.access(existing, os.W_OK | os.X_OK):
         fail(name, str(path), f"cannot be written to ({existing})", fix)
     return path
+
+
+def _exists(path: Path) -> bool:
+    """Whether ``path`` exists; False where asking is refused (under a folder this user
+    cannot search, where ``Path.exists`` raises on Python 3.11)."""
+    try:
+        return path.exists()
+    except OSError:
+        return False
 
 
 def write_error(directory: str | os.PathLike[str], probe: str) -> OSError | None:

@@ -29,7 +29,7 @@ from functools import cached_property
 from typing import Any
 
 import torch
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
 from lightning_speedkit.data._packed_fields import carries_packing, one_row_offsets, packing_field
 from lightning_speedkit.errors import SpeedkitConfigError
@@ -247,7 +247,16 @@ class BatchReader:
             return int(tensors[0].shape[0])
         if fields is None and not isinstance(batch, (list, tuple, str)):
             with contextlib.suppress(TypeError):  # an object of one's own: its own length
-                return len(batch)
+                samples = len(batch)
+                if not self._said_samples:
+                    self._said_samples = True
+                    rank_zero_info(
+                        f"SpeedMonitor counts the samples of a batch of type "
+                        f"`{type(batch).__name__}` by its len() ({samples}); pass "
+                        f"`SpeedMonitor(samples_per_batch=lambda batch: ...)` if that is not "
+                        f"its sample count."
+                    )
+                return samples
         if not self._said_samples:
             self._said_samples = True
             found = "holds no tensor" if not tensors else "starts with a 0-d tensor"

@@ -9,8 +9,10 @@ seed and asserts the losses equal bit for bit and the tower really served.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from torch.utils.data import DataLoader, Dataset
@@ -92,10 +94,26 @@ def test_a_dict_hook_that_returns_a_new_batch_is_served() -> None:
     assert (cache.counts["misses"], cache.counts["hits"]) == (30, 42)
 
 
-def test_the_taker_leaves_the_plugin_as_it_was_after_the_fit() -> None:
-    cache = FrozenFeatureCache(modules=["tower"])
-    fit(Classifier, lambda: DataLoader(Folder(), batch_size=6), cache, epochs=1)
-    assert cache._taker._plugin is None
+class PluginSeen(L.Callback):
+    def on_fit_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.plugin = trainer.precision_plugin
+        self.wrapped = "convert_input" in vars(self.plugin)
+
+
+class Raising(Classifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if batch_idx == 2:
+            raise RuntimeError("a fault in the step")
+        return super().training_step(batch, batch_idx)
+
+
+@pytest.mark.parametrize("model", [Classifier, Raising])
+def test_the_plugin_is_as_it_was_after_the_fit_or_a_fault(model: type[Classifier]) -> None:
+    cache, seen = FrozenFeatureCache(modules=["tower"]), PluginSeen()
+    with contextlib.nullcontext() if model is Classifier else pytest.raises(RuntimeError):
+        fit(model, lambda: DataLoader(Folder(), batch_size=6), cache, epochs=1, extra=(seen,))
+    assert seen.wrapped  # during the fit, the instance's own convert_input took the index
+    assert "convert_input" not in vars(seen.plugin)  # after it, its class's again
     assert cache._taker.taken is None
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from lightning_speedkit import SpeedkitConfigError
+from lightning_speedkit.measure import _batch_info
 from lightning_speedkit.measure._batch_info import BatchReader, number
 
 
@@ -53,12 +54,19 @@ class OwnBatch:
         return int(self.x.shape[0])
 
 
-def test_a_batch_object_of_ones_own_counts_its_length() -> None:
-    """It counted one sample a batch (samples/s 16x too low), said to hold no tensor."""
+def test_a_batch_object_of_ones_own_counts_its_length(monkeypatch: pytest.MonkeyPatch) -> None:
+    """It counted one sample a batch (samples/s 16x too low), said to hold no tensor. A
+    length need not be a sample count: which one is used is said, once."""
+    said: list[str] = []
+    monkeypatch.setattr(_batch_info, "rank_zero_info", said.append)
+    reader, batch = BatchReader(), OwnBatch(torch.zeros(16, 8))
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # nothing to say
-        batch = OwnBatch(torch.zeros(16, 8))
-        assert BatchReader().read(batch, [batch]).samples == 16
+        warnings.simplefilter("error")  # no warning
+        assert [reader.read(batch, [batch]).samples for _ in range(2)] == [16, 16]
+    assert said == [
+        "SpeedMonitor counts the samples of a batch of type `OwnBatch` by its len() (16); pass "
+        "`SpeedMonitor(samples_per_batch=lambda batch: ...)` if that is not its sample count."
+    ]
 
 
 @pytest.mark.parametrize("value", [float("nan"), "3", True, -1])
