@@ -79,8 +79,11 @@ def test_flex_with_a_document_mask_equals_per_document_sdpa(
     assert torch.equal(first, second)
 
 
-def test_flex_training_on_cpu_is_cut_per_document_instead() -> None:
+def test_flex_training_on_cpu_is_cut_per_document_instead(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """No FlexAttention backward on CPU: the call is cut, each piece falls back to SDPA."""
+    monkeypatch.setattr(backends, "_WARNED", set())  # said once per process: afresh here
     q, k, v = _qkv(grad=True)
     with packed_documents(_batch()):
         reference = Attend("sdpa")(q, k, v, is_causal=True)
