@@ -394,7 +394,7 @@ def directory(name: str, value: Any, *, fix: str) -> Path:
     existing = path
     while not _exists(existing) and existing != existing.parent:
         existing = existing.parent
-    if existing.exists() and not existing.is_dir():
+    if not existing.is_dir():  # the nearest that exists (or the root)
         fail(name, str(path), "is a file" if existing == path else f"is under a file ({existing})",
              fix)  # fmt: skip
     if not os.access(existing, os.W_OK | os.X_OK):

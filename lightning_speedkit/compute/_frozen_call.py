@@ -127,12 +127,10 @@ class CachedModule:
 
     @property
     def ready(self) -> set[Hashable]:
-        """The samples every slot has stored (and may serve): a new set when there are
-        several slots, so ask :meth:`holds` of a few keys."""
-        slots = list(self.slots.values())
-        if len(slots) == 1:
-            return slots[0].ready
-        return set.intersection(*(s.ready for s in slots)) if slots else set()
+        """The samples every slot has stored (and may serve), as a new set: ask
+        :meth:`holds` of a step's few keys."""
+        slots = [s.ready for s in self.slots.values()]
+        return set.intersection(*slots) if slots else set()
 
     def holds(self, key: Hashable) -> bool:
         """Whether every slot has ``key`` stored."""
@@ -231,11 +229,9 @@ class CachedModule:
             key, self._unnamed = ("call", self._unnamed), self._unnamed + 1
         slot = self.slots.get(key)
         if slot is None:  # a fit resumed as checked has its first slot checked
-            slot = self.slots[key] = Slot(key, source, verified=self._resumed_verified())
+            verified = self.counts.verified and not self.slots
+            slot = self.slots[key] = Slot(key, source, verified=verified)
         return slot
-
-    def _resumed_verified(self) -> bool:
-        return self.counts.verified and not self.slots
 
     def _run(
         self,

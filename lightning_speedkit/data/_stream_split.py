@@ -40,16 +40,16 @@ def repeats_in_each_worker(loader: DataLoader[Any]) -> bool:
 
 
 def _same(a: Any, b: Any) -> bool:
+    """Two batches of the same structure and equal leaves (tensors by value)."""
     tree_flatten, _ = _compat.tree_flatten_and_map()
     (left, left_spec), (right, right_spec) = tree_flatten(a), tree_flatten(b)
-    if left_spec != right_spec or len(left) != len(right):
+    return left_spec == right_spec and all(map(_same_leaf, left, right))
+
+
+def _same_leaf(x: Any, y: Any) -> bool:
+    if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+        return x.dtype == y.dtype and torch.equal(x, y)  # equal shapes too
+    try:
+        return type(x) is type(y) and bool(x == y)
+    except (TypeError, ValueError, RuntimeError):  # an array's ==: undecided, so different
         return False
-    for x, y in zip(left, right, strict=True):
-        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
-            if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
-                return False
-            if x.shape != y.shape or x.dtype != y.dtype or not torch.equal(x, y):
-                return False
-        elif x != y:
-            return False
-    return True

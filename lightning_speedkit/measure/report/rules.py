@@ -237,8 +237,9 @@ def compute_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None
     heaviest = ", ".join(f"{op['name'][:60]} {op['share']:.0%}" for op in evidence.top_ops[:3])
     idle, copies = breakdown["overhead"], breakdown["memory_copy"]
     bound = _host_bound(evidence, cpu)
+    details = {"bound": bound[0]} if bound is not None else {}  # what the host's fix is for
     if bound is not None:
-        evidence_text, fix = bound
+        _, evidence_text, fix = bound
     elif copies >= COPY_SHARE and copies + breakdown["elementwise"] > breakdown["matmul"]:
         evidence_text = (
             f"compute-bound, and copies and dtype casts take {copies:.0%} of the step "
@@ -291,16 +292,18 @@ def compute_rule(evidence: Evidence, found: Sequence[Finding]) -> Finding | None
                 "far from the hardware's peak"
             )
     share = compute + (idle if evidence.on_device or bound is not None else 0.0)
-    return Finding("compute", share, evidence_text, fix)
+    return Finding("compute", share, evidence_text, fix, details)
 
 
-def _host_bound(evidence: Evidence, cpu: bool) -> tuple[str, str] | None:
-    """The compute finding's text and fix when the host sets the pace, else None: on a
-    device idling over ``HOST_BOUND_SHARE`` (host-bound), or, on a host-only trace, where
-    the time outside any operator is over it and outweighs the operators (overhead-bound)."""
+def _host_bound(evidence: Evidence, cpu: bool) -> tuple[str, str, str] | None:
+    """What bounds the step, and the compute finding's text and fix, when the host sets
+    the pace, else None: on a device idling over ``HOST_BOUND_SHARE`` (``"host"``), or, on
+    a host-only trace, where the time outside any operator is over it and outweighs the
+    operators (``"overhead"``)."""
     breakdown, compute, idle = evidence.breakdown, evidence.compute, evidence.breakdown["overhead"]
     if evidence.on_device and idle >= HOST_BOUND_SHARE:
         return (
+            "host",
             f"host-bound: the device idles {idle:.0%} of the step with no data wait or "
             f"sync to blame (kernels {compute:.0%}, matmul {breakdown['matmul']:.0%}): "
             "the host does not launch work fast enough",
@@ -311,6 +314,7 @@ def _host_bound(evidence: Evidence, cpu: bool) -> tuple[str, str] | None:
         return None
     compile_ = f"torch.compile, {_CPU_COMPILE}" if cpu else "torch.compile (fewer, fused calls)"
     return (
+        "overhead",
         f"overhead-bound: {idle:.0%} of the step is spent outside any operator (Python, the "
         f"framework between operators) against {compute:.0%} in operators (matmul "
         f"{breakdown['matmul']:.0%}): the host's own work, not computation, sets the pace",
@@ -385,7 +389,7 @@ def amend_for_callbacks(report: Report, callbacks: Iterable[str]) -> None:
             finding.fix = fix
         on = [lever for lever in _COMPUTE_LEVERS if lever in present]
         # A host- or overhead-bound step's fix is the host's, not these compute levers.
-        if finding.kind == "compute" and on and finding.evidence.startswith("compute-bound"):
+        if finding.kind == "compute" and on and "bound" not in finding.details:
             missing = [lever for lever in _COMPUTE_LEVERS if lever not in present]
             if cpu:  # torch.compile last, and to be measured
                 left = [_COMPUTE_LEVERS[lever] for lever in missing if lever != "RegionalCompile"]
