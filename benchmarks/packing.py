@@ -220,13 +220,7 @@ def fit(arm: str, data: Documents, args: argparse.Namespace, profile: bool = Fal
     swapped attention ran, or with ``profile`` a ProfilerSchedule window's attention share."""
     L.seed_everything(0, verbose=False)
     task = LM(args)
-    # SpeedMonitor counts the first step's FLOPs under a dispatch mode that has no rule for
-    # FlexAttention's operator; AttentionSwap checks its modules in that same step, and the
-    # error made it revert every one (seen on CPU). This table needs no FLOPs: with
-    # `flex` nothing is counted (a count of 0), and the other backends are as they were.
-    flops = (lambda batch: 0.0) if args.backend == "flex" else None
-    monitor = SpeedMonitor(peak_flops=None, warmup_steps=args.warmup, max_flop_counts=1,
-                           flops_per_batch=flops)  # fmt: skip
+    monitor = SpeedMonitor(peak_flops=None, warmup_steps=args.warmup, max_flop_counts=1)
     swap = AttentionSwap(args.backend, measure=False, verbose=False)
     callbacks: list[L.Callback] = [swap]
     with tempfile.TemporaryDirectory() as traces:

@@ -393,6 +393,8 @@ PRIVATE_NAMES: list[tuple[str, str, Callable[[], Any]]] = [
     ("dispatch_mode_active", "_C", lambda: torch._C._len_torch_dispatch_stack),
     ("dispatch_mode_active", "_len_torch_dispatch_stack",
      lambda: torch._C._len_torch_dispatch_stack),
+    ("dispatch_modes_set_aside", "_disable_current_modes",
+     _module_attribute("torch.utils._python_dispatch", "_disable_current_modes")),
     ("dynamo_callback_handler", "torch._dynamo.callback",
      _module_attribute("torch._dynamo.callback", "callback_handler")),
     ("compiled_by_lightning", "_compiler_ctx",

@@ -87,6 +87,9 @@ from lightning_speedkit._compat._torch_internals import (
 from lightning_speedkit._compat._torch_internals import ddp_kwargs as ddp_kwargs
 from lightning_speedkit._compat._torch_internals import dispatch_mode_active as dispatch_mode_active
 from lightning_speedkit._compat._torch_internals import (
+    dispatch_modes_set_aside as dispatch_modes_set_aside,
+)
+from lightning_speedkit._compat._torch_internals import (
     dynamo_callback_handler as dynamo_callback_handler,
 )
 from lightning_speedkit._compat._torch_internals import (

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
@@ -152,6 +153,19 @@ def dispatch_mode_active() -> bool:
         "RegionalCompile reads to run a block eagerly under a FLOP count",
     )  # fmt: skip
     return bool(depth() > 0)
+
+
+def dispatch_modes_set_aside() -> contextlib.AbstractContextManager[Any]:
+    """torch's ``torch.utils._python_dispatch._disable_current_modes``: run what is inside
+    with every active ``TorchDispatchMode`` set aside (restored after)."""
+    import torch.utils._python_dispatch as python_dispatch
+
+    set_aside = _private(
+        python_dispatch, "_disable_current_modes", "torch",
+        "torch.utils._python_dispatch._disable_current_modes",
+        "the FLOP count sets aside around FlexAttention, which torch refuses under a dispatch mode",
+    )  # fmt: skip
+    return cast("contextlib.AbstractContextManager[Any]", set_aside())
 
 
 def dynamo_callback_handler() -> Any:

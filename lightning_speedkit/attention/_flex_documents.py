@@ -18,8 +18,10 @@ import torch
 from torch import Tensor
 
 from lightning_speedkit.attention._documents import Documents, not_compiled
+from lightning_speedkit.measure._flop_formulas import attention_flops
+from lightning_speedkit.measure.flops import run_unseen
 
-__all__ = ["document_block_mask", "flex_per_document"]
+__all__ = ["document_block_mask", "flex_per_document", "run_flex"]
 
 
 def span_ids(documents: Documents, device: torch.device) -> Tensor:
@@ -68,4 +70,24 @@ def flex_per_document(
 ) -> Tensor:
     """``flex(q, k, v, block_mask=..., ...)`` over the packed rows, documents kept apart."""
     block_mask = document_block_mask(documents, is_causal, q.device)
-    return flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    pieces = [(1, end - start, end - start) for spans in documents.spans for start, end in spans]
+    return run_flex(flex, q, k, v, block_mask, scale, pieces)
+
+
+def run_flex(
+    flex: Callable[..., Tensor],
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    block_mask: Any,
+    scale: float | None,
+    pieces: list[tuple[int, int, int]],
+) -> Tensor:
+    """One FlexAttention call. Under a FLOP count it runs with the count set aside (torch
+    runs FlexAttention under no dispatch mode but its own) and is priced as dense attention
+    over ``pieces`` of ``(batch, query length, key length)``."""
+    gqa = k.shape[1] != q.shape[1]
+    return run_unseen(
+        lambda: flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa),
+        lambda: attention_flops("flex_attention", q.shape[1], q.shape[-1], v.shape[-1], pieces),
+    )

@@ -39,7 +39,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from lightning_speedkit import _imports
 from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._flash_documents import flash_per_document
-from lightning_speedkit.attention._flex_documents import flex_per_document
+from lightning_speedkit.attention._flex_documents import flex_per_document, run_flex
 from lightning_speedkit.errors import SpeedkitConfigError
 
 log = logging.getLogger(__name__)
@@ -388,7 +388,7 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None)
         block_mask = create_block_mask(
             _causal_mask_mod, None, None, q.shape[-2], k.shape[-2], device=q.device
         )
-    return fn(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    return run_flex(fn, q, k, v, block_mask, scale, [(q.shape[0], q.shape[-2], k.shape[-2])])
 
 
 def _causal_mask_mod(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:

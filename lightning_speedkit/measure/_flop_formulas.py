@@ -10,7 +10,8 @@ variable length) and xformers' cutlass kernels, each in the layout its kernel ta
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -188,6 +189,42 @@ RECOMPUTED_IN_BACKWARD: dict[str, _Formula] = {
     "flash_attn::_flash_attn_varlen_backward": _scores_varlen,
     "xformers::efficient_attention_backward_cutlass": _xformers_rescore,
 }
+
+
+# --- kernels the count cannot see -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class KernelFlops:
+    """What one call of a kernel the count cannot see costs, priced by formula
+    (see :func:`~lightning_speedkit.measure.flops.run_unseen`).
+
+    Attributes:
+        operator: the name ``by_operator`` gives it (its backward adds ``"_backward"``).
+        forward: the call's FLOPs.
+        backward: its gradient's FLOPs, when autograd runs it.
+        rescored: the part of ``backward`` that recomputes the attention scores.
+    """
+
+    operator: str
+    forward: int
+    backward: int
+    rescored: int
+
+
+def attention_flops(
+    operator: str, heads: int, d_qk: int, d_v: int, pieces: Iterable[tuple[int, int, int]]
+) -> KernelFlops:
+    """Dense attention over ``pieces`` of ``(batch, query length, key length)``, priced
+    as torch prices SDPA: a packed batch's documents are pieces of batch 1, so the
+    price is what attending within documents costs, not over whole rows."""
+    forward = backward = rescored = 0
+    for batch, s_q, s_k in pieces:
+        q, k, v = (batch, heads, s_q, d_qk), (batch, heads, s_k, d_qk), (batch, heads, s_k, d_v)
+        forward += int(_torch_flops.sdpa_flop_count(q, k, v))
+        backward += int(_torch_flops.sdpa_backward_flop_count((batch, heads, s_q, d_v), q, k, v))
+        rescored += 2 * batch * heads * s_q * s_k * d_qk
+    return KernelFlops(operator, forward, backward, rescored)
 
 
 def formula_for(func: OpOverload) -> _Formula | None:

@@ -34,17 +34,22 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import Tensor
 
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit._compat import TorchDispatchMode
 from lightning_speedkit.measure._flop_formulas import EXTRA_FORMULAS as EXTRA_FORMULAS
-from lightning_speedkit.measure._flop_formulas import RECOMPUTED_IN_BACKWARD, formula_for
+from lightning_speedkit.measure._flop_formulas import (
+    RECOMPUTED_IN_BACKWARD,
+    KernelFlops,
+    formula_for,
+)
 from lightning_speedkit.measure._flop_owners import Owners, top_level
 
 if TYPE_CHECKING:
     from lightning_speedkit._compat import OpOverload
 
-__all__ = ["FlopCount", "count_flops"]
+__all__ = ["FlopCount", "KernelFlops", "count_flops", "run_unseen"]
 
 
 # --- the count ---------------------------------------------------------------------------
@@ -138,23 +143,64 @@ class _Counter(TorchDispatchMode):
         if formula is None or _PAUSED:
             return out
         flops = int(formula(*args, **kwargs, out_val=out))
-        if not flops:
-            return out
+        if flops:
+            rescore = RECOMPUTED_IN_BACKWARD.get(_compat.qualified_op_name(func.overloadpacket))
+            rescored = 0 if rescore is None else int(rescore(*args, **kwargs))
+            self.add(str(func.overloadpacket), flops, rescored)
+        return out
+
+    def add(self, operator: str, flops: int, rescored: int = 0) -> None:
+        """Count ``flops`` of ``operator``, ``rescored`` of which recompute attention scores
+        (a fused attention backward's): hardware FLOPs, not model FLOPs."""
         self.total += flops
-        self.by_operator[str(func.overloadpacket)] += flops
+        self.by_operator[operator] += flops
         # A forward operator inside backward with grad enabled is a recomputation
         # (activation checkpointing); plain backward runs with grad disabled.
         if self.tracker.is_bw and torch.is_grad_enabled():
             self.recomputed += flops
-            return out
-        rescore = RECOMPUTED_IN_BACKWARD.get(_compat.qualified_op_name(func.overloadpacket))
-        if rescore is not None:
-            recomputed = min(flops, int(rescore(*args, **kwargs)))
-            self.recomputed += recomputed
-            flops -= recomputed
+            return
+        recomputed = min(flops, rescored)
+        self.recomputed += recomputed
         for path in self.tracker.paths():
-            self.by_path[path] += flops
-        return out
+            self.by_path[path] += flops - recomputed
+
+
+def run_unseen(call: Callable[[], Tensor], flops: Callable[[], KernelFlops]) -> Tensor:
+    """``call()`` with the running FLOP count set aside, and priced by ``flops()`` instead.
+
+    For kernels torch refuses to run under a dispatch mode (FlexAttention raises under
+    any mode but its own). Outside a count, ``call()`` as it is; inside one, the call runs
+    with every dispatch mode set aside, its forward is counted at once, and its backward
+    when autograd reaches it, in the module paths of the moment (so a checkpointed
+    block's recomputation counts as recomputation, as an operator's would).
+    """
+    if not _ACTIVE or torch.compiler.is_compiling():
+        return call()
+    counter = _ACTIVE[-1]
+    cost = None if _PAUSED else flops()
+    if cost is not None:  # before the call: a checkpoint's recomputation stops inside
+        counter.add(cost.operator, cost.forward)  # the call once it has saved its tensors
+    with _compat.dispatch_modes_set_aside():
+        out = call()
+    if cost is not None and cost.backward and out.requires_grad:
+        out = _CountBackward.apply(out, counter, cost)
+    return out
+
+
+class _CountBackward(torch.autograd.Function):
+    """Identity whose backward counts a :class:`KernelFlops`' backward in ``counter``."""
+
+    @staticmethod
+    def forward(ctx: Any, out: Tensor, counter: _Counter, cost: KernelFlops) -> Tensor:
+        ctx.counter, ctx.cost = counter, cost
+        return out.clone()  # not a view: the model may write into its attention output
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
+        counter, cost = ctx.counter, ctx.cost
+        if counter in _ACTIVE and not _PAUSED:
+            counter.add(f"{cost.operator}_backward", cost.backward, cost.rescored)
+        return grad, None, None
 
 
 def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> FlopCount:
