@@ -114,6 +114,9 @@ class CachedModule:
         self._fingerprint = ""
         self.original = module.forward
         self.drops = 0  # times its stored features were dropped (weights changed, stood down)
+        #: Model FLOPs per sample of a call on a batch field, counted before it was cached
+        #: (``"auto"`` finds it in a step SpeedMonitor may count): what a served row saves.
+        self.flops_hints: dict[Hashable, float] = {}
 
     def new_step(self) -> None:
         self._unnamed = 0
@@ -231,6 +234,7 @@ class CachedModule:
         if slot is None:  # a fit resumed as checked has its first slot checked
             verified = self.counts.verified and not self.slots
             slot = self.slots[key] = Slot(key, source, verified=verified)
+            slot.flops_per_row = self.flops_hints.get(source) if source is not None else None
         return slot
 
     def _run(

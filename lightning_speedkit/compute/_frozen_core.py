@@ -28,6 +28,7 @@ from lightning_speedkit.compute._frozen_modules import (
 )
 from lightning_speedkit.compute._frozen_skip import SkipPlan
 from lightning_speedkit.compute._frozen_store import FeatureStore, budget_bytes
+from lightning_speedkit.measure.flops import model_flops_so_far
 
 __all__ = ["FrozenFeatures", "cache_frozen_features", "check_dtype"]
 
@@ -48,6 +49,8 @@ class FrozenFeatures:
         self._auto = modules == "auto"
         self.cached: dict[str, CachedModule] = {}
         self._found: set[str] = set()
+        self._found_flops: dict[str, dict[Hashable, float]] = {}  # per row, by batch field
+        self._watched = False  # the first step's calls have been watched
         self._probes: list[Any] = []
         self._loaded: dict[str, Any] = {}  # counters of modules "auto" has not found yet
         self._plan: SkipPlan | None = None  # the loader's: which samples come without inputs
@@ -74,6 +77,7 @@ class FrozenFeatures:
                 "call `.remove()` on that cache first, or keep only one",
             )
         cached = CachedModule(name, module, self._scope)
+        cached.flops_hints = self._found_flops.pop(name, {})
         if name in self._loaded:
             cached.counts = ModuleCounts(**self._loaded.pop(name))
         cached.attach()
@@ -104,7 +108,9 @@ class FrozenFeatures:
         self.skipped += len(stand_ins)
         for cached in self.cached.values():
             cached.new_step()
-        if self._auto and not self.cached and not self._probes and batch is not None:
+        first = not self._watched and batch is not None  # named modules: is each called?
+        if (first or (self._auto and not self.cached)) and not self._probes and batch is not None:
+            self._watched = True
             self._watch(batch)
 
     def end_step(self) -> None:
@@ -116,7 +122,10 @@ class FrozenFeatures:
             for handle in self._probes:
                 handle.remove()
             self._probes = []
-            self._choose_found()
+            if self._auto and not self.cached:
+                self._choose_found()
+            else:
+                self._warn_not_called()
         if self._plan is not None and keys:
             self._plan_ready(keys)
 
@@ -216,19 +225,35 @@ class FrozenFeatures:
             self.end_step()
 
     def _watch(self, batch: Any) -> None:
+        """Note the frozen submodules called with a tensor of ``batch`` in this step, and,
+        under a FLOP count (SpeedMonitor's first step), what each such call costs a row."""
         tree_flatten, _ = _compat.tree_flatten_and_map()
         fields = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
+        running: dict[str, tuple[Hashable, float | None]] = {}
 
-        def probe(name: str) -> Any:
+        def before(name: str) -> Any:
             def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
                 given = [*args, *kwargs.values()]
                 if any(same_tensor(value, field) for value in given for field in fields):
                     self._found.add(name)
+                    source = next((f for f, t in self._scope.fields.items()
+                                   if any(same_tensor(v, t) for v in given)), None)  # fmt: skip
+                    running[name] = (source, model_flops_so_far())
+
+            return hook
+
+        def after(name: str) -> Any:
+            def hook(module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+                source, start = running.pop(name, (None, None))
+                end, rows = model_flops_so_far(), len(self._scope.keys or ())
+                if source is not None and start is not None and end is not None and rows:
+                    self._found_flops.setdefault(name, {})[source] = (end - start) / rows
 
             return hook
 
         for name, module in frozen_candidates(self.model):
-            self._probes.append(module.register_forward_pre_hook(probe(name), with_kwargs=True))
+            self._probes.append(module.register_forward_pre_hook(before(name), with_kwargs=True))
+            self._probes.append(module.register_forward_hook(after(name), with_kwargs=True))
 
     def _choose_found(self) -> None:
         named = dict(self.model.named_modules())
@@ -243,6 +268,23 @@ class FrozenFeatures:
                 "FrozenFeatureCache(modules='auto') found no frozen submodule called with a "
                 "tensor of the batch as it is (a module whose input is computed from the batch "
                 "is not found); name it: `modules=['vision']`, or a module type."
+            )
+
+    def _warn_not_called(self) -> None:
+        """A module named to cache whose forward did not run in the first step: say which
+        of its frozen submodules took the batch's tensors instead (diffusers' VAE runs
+        ``vae.encoder`` from ``vae.encode(x)``, never ``vae(x)``)."""
+        for name, cached in self.cached.items():
+            if cached.slots or cached.counts.plain_calls:
+                continue
+            inside = [f for f in topmost(self._found) if f.startswith(f"{name}.")]
+            fix = (f"name {', '.join(f'`{f}`' for f in inside)}, which took the batch's tensors"
+                   if inside else "name the submodule the model calls")  # fmt: skip
+            self._scope.warn_once(
+                f"FrozenFeatureCache: `{name}`'s forward did not run in the first training step, "
+                f"so nothing of it is cached (a model that calls a method of it, such as "
+                f"`vae.encode(x)`, runs its submodules instead); {fix}, or pass "
+                f"`modules='auto'`."
             )
 
     # -- the rest ------------------------------------------------------------------------------

@@ -18,6 +18,8 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import operator
+import random
+import sys
 from collections.abc import Callable, Hashable, Mapping, MutableMapping, Sequence
 from numbers import Integral
 from typing import Any
@@ -26,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from lightning_speedkit import _compat, _validation
+from lightning_speedkit._random import random_state_kept
 from lightning_speedkit.compute._frozen_skip import SkipPlan
 from lightning_speedkit.data.rebuild import _batching
 from lightning_speedkit.measure._tensor_walk import named_fields
@@ -348,8 +351,11 @@ def dataset_fingerprint(dataset: Any, probes: int = 3) -> str:
 
     It tells another dataset apart when its type, its length or one of those samples
     differs; a change confined to other samples (one image replaced, the same length) is
-    not seen. Reads ``probes`` samples in full (one that raises counts by its index and the
-    error's type). A dataset without a length is known by its type only.
+    not seen. Each probe is read twice, under two seeds, and only what both reads agree on
+    is hashed: a field drawn at random (a caption picked among several, an augmentation)
+    changes no fingerprint, so a later fit on the same data finds its features. The reads
+    draw no number of the run's (its random state is put back). One that raises counts by
+    its index and the error's type. A dataset without a length is known by its type only.
 
     Example::
 
@@ -366,14 +372,52 @@ def dataset_fingerprint(dataset: Any, probes: int = 3) -> str:
     except TypeError:
         return digest.hexdigest()
     digest.update(f":{size}".encode())
-    for index in sorted({0, size // 2, size - 1} if size else set())[:probes]:
-        try:
-            sample = dataset[index]
-        except Exception as error:  # the fit meets it again, where the user expects it
-            digest.update(f"unreadable {index}: {type(error).__name__}".encode())
-            continue
-        _feed(digest, sample)
+    with random_state_kept():
+        for index in sorted({0, size // 2, size - 1} if size else set())[:probes]:
+            try:
+                first, second = (_read_seeded(dataset, index, seed) for seed in (0, 1))
+            except Exception as error:  # the fit meets it again, where the user expects it
+                digest.update(f"unreadable {index}: {type(error).__name__}".encode())
+                continue
+            _feed(digest, _agreed(first, second))
     return digest.hexdigest()
+
+
+class _Drawn:
+    """What stands in the fingerprint for a value two seeded reads of a sample disagree on."""
+
+
+def _read_seeded(dataset: Any, index: int, seed: int) -> Any:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    numpy = sys.modules.get("numpy")
+    if numpy is not None:
+        numpy.random.seed(seed)
+    return dataset[index]
+
+
+def _agreed(first: Any, second: Any) -> Any:
+    """``first`` with each part that ``second`` does not repeat replaced by a ``_Drawn``."""
+    if type(first) is not type(second):
+        return _Drawn()
+    if isinstance(first, torch.Tensor):
+        same = first.shape == second.shape and first.dtype == second.dtype
+        return first if same and torch.equal(first, second) else _Drawn()
+    if isinstance(first, Mapping):
+        if list(first) != list(second):
+            return _Drawn()
+        return {key: _agreed(first[key], second[key]) for key in first}
+    if isinstance(first, (list, tuple)):
+        if len(first) != len(second):
+            return _Drawn()
+        return [_agreed(a, b) for a, b in zip(first, second, strict=True)]
+    if callable(getattr(first, "tobytes", None)):  # numpy arrays, PIL images
+        same = getattr(first, "shape", None) == getattr(second, "shape", None)
+        return first if same and first.tobytes() == second.tobytes() else _Drawn()
+    try:
+        return first if bool(first == second) else _Drawn()
+    except Exception:  # no equality that says yes or no: known by its type
+        return first
 
 
 def _feed(digest: Any, value: Any) -> None:

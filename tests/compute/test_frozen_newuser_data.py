@@ -316,7 +316,7 @@ def test_two_frozen_towers_are_both_served_and_the_loader_leaves_both_inputs_out
     assert cached.image.rows == cached.audio.rows
     data = made[1]
     assert data.without == cache.counts["inputs_skipped"] >= 24  # epoch 3 at least
-    assert data.full + data.without == 72 + 3  # and 3 read for the dataset's fingerprint
+    assert data.full + data.without == 72 + 3 * 2  # and 3 read twice for the fingerprint
 
 
 # -- what the cache cannot serve: one line, and the plain run's losses ----------------------

@@ -57,8 +57,8 @@ def test_served_samples_are_not_decoded_and_the_losses_are_the_plain_runs(
     # Epoch 1 decodes all 96; epoch 2's first batch is decoded for the check (16), after
     # which every stored sample is ready: the other 80 of epoch 2 and all of epochs 3-4
     # come without their images, and the tower runs only for the check. Three more are
-    # read once when the fit starts: the dataset's fingerprint (first, middle, last).
-    assert sum(reads.full.values()) == 96 + 16 + 3
+    # read twice when the fit starts: the dataset's fingerprint (first, middle, last).
+    assert sum(reads.full.values()) == 96 + 16 + 3 * 2  # each twice, under two seeds
     assert sum(reads.without.values()) == 80 + 96 + 96
     assert cache.counts["inputs_skipped"] == 80 + 96 + 96
     assert cache.counts["refetched"] == 0

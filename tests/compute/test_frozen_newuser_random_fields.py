@@ -1,0 +1,183 @@
+"""FrozenFeatureCache on data a diffusion or captioning user has: a field drawn at random.
+
+A dataset that picks one of several captions with torch's generator (while the image the
+frozen tower reads is fixed) is common. The cache reads a few samples when the fit starts
+to tell datasets apart; those reads drew from the run's generators (every later loss of a
+seeded run differed from the plain run's), and the drawn caption changed the dataset's
+fingerprint at every fit, so a second fit on a ``directory`` never started warm.
+
+Also: a module named to cache whose forward never runs (diffusers' VAE, called as
+``vae.encode(x)``) is said, with the submodule to name instead.
+"""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_speedkit.compute._frozen_loader import dataset_fingerprint
+from lightning_speedkit.compute.frozen_feature_cache import FrozenFeatureCache
+
+from .test_frozen_newuser_common import Tower, fit, same_losses
+
+
+class Captioned(Dataset[dict[str, torch.Tensor]]):
+    """A fixed picture per index and one of three captions drawn with torch's generator."""
+
+    def __init__(self, size: int = 24, offset: int = 0) -> None:
+        self.size, self.offset = size, offset
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        g = torch.Generator().manual_seed(int(index) + self.offset)
+        captions = torch.randint(0, 10, (3, 4), generator=g)
+        return {"pixels": torch.rand(3, 8, 8, generator=g),
+                "caption": captions[torch.randint(0, 3, ()).item()]}  # fmt: skip
+
+
+class Denoiser(L.LightningModule):
+    """A frozen encoder, then noise drawn in the step (as latent diffusion draws it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Tower().requires_grad_(False)
+        self.text = nn.Embedding(10, 8)
+        self.head = nn.Linear(8, 8)
+        self.losses: list[torch.Tensor] = []
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        latents = self.encoder(batch["pixels"])
+        noise = torch.randn_like(latents)
+        guess = self.head(latents + noise + self.text(batch["caption"]).mean(1))
+        loss = F.mse_loss(guess, noise)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def _loader() -> DataLoader[Any]:
+    return DataLoader(Captioned(), batch_size=6, shuffle=True)
+
+
+@pytest.mark.parametrize("modules", ["auto", ["encoder"]])
+def test_the_cache_draws_no_number_of_the_runs(modules: Any) -> None:
+    # Before: 3 samples read at the fit's start drew 3 captions: every loss differed.
+    plain = fit(Denoiser, _loader, None)
+    cache = FrozenFeatureCache(modules=modules)
+    cached = fit(Denoiser, _loader, cache)
+    assert same_losses(plain, cached, 12)
+    assert cache.counts["hits"] > 0
+
+
+def test_a_field_drawn_at_random_changes_no_fingerprint_and_draws_nothing() -> None:
+    torch.manual_seed(3)
+    random.seed(3)
+    np.random.seed(3)
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()[1].copy()
+    first = dataset_fingerprint(Captioned())
+    torch.manual_seed(99)  # another run: other captions drawn
+    assert dataset_fingerprint(Captioned()) == first
+    assert dataset_fingerprint(Captioned(offset=1)) != first  # other pictures: another dataset
+    torch.manual_seed(3)
+    assert torch.equal(torch.get_rng_state(), states[0])
+    assert random.getstate() == states[1]
+    assert np.array_equal(np.random.get_state()[1], states[2])
+
+
+def test_a_second_fit_with_other_captions_starts_warm_from_the_directory(tmp_path: Path) -> None:
+    def run(seed: int) -> tuple[Denoiser, FrozenFeatureCache]:
+        cache = FrozenFeatureCache(modules=["encoder"], directory=tmp_path, budget=0)
+        torch.manual_seed(0)  # the same frozen weights
+        model = Denoiser()
+        L.seed_everything(seed, verbose=False)  # another run: other captions, noise, order
+        L.Trainer(max_epochs=1, accelerator="cpu", logger=False, enable_checkpointing=False,
+                  enable_progress_bar=False, enable_model_summary=False,
+                  callbacks=[cache]).fit(model, _loader())  # fmt: skip
+        return model, cache
+
+    first, _ = run(0)
+    assert first.encoder.rows == [6] * 4  # cold: every sample run
+    # Before: the drawn captions made another fingerprint, a new folder, and a cold fit.
+    second, cache = run(1)
+    assert second.encoder.rows == [6]  # the first reuse is checked; the rest served
+    assert cache.counts["hits"] == 18
+    assert len([p for p in tmp_path.iterdir() if not p.name.startswith(".")]) == 1
+
+
+class Encoder(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, stride=2)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.conv(images).flatten(1)
+
+
+class AutoencoderKL(nn.Module):
+    """diffusers' VAE as a training script calls it: ``vae.encode(x)``, never ``vae(x)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder, self.decoder = Encoder(), nn.Linear(36, 8)
+
+    def encode(self, images: torch.Tensor) -> torch.Tensor:
+        return self.encoder(images)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.decoder(self.encode(images))
+
+
+class LatentDenoiser(Denoiser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.vae = AutoencoderKL().requires_grad_(False)
+        self.head = nn.Linear(36, 36)
+        self.text = nn.Embedding(10, 36)
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        latents = self.vae.encode(batch["pixels"])
+        noise = torch.randn_like(latents)
+        loss = F.mse_loss(self.head(latents + noise + self.text(batch["caption"]).mean(1)), noise)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+
+def test_a_named_module_whose_forward_never_runs_is_said_with_the_one_to_name() -> None:
+    cache = FrozenFeatureCache(modules=["vae"])
+    with pytest.warns(UserWarning, match=r"`vae`'s forward did not run .* name `vae.encoder`"):
+        fit(LatentDenoiser, _loader, cache, epochs=1)
+    assert cache.counts["hits"] + cache.counts["misses"] == 0
+    named = FrozenFeatureCache(modules=["vae.encoder"])  # the fix the warning names
+    fit(LatentDenoiser, _loader, named, epochs=2)
+    assert named.counts["hits"] > 0
+
+
+@pytest.mark.parametrize("modules", ["auto", ["encoder"]])
+def test_speed_monitor_takes_the_served_encoder_off_when_auto_found_it(modules: Any) -> None:
+    # "auto" finds the encoder in the one step SpeedMonitor counts (every batch has one
+    # shape here), before it is cached: its cost is measured as it is found. Before, it was
+    # never known, and every served row was counted as run.
+    from lightning_speedkit import SpeedMonitor, count_flops
+
+    plain_monitor = SpeedMonitor(warmup_steps=0, log_every_n_steps=4)  # one figure an epoch
+    plain = fit(Denoiser, _loader, None, extra=(plain_monitor,))
+    monitor = SpeedMonitor(warmup_steps=0, log_every_n_steps=4)
+    fit(Denoiser, _loader, FrozenFeatureCache(modules=modules), extra=(monitor,))
+    encoder = count_flops(plain.encoder, torch.zeros(6, 3, 8, 8)).model / 6
+    whole = plain_monitor.last_metrics["flops_per_sample"]
+    # Epoch 3 is served whole: its steps spent the model's FLOPs less the encoder's.
+    assert monitor.last_metrics["flops_per_sample"] == pytest.approx(whole - encoder, rel=1e-9)
+    assert encoder > 0.5 * whole
