@@ -35,9 +35,15 @@ def _checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
     # after it was wrapped (found by tracing at its first call) runs inside the checkpoint,
     # and the recomputation runs the forward this call ran.
     forward = _surgery.wrapped_forward(module)
-    if not (module.training and torch.is_grad_enabled()) or _surgery.wrappers_paused():
-        # Nothing is kept for backward anyway; or the call is traced for attention, which
-        # may be swapped at its end: its recomputation would run the swap.
+    if (
+        not (module.training and torch.is_grad_enabled())
+        or _surgery.wrappers_paused()
+        or not _gradient_passes(module, args, kwargs)
+    ):
+        # Nothing is kept for backward anyway (a frozen block on frozen inputs: compiled,
+        # a checkpoint there is an inference graph, whose recomputation pass refuses
+        # dropout's random numbers); or the call is traced for attention, which may be
+        # swapped at its end: its recomputation would run the swap.
         return forward(*args, **kwargs)
     if torch.compiler.is_compiling():
         # Compiled, the recomputation is part of the backward graph, traced from this
@@ -52,6 +58,16 @@ def _checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     contexts = partial(_contexts, stats, settings)
     return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+
+
+def _gradient_passes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+    """Whether backward reaches this call: a parameter of the block, or a tensor it is given
+    (or one in a tuple it is given, as rotary ``position_embeddings``), requires grad."""
+    if any(p.requires_grad for p in module.parameters()):
+        return True
+    given = [*args, *kwargs.values()]
+    flat = [v for x in given for v in (x if isinstance(x, (tuple, list)) else (x,))]
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in flat)
 
 
 def _running_stats(module: nn.Module) -> list[nn.Module]:

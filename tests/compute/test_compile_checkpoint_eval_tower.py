@@ -126,3 +126,35 @@ def test_a_frozen_tower_in_eval_mode_trains_with_compiled_checkpointed_layers(
     assert len(compile_callback.compiled) == 2  # both encoder layers
     assert checkpoint_callback.checkpointed == compile_callback.compiled
     assert losses == pytest.approx(_fit(family, hidden_states, []), rel=RTOL)
+
+
+class TrainModeTower(FrozenTower):
+    """The frozen tower left in train mode, its attention dropout on (a user who freezes
+    weights but not the mode): no gradient passes its layers."""
+
+    def __init__(self) -> None:
+        super().__init__("clip", False)
+        torch.manual_seed(0)
+        config = transformers.CLIPVisionConfig(**_TOWER, attention_dropout=0.1)
+        self.tower = transformers.CLIPVisionModel(config).requires_grad_(False)
+
+    def on_train_epoch_start(self) -> None:
+        pass
+
+
+def test_a_frozen_tower_in_train_mode_is_not_checkpointed_under_compile() -> None:
+    """A checkpoint no gradient passes is an inference graph once compiled, and AOTAutograd
+    refused it: "does not support RNG ops in recompute regions" (the dropout), at the
+    first step. Nothing is kept for backward there: the block runs as it is."""
+
+    def fit(callbacks: list[L.Callback]) -> list[float]:
+        losses = Losses()
+        torch.manual_seed(2)  # the dropout's draws
+        trainer(2, [*callbacks, losses]).fit(TrainModeTower(), _images())
+        return losses.losses
+
+    compiled = fit([RegionalCompile(backend="aot_eager", verbose=False)])
+    checkpoint_callback = ActivationCheckpointing(verbose=False)
+    both = fit([RegionalCompile(backend="aot_eager", verbose=False), checkpoint_callback])
+    assert len(checkpoint_callback.checkpointed) == 2
+    assert both == compiled  # the same compiled layers, run as they are
