@@ -3,7 +3,8 @@
 A swapped module's first call on real inputs (and its first with gradients) runs
 its own forward and the fused one on copies of those inputs and compares them
 (:mod:`._parity`); ``auto`` also times the passing backends (:mod:`._auto_timing`).
-A module whose fused forward fails is reverted to its own, with a warning.
+A module whose fused forward fails is reverted to its own, with a warning; so is one
+whose own forward ``auto`` timed clearly faster, unless a packed batch needs the swap.
 Decisions made elsewhere (rank 0's, a resumed run's) are taken with
 :meth:`_SwappedForward.adopt`.
 """
@@ -28,7 +29,7 @@ from lightning_speedkit._surgery import (
     restore_forward,
 )
 from lightning_speedkit.attention import _documents
-from lightning_speedkit.attention._auto_timing import pick_fastest
+from lightning_speedkit.attention._auto_timing import OWN_FASTER_BELOW, own_is_faster, pick_fastest
 from lightning_speedkit.attention._own_calls import warn_own_attention
 from lightning_speedkit.attention._parity import (
     Inputs,
@@ -131,6 +132,7 @@ class _SwappedForward:
         # backward stays theirs (an enclosing activation checkpoint must not count it). A
         # packed batch's documents are left out: both forwards attend over whole rows.
         note_first_call_work()  # a step unlike later ones: SpeedMonitor counts another
+        packed = _documents.active() is not None  # read before the check suspends them
         modes = [(m, m.training) for m in self.module.modules()]
         with (
             eval_mode(self.module),
@@ -146,6 +148,7 @@ class _SwappedForward:
                 time_it=True,  # auto always times its candidates; one backend only if measure
                 label="forward+backward" if grad else "forward",
                 training=modes if any(training for _, training in modes) else None,
+                packed=packed,
             )
         if passed:
             self.checked_forward = True
@@ -161,12 +164,16 @@ class _SwappedForward:
         time_it: bool,
         label: str,
         training: list[tuple[nn.Module, bool]] | None = None,
+        packed: bool = False,
     ) -> bool:
         """Compare fused against own on copies of these inputs; revert on failure.
 
         Compared in eval mode (no dropout, the same numbers both ways); ``training``, the
         modes of a module called in training, has each passing backend also run once
         in them, to drop one that cannot (the CPU's flash kernel has no dropout).
+        ``auto`` reverts a module whose own forward was timed clearly faster than every
+        passing backend, unless ``packed`` (a packed batch's documents were active at the
+        call): only the swapped attention keeps them apart.
 
         Returns whether a check happened and passed (the adapter may not handle
         these inputs: then nothing is decided).
@@ -183,8 +190,9 @@ class _SwappedForward:
             return False
         if not own.tensors:
             return False
-        requested = entry.requested
-        if requested == "auto" and label != "synthetic" and not self._pinned:
+        # auto picks here (a pinned module runs the pick made elsewhere, as decided there)
+        auto = entry.requested == "auto" and label != "synthetic" and not self._pinned
+        if auto:
             candidates: Sequence[str] = auto_candidates(own.tensors[0].device)
         else:
             candidates = [self.ctx.attend.backend]
@@ -223,8 +231,11 @@ class _SwappedForward:
         if not passing:
             self._revert(failure)
             return False
-        if time_it and (len(passing) > 1 or self.measure):
-            backend, error_value, entry.speedup = self._pick(own, passing, copies, grad)
+        if time_it and (len(passing) > 1 or self.measure or auto):  # own is auto's candidate
+            backend, error_value, entry.speedup, timed = self._pick(own, passing, copies, grad)
+            if auto and own_is_faster(entry.speedup) and not packed:
+                self._keep_own(backend, entry.speedup, warn=timed)
+                return False
         else:
             backend, error_value, _ = passing[0]
         attend = self._attend(backend)
@@ -237,24 +248,41 @@ class _SwappedForward:
 
     def _pick(
         self, own: Run, passing: list[tuple[str, float, Run]], inputs: Inputs, grad: bool
-    ) -> tuple[str, float, float | None]:
-        """The fastest passing backend; ``auto`` times it once per kind of call.
+    ) -> tuple[str, float, float | None, bool]:
+        """The fastest passing backend, its error and speedup, and whether it was timed
+        here (not taken from an earlier module of its kind); ``auto`` times once per kind.
 
         Modules of one class called on inputs of one shape (a model's blocks) do the same
         work: timing each anew would pick by noise, and blocks that differ only in their
         backend compile to one graph each (dynamo guards on the backend), which soon runs
-        past dynamo's recompile limit and leaves the later blocks uncompiled.
+        past dynamo's recompile limit and leaves the later blocks uncompiled. The kind's
+        speedup goes with its pick, so its modules also keep or leave their own forward
+        alike.
         """
         if self.entry.requested != "auto":
-            return pick_fastest(own, passing)
+            return (*pick_fastest(own, passing), True)
         kind = _call_kind(self.module, self.entry, inputs, grad)
         known = self._picks.get(kind)
         for backend, error_value, _ in passing:
             if known is not None and backend == known[0]:
-                return backend, error_value, known[1]
+                return backend, error_value, known[1], False
         backend, error_value, speedup = pick_fastest(own, passing)
         self._picks[kind] = (backend, speedup)  # the later modules of its kind take it
-        return backend, error_value, speedup
+        return backend, error_value, speedup, True
+
+    def _keep_own(self, backend: str, speedup: float | None, *, warn: bool) -> None:
+        """``auto``'s revert of a module whose own forward was timed clearly faster.
+
+        Reported like a failed check (``reverted``, with the reason and the ratio); said
+        once per kind of call: the later modules of its kind are reverted without a word.
+        """
+        self._revert(
+            f"own forward faster: {backend!r}, the fastest passing backend, ran at "
+            f"{speedup:.2f}x the own forward's speed (auto swaps from "
+            f"{OWN_FASTER_BELOW:.2f}x; name a backend to swap it anyway)",
+            warn=warn,
+            more="; the modules of its kind called later keep theirs too",
+        )
 
     def _fails_in_training(
         self,
@@ -345,14 +373,15 @@ class _SwappedForward:
             entry.parity_error = decision.get("parity_error")
             entry.speedup = decision.get("speedup")
 
-    def _revert(self, reason: str) -> None:
+    def _revert(self, reason: str, *, warn: bool = True, more: str = "") -> None:
         restore_forward(self.module, self)
         self.entry.status = "reverted"
         self.entry.reason = reason
-        rank_zero_warn(
-            f"AttentionSwap kept {self.entry.name or type(self.module).__name__!r}'s own "
-            f"attention ({self.entry.family}): {reason}."
-        )
+        if warn:
+            rank_zero_warn(
+                f"AttentionSwap kept {self.entry.name or type(self.module).__name__!r}'s own "
+                f"attention ({self.entry.family}): {reason}{more}."
+            )
 
 
 def _call_kind(module: nn.Module, entry: ModuleSwap, inputs: Inputs, grad: bool) -> Hashable:

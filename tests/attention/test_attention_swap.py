@@ -18,6 +18,7 @@ from speedkit_examples.vlm import CaptionTokenizer, VLMConfig, VLMDataModule, VL
 
 from ..conftest import SMALL_CORPUS
 from ..helpers.multiprocess import run_script
+from .test_auto_keeps_own import rig_auto_timing
 from .test_traced import Block, CrossAttention
 
 ATTENTION = [
@@ -60,7 +61,10 @@ def _fit(
     return trainer, task
 
 
-def test_fit_swaps_checks_on_the_first_step_and_trains_like_plain(small_corpus: Path) -> None:
+def test_fit_swaps_checks_on_the_first_step_and_trains_like_plain(
+    small_corpus: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig_auto_timing(monkeypatch, own=2.0, fused=1.0)  # auto swaps: tiny blocks, no noise
     swap = AttentionSwap("auto", verbose=False)
     trainer, task = _fit(small_corpus, [swap])
     _, plain = _fit(small_corpus, [])
@@ -86,7 +90,10 @@ def test_report_is_printed_after_the_first_batch(
     assert "| model.vision.blocks.0.attn | structural | sdpa | active |" in caplog.text
 
 
-def test_resume_keeps_autos_picks_and_reverts(small_corpus: Path, tmp_path: Path) -> None:
+def test_resume_keeps_autos_picks_and_reverts(
+    small_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig_auto_timing(monkeypatch, own=2.0, fused=1.0)  # auto swaps every module
     swap = AttentionSwap("auto", verbose=False)
     checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
     _fit(small_corpus, [swap, checkpoint], steps=2, enable_checkpointing=True)

@@ -6,7 +6,9 @@ tests/helpers/multiprocess.py.
 
 ``--disagree`` makes rank 1 decide differently from rank 0, as ranks can on their own
 batches: its ``auto`` has only ``math`` to pick (rank 0: ``sdpa`` or ``flash``) and
-its parity check fails one module (``--revert-on-rank-1``).
+its parity check fails one module (``--revert-on-rank-1``). Both ranks time on a
+virtual clock, each backend twice as fast as the module's own forward: tiny blocks on
+CPU time by noise, and ``auto`` keeps a module's own forward where that was faster.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from pathlib import Path
 from typing import Any
 
 import lightning as L
+import pytest
 import torch
 
 from lightning_speedkit import AttentionSwap
 from lightning_speedkit.attention import _swapped_forward as _swap_module
 from lightning_speedkit.attention.swap import swapped_modules
 from speedkit_examples.vlm import CaptionTokenizer, CorpusConfig, VLMConfig, VLMDataModule, VLMTask
+from tests.attention.test_auto_keeps_own import rig_auto_timing
 from tests.helpers.multiprocess import finish_rank
 
 
@@ -34,6 +38,7 @@ class DisagreeingSwap(AttentionSwap):
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
+        rig_auto_timing(pytest.MonkeyPatch(), own=2.0, fused=1.0)  # this process's, never undone
         if trainer.global_rank == 1:
             _swap_module.auto_candidates = lambda device: ("math",)
             swapped_modules(pl_module)[self.revert].tolerance = -1.0  # no error passes: fails here
