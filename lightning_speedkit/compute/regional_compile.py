@@ -136,6 +136,8 @@ class RegionalCompile(L.Callback):
             self._turn_cache_off(pl_module, compiled_blocks(pl_module), stage)
             return
         self._reported = False
+        self.watch.remove()  # each fit counts its own compilations (a later fit reuses the
+        self.watch, self._logged = CompileWatch(), (0, 0, 0.0)  # compiled blocks)
         on_cpu = trainer.strategy.root_device.type == "cpu"
         # A module that builds its blocks in configure_model: compiled right after it.
         when_model_ready(pl_module, partial(self._compile, pl_module, on_cpu))
@@ -209,6 +211,9 @@ class RegionalCompile(L.Callback):
                 rank_zero_info(
                     f"RegionalCompile: compiled {watch.graphs} graph(s) in {watch.seconds:.1f} s "
                     f"during the first step"
+                    if watch.graphs
+                    else "RegionalCompile: nothing compiled during the first step (the blocks' "
+                    "code, compiled in an earlier fit, is reused)"
                 )
         allowed = self.recompile_warning + self._classes - 1
         if not self._warned and watch.most_recompiled >= allowed:

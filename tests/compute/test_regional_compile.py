@@ -221,6 +221,23 @@ def test_a_second_fit_in_the_process_counts_graphs_and_recompiles_that_add_up() 
     assert watch.most_recompiled == 2
 
 
+def test_a_second_fit_with_the_same_callback_reports_its_own_compilations(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A later fit reuses the compiled blocks: it compiled nothing, and says so. Before, it
+    printed the first fit's totals as its own ("compiled 1 graph(s) in 1.2 s")."""
+    model, callback = Net(depth=2), RegionalCompile(backend="eager", dynamic=False)
+    trainer(2, [callback]).fit(model, loader())
+    first = callback.watch.snapshot()
+    caplog.clear()
+    with caplog.at_level("INFO"):
+        trainer(2, [callback]).fit(model, loader())
+    assert first[0] >= 1
+    assert callback.watch.snapshot() == (0, 0, 0.0)
+    assert "nothing compiled during the first step" in caplog.text
+    assert "compiled 1 graph" not in caplog.text
+
+
 # --- what "auto" picks: no generic containers, no block inside another ----------------------
 
 
