@@ -47,7 +47,8 @@ class AttentionSwap(L.Callback):
 
     Args:
         backend: ``"auto"`` (default: time the candidates on the first real
-            inputs and keep the fastest that passes), or one of ``"sdpa"``,
+            inputs and keep the fastest that passes, or the module's own forward where
+            that was clearly faster), or one of ``"sdpa"``,
             ``"flash"``, ``"efficient"``, ``"cudnn"``, ``"flex"``, ``"math"``.
             The default is ``"auto"`` where :func:`~lightning_speedkit.swap_attention`'s
             is ``"sdpa"``: timing can pick differently on each rank and in each run, and

@@ -24,7 +24,9 @@ How a swap works:
 3. ``backend="auto"`` times the candidate backends on those real inputs, with
    backward, and keeps the fastest that passes: once per kind of call (module class
    and input shapes), so a model's like blocks share one backend and, compiled, one
-   graph.
+   graph. Where the module's own forward was timed more than 10% faster than every
+   passing backend, it keeps its own (reverted, with the ratio), unless a packed
+   batch is active: only the swapped attention keeps its documents apart.
 4. Under ``torch.distributed``, :func:`agree_across_ranks` makes every rank run
    rank 0's decisions (AttentionSwap calls it after the first training batch).
 
@@ -89,7 +91,8 @@ def swap_attention(
             (compile after swapping).
         backend: ``"sdpa"`` (PyTorch picks the kernel: start here), ``"flash"``,
             ``"efficient"``, ``"cudnn"``, ``"flex"``, ``"math"``, or ``"auto"`` (time
-            the candidates on the first real inputs, keep the fastest that passes).
+            the candidates on the first real inputs, keep the fastest that passes, or
+            the module's own forward where that was clearly faster).
             A backend the device cannot run falls back to ``"sdpa"``, said once.
             The default is ``"sdpa"`` where :class:`~lightning_speedkit.AttentionSwap`'s
             is ``"auto"``: ``auto`` picks by timing, which can pick differently on each
