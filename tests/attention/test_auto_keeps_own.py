@@ -51,6 +51,9 @@ def rig_auto_timing(monkeypatch: pytest.MonkeyPatch, *, own: float, fused: float
     return picked
 
 
+pytestmark = pytest.mark.own_timing  # these tests drive the clock: the margin is real
+
+
 class EagerAttention(nn.Module):
     """Attention written out, CLIP-text-encoder style: q @ k^T, softmax, @ v over heads;
     named so that no family claims it (found by a trace: the ``traced`` family)."""
