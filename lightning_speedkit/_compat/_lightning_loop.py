@@ -182,6 +182,10 @@ def dataloader_built_again(loader: Any, changes: dict[str, Any]) -> Any | None:
             return None
         readable = {"multiprocessing_context": loader.multiprocessing_context, **kept}
         kwargs = {n: readable[n] for n in named if n in readable}
+        # A loader keeps both its batch sampler and what made it; it takes one or the other.
+        made_by = ("batch_sampler",) if loader.batch_size is not None else _BATCHING
+        for name in made_by:
+            kwargs.pop(name, None)
     kwargs.update(changes)
     if not takes_any and not set(kwargs) <= set(named):
         return None
@@ -201,6 +205,9 @@ def dataloader_built_again(loader: Any, changes: dict[str, Any]) -> Any | None:
             return None
     return again
 
+
+#: What a loader given a batch sampler takes from it instead (DataLoader refuses both).
+_BATCHING = ("batch_size", "drop_last", "sampler", "shuffle")
 
 #: DataLoader arguments that, given as None, the loader fills in itself.
 _MADE_WHEN_NONE = frozenset({"sampler", "batch_sampler", "prefetch_factor"})

@@ -461,3 +461,31 @@ def test_rows_read_again_pass_through_the_batch_hooks_as_the_loaders_did() -> No
     cached = fit(Rescaled, loader, cache, extra=(DropAt(10),))  # features gone in epoch 3
     assert same_losses(plain, cached, 12)
     assert cache.counts["refetched"] == 18  # batches 10-12 came without images
+
+
+# -- torchdata's StatefulDataLoader, made outside a hook ------------------------------------
+
+
+def _stateful_pictures() -> Any:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    return StatefulDataLoader(Folder(), batch_size=6, shuffle=True,
+                              generator=torch.Generator().manual_seed(1))  # fmt: skip
+
+
+def test_a_shuffled_stateful_dataloader_keeps_its_class_and_its_order() -> None:
+    """Built again to carry the index, it was a torch DataLoader over the same sampler
+    (both the batch sampler it keeps and the batch size it was given, which DataLoader
+    refuses together): torchdata's sampler then ordered every epoch otherwise, and the
+    losses were not the plain run's (6.1 off, measured)."""
+    pytest.importorskip("torchdata.stateful_dataloader", reason="needs torchdata (test extra)")
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from lightning_speedkit.compute._frozen_loader import with_sample_index
+
+    assert type(with_sample_index(_stateful_pictures())) is StatefulDataLoader
+    plain = fit(Classifier, _stateful_pictures, None)
+    cache = FrozenFeatureCache(modules=["tower"])
+    cached = fit(Classifier, _stateful_pictures, cache)
+    assert same_losses(plain, cached, 12)
+    assert cache.counts["hits"] == 42
