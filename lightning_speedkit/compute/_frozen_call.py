@@ -410,9 +410,11 @@ class CachedModule:
                     "most likely a random augmentation of its input (random crops, flips, color "
                     "jitter), randomness inside it, its weights written through `p.data` in "
                     "this epoch (an EMA teacher: cache it only if it changes between epochs), "
-                    "or a collate_fn that reorders the samples (the rows must follow the "
-                    "sampler's order). Augment before caching only with a fixed per-sample "
-                    "transform, or remove FrozenFeatureCache",
+                    "a collate_fn that reorders the samples (the rows must follow the "
+                    "sampler's order), or a dataset changed in place with its first, middle "
+                    "and last samples the same (a reload that picks another subset: key by a "
+                    "sample id, `key='<field>'`). Augment before caching only with a fixed "
+                    "per-sample transform, or remove FrozenFeatureCache",
                     wrong=True,
                 )
                 return False
