@@ -58,6 +58,7 @@ TEMPORARY = {
     ("lightning_speedkit/attention/adapters.py", "_supports_flex_attn"),
     ("lightning_speedkit/attention/adapters.py", "_attn_implementation"),
     ("lightning_speedkit/attention/adapters.py", "_attn_implementation_internal"),
+    ("lightning_speedkit/measure/_packed_check.py", "_attn_implementation"),
 }
 
 

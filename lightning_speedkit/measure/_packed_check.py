@@ -23,6 +23,7 @@ from collections.abc import Iterable
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
+from torch import nn
 
 from lightning_speedkit import _surgery
 from lightning_speedkit.measure._batch_info import BatchInfo
@@ -39,15 +40,28 @@ MIXED_DOCUMENTS = (
 _ATTENTION_SWAP = "lightning_speedkit.attention.attention_swap"
 
 
-def documents_kept_apart(callbacks: Iterable[L.Callback], model: L.LightningModule) -> bool:
+def documents_kept_apart(
+    callbacks: Iterable[L.Callback], model: nn.Module, transformers_varlen: bool = False
+) -> bool:
     """Whether attention in ``model`` takes a packed batch's documents: AttentionSwap among
-    ``callbacks`` (it also says itself what it could not swap), or a module of ``model``
-    swapped by ``swap_attention``."""
+    ``callbacks`` (it also says itself what it could not swap), a module of ``model``
+    swapped by ``swap_attention``, or, for a batch of transformers' flash-attention
+    arguments (``transformers_varlen``), a transformers model set to flash attention,
+    whose variable-length kernel reads them itself."""
     module = sys.modules.get(_ATTENTION_SWAP)  # never imported here: see the module docstring
     swap = getattr(module, "AttentionSwap", None)
     if swap is not None and any(isinstance(callback, swap) for callback in callbacks):
         return True
+    if transformers_varlen and any(_flash_attention(m) for m in model.modules()):
+        return True
     return any(_surgery.replaced_forward(m) is not None for m in model.modules())
+
+
+def _flash_attention(module: nn.Module) -> bool:
+    """A transformers model whose config runs flash attention (``flash_attention_2``,
+    ``flash_attention_3``, a hub kernel of flash-attn): it takes ``cu_seq_lens_q``."""
+    implementation = getattr(getattr(module, "config", None), "_attn_implementation", None)
+    return isinstance(implementation, str) and "flash" in implementation
 
 
 def warn_if_documents_mix(
@@ -58,5 +72,5 @@ def warn_if_documents_mix(
     if info is None or not info.first_packed:
         return
     callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
-    if not documents_kept_apart(callbacks, model):
+    if not documents_kept_apart(callbacks, model, info.transformers_varlen):
         rank_zero_warn(MIXED_DOCUMENTS)

@@ -7,6 +7,7 @@ every token attending across the documents of its row, and nothing said so.
 from __future__ import annotations
 
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import lightning as L
@@ -89,6 +90,28 @@ def test_each_packing_field_alone_marks_a_packed_batch(field: str) -> None:
     ours_name = {"seq_idx": "document_ids", "cu_seq_lens_q": "cu_seqlens"}.get(field, field)
     batch = {"input_ids": ours["input_ids"], "labels": ours["labels"], field: ours[ours_name]}
     assert _said(Task(), batch, _monitor()) == [MIXED_DOCUMENTS]
+
+
+@pytest.mark.parametrize(
+    ("implementation", "field", "said"),
+    [
+        ("flash_attention_2", "cu_seq_lens_q", False),  # transformers' recipe: apart
+        ("flash_attention_3", "cu_seq_lens_q", False),
+        ("flash_attention_2", "cu_seqlens", True),  # ours: transformers does not read it
+        ("sdpa", "cu_seq_lens_q", True),  # its sdpa path ignores the argument
+    ],
+)
+def test_a_transformers_model_on_flash_attention_reads_its_own_packing_fields(
+    implementation: str, field: str, said: bool
+) -> None:
+    """``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` and a model set to
+    flash attention: transformers' variable-length kernel keeps the documents apart, and
+    the warning (whose fix, AttentionSwap, would run them slower) was wrong there."""
+    model = TinyGPT()
+    model.config = SimpleNamespace(_attn_implementation=implementation)  # as transformers'
+    ours = _packed()
+    batch = {"input_ids": ours["input_ids"], "labels": ours["labels"], field: ours["cu_seqlens"]}
+    assert _said(Task(model), batch, _monitor()) == ([MIXED_DOCUMENTS] if said else [])
 
 
 @pytest.mark.parametrize("monitor_first", [True, False], ids=["monitor-first", "swap-first"])
