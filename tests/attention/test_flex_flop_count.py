@@ -12,8 +12,6 @@ stand-in kernel that refuses dispatch modes as FlexAttention does.
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import lightning as L
@@ -31,15 +29,9 @@ from lightning_speedkit.data import PackingCollate
 from lightning_speedkit.measure.flops import KernelFlops, count_flops, run_unseen
 
 from .test_packed_documents import NanoGPT, _samples
+from .test_packed_flex import _quiet_eager_flex  # noqa: F401 (autouse)
 
 LENGTHS = (5, 3, 7, 2, 4, 6)  # rows of 12: [5, 3, pad 4], [7, 2, pad 3], [4, 6, pad 2]
-
-
-@pytest.fixture(autouse=True)
-def _quiet_eager_flex() -> Iterator[None]:
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile")
-        yield
 
 
 def _qkv() -> tuple[Tensor, Tensor, Tensor]:
