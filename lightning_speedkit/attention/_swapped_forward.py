@@ -5,12 +5,15 @@ its own forward and the fused one on copies of those inputs and compares them
 (:mod:`._parity`); ``auto`` also times the passing backends (:mod:`._auto_timing`).
 A module whose fused forward fails is reverted to its own, with a warning; so is one
 whose own forward ``auto`` timed clearly faster, unless a packed batch needs the swap.
+A module that holds FSDP2 units (a Hugging Face model under ``fsdp2_zero2``) is checked
+forward only, without gradients: see :func:`_holds_fsdp2_unit`.
 Decisions made elsewhere (rank 0's, a resumed run's) are taken with
 :meth:`_SwappedForward.adopt`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
@@ -134,7 +137,9 @@ class _SwappedForward:
         note_first_call_work()  # a step unlike later ones: SpeedMonitor counts another
         packed = _documents.active() is not None  # read before the check suspends them
         modes = [(m, m.training) for m in self.module.modules()]
+        backward = grad and not _holds_fsdp2_unit(self.module)
         with (
+            torch.no_grad() if grad and not backward else contextlib.nullcontext(),
             eval_mode(self.module),
             not_counted(),
             _keep_saved_tensors(),
@@ -144,9 +149,9 @@ class _SwappedForward:
             passed = self._check(
                 args,
                 kwargs,
-                grad,
+                backward,
                 time_it=True,  # auto always times its candidates; one backend only if measure
-                label="forward+backward" if grad else "forward",
+                label="forward+backward" if backward else "forward",
                 training=modes if any(training for _, training in modes) else None,
                 packed=packed,
             )
@@ -367,7 +372,9 @@ class _SwappedForward:
         if trust:
             checked = str(decision.get("checked", ""))
             self.checked_forward = checked in ("forward", "forward+backward")
-            self.checked_backward = checked == "forward+backward"
+            self.checked_backward = checked == "forward+backward" or (
+                checked == "forward" and _holds_fsdp2_unit(self.module)  # all it can check
+            )
             entry.checked = checked
             entry.backend = decision.get("backend")
             entry.parity_error = decision.get("parity_error")
@@ -389,6 +396,25 @@ def _call_kind(module: nn.Module, entry: ModuleSwap, inputs: Inputs, grad: bool)
     shapes = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors(inputs))
     cls = type(module)
     return (cls.__module__, cls.__qualname__, entry.family, entry.detail, grad, shapes)
+
+
+def _holds_fsdp2_unit(module: nn.Module) -> bool:
+    """Whether a submodule of ``module`` is an FSDP2 unit (``fully_shard``): its check
+    then runs no backward.
+
+    The backward of a check that runs through an FSDP2 unit's forward ends with FSDP2's
+    end-of-backward callback, which reshards every unit of the model, the root included,
+    whose forward (the training step around the check) is still running: the root's
+    parameters (a Hugging Face model's embedding and head) are then sharded ``DTensor``
+    when the forward reads them next. A module that is a unit itself and holds none (an
+    attention module sharded on its own) is checked as usual: the check calls its forward
+    function, which runs none of FSDP2's hooks.
+    """
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules() if m is not module)
 
 
 def _keep_saved_tensors() -> Any:

@@ -30,7 +30,8 @@ class AttentionSwap(L.Callback):
     see the swapped modules; parameters are untouched); a LightningModule that builds
     its layers in ``configure_model`` is swapped right after that hook. Each swapped module is
     checked against its own forward on its first real inputs, forward and
-    backward, inside the first training step (the step's numbers are the
+    backward (forward only for one that holds FSDP2 units: a Hugging Face model
+    under ``fsdp2_zero2``), inside the first training step (the step's numbers are the
     module's own); one that fails is reverted with a warning. After the first
     training batch every rank takes rank 0's decisions (each module's backend, or
     its revert; rank 0's report notes what other ranks had decided), the report
