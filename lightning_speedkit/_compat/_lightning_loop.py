@@ -182,8 +182,11 @@ def dataloader_built_again(loader: Any, changes: dict[str, Any]) -> Any | None:
             return None
         readable = {"multiprocessing_context": loader.multiprocessing_context, **kept}
         kwargs = {n: readable[n] for n in named if n in readable}
-        # A loader keeps both its batch sampler and what made it; it takes one or the other.
-        made_by = ("batch_sampler",) if loader.batch_size is not None else _BATCHING
+        # A loader keeps both its batch sampler and what made it; it takes one or the other:
+        # the batch sampler where it was given one (it has no batch size then), else what
+        # made its batches (batch_size=None, batching off, has no batch sampler at all).
+        given = loader.batch_sampler is not None and loader.batch_size is None
+        made_by = _BATCHING if given else ("batch_sampler",)
         for name in made_by:
             kwargs.pop(name, None)
     kwargs.update(changes)

@@ -489,3 +489,39 @@ def test_a_shuffled_stateful_dataloader_keeps_its_class_and_its_order() -> None:
     cached = fit(Classifier, _stateful_pictures, cache)
     assert same_losses(plain, cached, 12)
     assert cache.counts["hits"] == 42
+
+
+class _Reversed(torch.utils.data.Sampler[int]):
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __iter__(self) -> Any:
+        return iter(range(self.size - 1, -1, -1))
+
+    def __len__(self) -> int:
+        return self.size
+
+
+@pytest.mark.parametrize("how", ["batching off", "batch sampler", "batch size"])
+def test_a_stateful_dataloader_is_built_again_with_the_batching_it_was_made_with(
+    how: str,
+) -> None:
+    """Each of the three ways a loader makes its batches survives the rebuild as its own
+    class (made outside a hook: from its attributes), to the batch. Batching off came
+    back batching by 1 in a plain order, for one draft of the fix."""
+    pytest.importorskip("torchdata.stateful_dataloader", reason="needs torchdata (test extra)")
+    from torch.utils.data import BatchSampler
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    from lightning_speedkit import _compat
+
+    data = [{"x": torch.tensor([i, i])} for i in range(6)]
+    if how == "batching off":  # a dataset of ready batches, in the sampler's order
+        loader = StatefulDataLoader(data, batch_size=None, sampler=_Reversed(6))
+    elif how == "batch sampler":
+        loader = StatefulDataLoader(data, batch_sampler=BatchSampler(_Reversed(6), 4, False))
+    else:
+        loader = StatefulDataLoader(data, batch_size=4, sampler=_Reversed(6), drop_last=True)
+    rebuilt = _compat.dataloader_built_again(loader, {"worker_init_fn": print})
+    assert type(rebuilt) is StatefulDataLoader
+    assert [b["x"].tolist() for b in rebuilt] == [b["x"].tolist() for b in loader]
