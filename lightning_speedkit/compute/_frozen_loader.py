@@ -351,11 +351,14 @@ def dataset_fingerprint(dataset: Any, probes: int = 3) -> str:
 
     It tells another dataset apart when its type, its length or one of those samples
     differs; a change confined to other samples (one image replaced, the same length) is
-    not seen. Each probe is read twice, under two seeds, and only what both reads agree on
-    is hashed: a field drawn at random (a caption picked among several, an augmentation)
-    changes no fingerprint, so a later fit on the same data finds its features. The reads
-    draw no number of the run's (its random state is put back). One that raises counts by
-    its index and the error's type. A dataset without a length is known by its type only.
+    not seen. Each probe is read twice, the global generators (torch's CPU one, Python's,
+    NumPy's) seeded anew for each read, and only what both reads agree on is hashed: a
+    field drawn from them (a caption picked among several, an augmentation) changes no
+    fingerprint, so a later fit on the same data finds its features. A field drawn from a
+    generator of the dataset's own is left out where the two reads differ, and hashed
+    where they happen to agree. The reads draw no number of the run's (its random state
+    is put back). One that raises counts by its index and the error's type. A dataset
+    without a length is known by its type only.
 
     Example::
 
@@ -388,7 +391,9 @@ class _Drawn:
 
 
 def _read_seeded(dataset: Any, index: int, seed: int) -> Any:
-    torch.manual_seed(seed)
+    # The CPU generator only: ``torch.manual_seed`` would seed the accelerators too, and a
+    # CUDA generator not yet initialised (seeded lazily) would not be put back.
+    torch.default_generator.manual_seed(seed)
     random.seed(seed)
     numpy = sys.modules.get("numpy")
     if numpy is not None:

@@ -97,6 +97,34 @@ def test_a_field_drawn_at_random_changes_no_fingerprint_and_draws_nothing() -> N
     assert np.array_equal(np.random.get_state()[1], states[2])
 
 
+class OwnCounter(Captioned):
+    """A caption that changes at every read, from the dataset's own state, not a seed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reads = 0
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        self.reads += 1
+        return {**super().__getitem__(index), "caption": torch.tensor([self.reads % 4])}
+
+
+def test_a_field_two_reads_disagree_on_is_left_out_whatever_draws_it() -> None:
+    data = OwnCounter()
+    first = dataset_fingerprint(data)  # reads 1-6
+    assert dataset_fingerprint(data) == first  # reads 7-12: other captions at each probe
+
+
+def test_the_fingerprint_seeds_the_cpu_generator_only() -> None:
+    """``torch.manual_seed`` would also seed a CUDA generator not yet initialised (seeded
+    lazily), which the random state kept cannot put back."""
+    from unittest import mock
+
+    with mock.patch.object(torch, "manual_seed", wraps=torch.manual_seed) as every_device:
+        dataset_fingerprint(Captioned())
+    assert every_device.call_count == 0
+
+
 def test_a_second_fit_with_other_captions_starts_warm_from_the_directory(tmp_path: Path) -> None:
     def run(seed: int) -> tuple[Denoiser, FrozenFeatureCache]:
         cache = FrozenFeatureCache(modules=["encoder"], directory=tmp_path, budget=0)
