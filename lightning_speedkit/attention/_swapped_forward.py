@@ -31,8 +31,8 @@ from lightning_speedkit._surgery import (
     replaced_forward,
     restore_forward,
 )
-from lightning_speedkit.attention import _documents
-from lightning_speedkit.attention._auto_timing import OWN_FASTER_BELOW, own_is_faster, pick_fastest
+from lightning_speedkit.attention import _auto_timing, _documents
+from lightning_speedkit.attention._auto_timing import own_is_faster, pick_fastest
 from lightning_speedkit.attention._own_calls import warn_own_attention
 from lightning_speedkit.attention._parity import (
     Inputs,
@@ -238,7 +238,10 @@ class _SwappedForward:
             return False
         if time_it and (len(passing) > 1 or self.measure or auto):  # own is auto's candidate
             backend, error_value, entry.speedup, timed = self._pick(own, passing, copies, grad)
-            if auto and own_is_faster(entry.speedup) and not packed:
+            # Settled on a training call only (with gradients): a first call without them
+            # (the validation sanity check) times no backward, and its batch may be
+            # unpacked where the training batches are packed.
+            if auto and grad and own_is_faster(entry.speedup) and not packed:
                 self._keep_own(backend, entry.speedup, warn=timed)
                 return False
         else:
@@ -284,7 +287,7 @@ class _SwappedForward:
         self._revert(
             f"own forward faster: {backend!r}, the fastest passing backend, ran at "
             f"{speedup:.2f}x the own forward's speed (auto swaps from "
-            f"{OWN_FASTER_BELOW:.2f}x; name a backend to swap it anyway)",
+            f"{_auto_timing.OWN_FASTER_BELOW:.2f}x; name a backend to swap it anyway)",
             warn=warn,
             more="; the modules of its kind called later keep theirs too",
         )

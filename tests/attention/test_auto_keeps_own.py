@@ -224,3 +224,32 @@ def test_a_named_backend_slower_than_own_stays_swapped(monkeypatch: pytest.Monke
     (entry,) = report.modules
     assert entry.status == "active"
     assert entry.speedup == pytest.approx(0.5)  # measured and reported, not acted on
+
+
+def test_a_first_call_without_gradients_settles_nothing_the_training_call_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The validation sanity check comes first in a fit: no gradients, and its batch may
+    be unpacked where the training batches are packed. Settled there, the verdict kept
+    the module's own forward, and the packed training batches mixed their documents."""
+    rig_auto_timing(monkeypatch, own=1.0, fused=2.0)
+    torch.manual_seed(0)
+    model = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+    plain = copy.deepcopy(model)
+    report = swap_attention(model, "auto")
+    x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():  # (in eval mode this layer runs its fused path, not the module)
+        model(x)  # as the sanity check: unpacked, no gradients
+    (entry,) = report.modules
+    assert entry.status == "active"  # nothing settled
+    samples = [{"input_ids": torch.arange(3)}, {"input_ids": torch.arange(5)}]
+    with packed_documents(PackingCollate(max_tokens=8)(samples)):
+        out = model(x.requires_grad_())  # the first training call: packed
+    assert entry.status == "active"
+    apart = torch.cat([plain(x[:, :3]), plain(x[:, 3:])], dim=1)
+    torch.testing.assert_close(out, apart, rtol=1e-5, atol=1e-5)
+    again = copy.deepcopy(plain)  # unpacked training: the verdict is made, and kept
+    swapped = swap_attention(again, "auto")
+    with pytest.warns(UserWarning, match="own forward faster"):
+        again(x)
+    assert swapped.modules[0].status == "reverted"
