@@ -15,7 +15,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from lightning_speedkit import _surgery, _validation
+from lightning_speedkit import _compat, _surgery, _validation
 from lightning_speedkit._blocks import CacheOff, block_instances, repeated_block_types
 from lightning_speedkit._model_ready import forget_pending, when_model_ready
 
@@ -62,12 +62,12 @@ def _checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
 
 def _gradient_passes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
     """Whether backward reaches this call: a parameter of the block, or a tensor it is given
-    (or one in a tuple it is given, as rotary ``position_embeddings``), requires grad."""
+    (inside tuples, lists and dicts too: rotary ``position_embeddings``), requires grad."""
     if any(p.requires_grad for p in module.parameters()):
         return True
-    given = [*args, *kwargs.values()]
-    flat = [v for x in given for v in (x if isinstance(x, (tuple, list)) else (x,))]
-    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in flat)
+    tree_flatten, _ = _compat.tree_flatten_and_map()
+    given = tree_flatten((args, kwargs))[0]
+    return any(isinstance(v, torch.Tensor) and v.requires_grad for v in given)
 
 
 def _running_stats(module: nn.Module) -> list[nn.Module]:

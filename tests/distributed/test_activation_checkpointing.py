@@ -112,6 +112,53 @@ def test_eval_and_no_grad_run_the_blocks_as_they_are(monkeypatch: pytest.MonkeyP
     assert len(calls) == 6  # training with gradients: every block checkpointed
 
 
+class Frozen(nn.Module):
+    """Frozen blocks; the input arrives positional, by keyword or inside a dict."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList(DictBlock() for _ in range(2)).requires_grad_(False)
+        self.how = how
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            if self.how == "positional":
+                x = block(x)
+            elif self.how == "keyword":
+                x = block(x=x)
+            else:
+                x = block({"hidden": [x]})
+        return x
+
+
+class DictBlock(Block):
+    def forward(self, x: Any, scale: float = 1.0) -> torch.Tensor:  # type: ignore[override]
+        hidden = x["hidden"][0] if isinstance(x, dict) else x
+        return super().forward(hidden, scale)
+
+
+@pytest.mark.parametrize("how", ["positional", "keyword", "dict"])
+def test_a_frozen_block_is_checkpointed_only_where_a_gradient_passes(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frozen block on an input that needs no gradient runs as it is (nothing to keep);
+    on one that does (a trainable layer before it), wherever the input sits in the call,
+    it is checkpointed: its activations would be kept for backward otherwise."""
+    from lightning_speedkit.distributed import activation_checkpointing as module
+
+    calls = []
+    real = module.checkpoint
+    monkeypatch.setattr(module, "checkpoint", lambda *a, **k: calls.append(1) or real(*a, **k))
+    model = Frozen(how)
+    assert checkpoint_blocks(model, blocks=["DictBlock"]) == ["blocks.0", "blocks.1"]
+    x = torch.randn(2, 4, 64)
+    model(x)
+    assert calls == []
+    model(x.requires_grad_()).sum().backward()
+    assert len(calls) == 2
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
