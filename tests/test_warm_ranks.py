@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,13 +80,23 @@ def test_a_wait_cut_short_ends_the_server_and_its_ranks(tmp_path: Path) -> None:
     def interrupt(*_: Any) -> None:
         raise KeyboardInterrupt
 
+    def when_both_sleep() -> None:
+        """The interrupt once both ranks have written their record (and sleep): at a fixed
+        8 s, a loaded machine had not yet started rank 1."""
+        for _ in range(6000):  # 300 s, long before the job's 900
+            if all(_record(tmp_path / f"rank{r}.json") for r in range(2)):
+                break
+            time.sleep(0.05)
+        os.kill(os.getpid(), signal.SIGALRM)  # handled in the main thread, inside `run`
+
     previous = signal.signal(signal.SIGALRM, interrupt)
+    watcher = threading.Thread(target=when_both_sleep, daemon=True)
     try:
-        signal.alarm(8)  # well after the ranks started (about 1 s), long before 600 s
+        watcher.start()
         with pytest.raises(KeyboardInterrupt):
             server.run(script, ["--out", str(tmp_path), "--sleep"], clean_env(), 2, 900)
     finally:
-        signal.alarm(0)
+        watcher.join()
         signal.signal(signal.SIGALRM, previous)
     assert not server.alive()
     pids = [json.loads((tmp_path / f"rank{r}.json").read_text())["pid"] for r in range(2)]
@@ -95,6 +106,15 @@ def test_a_wait_cut_short_ends_the_server_and_its_ranks(tmp_path: Path) -> None:
                 break
             time.sleep(0.05)
         assert not Path(f"/proc/{pid}").exists() or "Z" in _state(pid)
+
+
+def _record(path: Path) -> bool:
+    """Whether a rank's record is written whole."""
+    try:
+        json.loads(path.read_text())
+    except (FileNotFoundError, ValueError):
+        return False
+    return True
 
 
 def _state(pid: int) -> str:
