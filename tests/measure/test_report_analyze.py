@@ -41,6 +41,27 @@ def test_events_are_sorted_by_what_they_are_read_for() -> None:
     assert note.startswith("a CUDA run profiled without the device's activity")
 
 
+def test_a_losss_log_softmax_is_no_attention() -> None:
+    """Cross-entropy runs ``aten::_log_softmax`` (its CUDA kernels ``LogSoftMax...``): the
+    report called it unfused attention, and advised AttentionSwap to a model without any."""
+    from lightning_speedkit.measure.report.kernels import _category, _kernel_category
+
+    run = _sort_events({"traceEvents": [
+        _x("ProfilerStep#1", "user_annotation", 0, 100),
+        _x("aten::log_softmax", "cpu_op", 20, 5),
+        _x("aten::_log_softmax_backward_data", "cpu_op", 30, 5),
+    ]})  # fmt: skip
+    assert _unfused_attention(run) is False
+    assert _category("aten::_log_softmax") == "elementwise"
+    assert _category("aten::_softmax") == "attention"  # eager attention's, as before
+    from lightning_speedkit.measure.report.trace import _Event
+
+    kernel = _Event("softmax_warp_forward<float, float, float, 8, true>", "kernel", 20, 25, 1,
+                    {"External id": 7})  # fmt: skip
+    loss = _Event("aten::_log_softmax", "cpu_op", 20, 25, 1, {"External id": 7})
+    assert _kernel_category(kernel, {7: loss}) == "elementwise"
+
+
 def test_a_cpu_run_on_a_gpu_machine_is_read_as_a_cpu_run() -> None:
     run = _Run([], [], [], [], [], {}, on_device=False, cuda_run=False, gpu_listed=True)
     (note,) = _device_notes(run)

@@ -19,6 +19,7 @@ import numpy.typing as npt
 from lightning_speedkit.measure.report.kernels import (
     _COMM,
     _FUSED_ATTENTION,
+    _LOSS_SOFTMAX,
     _has,
     _kernel_category,
 )
@@ -271,7 +272,9 @@ def _top_ops(spent: _Spent, n: int, step_ms: float) -> list[dict[str, Any]]:
 
 
 def _unfused_attention(run: _Run) -> bool:
-    """Whether attention ran unfused: a softmax on the host, no fused attention anywhere."""
-    return any(_has(e.name, ("softmax",)) for e in run.host) and not any(
+    """Whether attention ran unfused: a softmax on the host (not a loss's log-softmax), no
+    fused attention anywhere."""
+    softmax = (e for e in run.host if not _has(e.name, _LOSS_SOFTMAX))
+    return any(_has(e.name, ("softmax",)) for e in softmax) and not any(
         _has(e.name, _FUSED_ATTENTION) for e in run.host + run.device_events
     )

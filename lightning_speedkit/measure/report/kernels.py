@@ -49,6 +49,8 @@ _FUSED_ATTENTION = (
     "flex_attention",
 )
 _ATTENTION = (*_FUSED_ATTENTION, "softmax", "aten::bmm", "aten::baddbmm", "attention")
+#: A loss's softmax (cross-entropy's log-softmax, its CUDA kernels' epilogue): not attention.
+_LOSS_SOFTMAX = ("log_softmax", "logsoftmax")
 _MATMUL = (
     "aten::mm",
     "aten::addmm",
@@ -105,6 +107,8 @@ def _category(name: str) -> str | None:
         return "host_sync"
     if _has(name, _COMM):
         return "communication"
+    if _has(name, _LOSS_SOFTMAX):
+        return "elementwise"
     if _has(name, _ATTENTION):
         return "attention"
     if _has(name, _MATMUL):
@@ -118,8 +122,10 @@ def _kernel_category(kernel: _Event, ops: Mapping[Any, _Event]) -> str:
     if kernel.cat != "kernel":
         return "memory_copy"
     category = _category(kernel.name) or "elementwise"
+    op = ops.get(kernel.args.get("External id"))
+    if category == "attention" and op is not None and _has(op.name, _LOSS_SOFTMAX):
+        return "elementwise"  # a softmax kernel that cross-entropy launched
     if category in ("elementwise", "matmul"):
-        op = ops.get(kernel.args.get("External id"))
         launched_by = _category(op.name) if op is not None else None
         if launched_by == "attention":  # eager attention's matmuls and softmax
             return "attention"
