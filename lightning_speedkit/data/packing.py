@@ -238,6 +238,8 @@ class PackingCollate:
         """Sample ``index``'s tokens as one 1-D sequence: a (1, N) tensor (a tokenizer's
         ``return_tensors="pt"``) is its N tokens; a (B, N) batch or a scalar is refused."""
         tokens = torch.as_tensor(value)
+        if tokens.numel() == 0 and tokens.is_floating_point():  # `[]`: no tokens, no dtype
+            tokens = tokens.long()
         if tokens.ndim == 2 and tokens.shape[0] == 1:
             return tokens[0]
         if tokens.ndim != 1:
@@ -265,7 +267,10 @@ class PackingCollate:
                     f"one value per token, or leave {field!r} out of `token_fields`."
                 )
             per_doc.append(tensor)
-        return per_doc
+        # An empty sample's `[]` comes as float32: it takes the field's dtype from the others
+        # (else one empty sample would turn the batch's labels into floats).
+        dtype = next((t.dtype for t in per_doc if t.numel()), per_doc[0].dtype)
+        return [t.to(dtype) if not t.numel() else t for t in per_doc]
 
     def _pack(
         self,

@@ -102,3 +102,19 @@ def test_labels_of_another_kind_are_not_judged(
     samples.append({"input_ids": torch.tensor([1, 2, 3]), "labels": torch.tensor([7, 7, 7])})
     PackingCollate(max_tokens=12, separate_documents=separate)(samples)
     assert not [w for w in recwarn if "PackingCollate" in str(w.message)]
+
+
+def test_an_empty_sample_keeps_the_batchs_integer_dtypes_and_is_a_document_of_none() -> None:
+    """An empty text tokenized without a BOS token is ``[]``, which torch reads as float32:
+    the packed ``input_ids`` and ``labels`` came back float, and the embedding failed far
+    from the cause."""
+    samples = [
+        {"input_ids": [], "labels": [], "weight": []},
+        {"input_ids": [4, 5, 6], "labels": [4, 5, 6], "weight": [0.5, 1.0, 1.0]},
+    ]
+    batch = PackingCollate(max_tokens=4, token_fields=("labels", "weight"))(samples)
+    assert batch["input_ids"].dtype == batch["labels"].dtype == torch.long
+    assert batch["weight"].dtype == torch.float32
+    assert batch["input_ids"].tolist() == [[4, 5, 6, 0]]
+    assert batch["cu_seqlens"].tolist() == [0, 0, 3]  # the empty sample: a document of none
+    assert batch["document_ids"].tolist() == [[1, 1, 1, -1]]
