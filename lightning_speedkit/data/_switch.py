@@ -19,6 +19,7 @@ from typing import Any
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 
 from lightning_speedkit import _compat
+from lightning_speedkit._random import loader_generators, random_state_kept
 from lightning_speedkit.data._fork import garbage_kept_from_children
 from lightning_speedkit.data.rebuild import _TAKES_IN_ORDER, rebuild_dataloader
 
@@ -126,6 +127,9 @@ def switch_loader(
     if _TAKES_IN_ORDER:
         options["in_order"] = getattr(again, "in_order", True)
     rest: DataLoader[Any] = DataLoader(again.dataset, **options)
-    with garbage_kept_from_children():  # its workers start here, while the old ones finish
+    # Its workers start here, while the old ones finish; starting draws their base seed from
+    # the loader's generator (torch's global one without): a draw the untuned run never
+    # made mid-epoch, which would change every later number of a seeded run.
+    with garbage_kept_from_children(), random_state_kept(loader_generators(rest)):
         started = iter(rest)
     return again, _EpochRest(iterator, started)

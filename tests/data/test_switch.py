@@ -90,6 +90,23 @@ class Resumable(DataLoader):  # type: ignore[type-arg]
         pass
 
 
+@pytest.mark.parametrize("generator", [False, True], ids=["global", "own generator"])
+def test_the_switch_draws_no_number_of_the_runs(generator: bool) -> None:
+    """Starting the rest's workers draws their base seed; the untuned run made no such
+    draw mid-epoch, so every later number (the next epoch's shuffle, dropout) differed."""
+    own = torch.Generator().manual_seed(3) if generator else None
+    old = DataLoader(Where(), batch_size=4, shuffle=True, generator=own)
+    running = iter(old)
+    next(running)
+    torch.manual_seed(11)
+    before = (torch.get_rng_state(), own.get_state() if own is not None else None)
+    _, rest = switch_loader(old, running, _settings(2))
+    assert torch.equal(torch.get_rng_state(), before[0])
+    if own is not None:
+        assert torch.equal(own.get_state(), before[1])
+    assert len(list(rest)) == 9
+
+
 def test_what_cannot_switch_mid_epoch_says_why() -> None:
     stream: DataLoader[Any] = DataLoader(Stream(), batch_size=2)
     assert "IterableDataset" in str(why_not_switched(stream, iter(stream)))
