@@ -353,6 +353,7 @@ class _ByValue(pickle.Pickler):
             or obj.is_quantized
         ):
             return NotImplemented
+        obj = obj.resolve_conj().resolve_neg()  # a lazy conjugate or negation: numpy() refuses
         if obj.dtype in _NUMPY_DTYPES:
             return torch.from_numpy, (obj.numpy(),)
         raw = obj.contiguous().reshape(-1).view(torch.uint8).numpy()

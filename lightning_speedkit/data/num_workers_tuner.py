@@ -41,9 +41,9 @@ class NumWorkersTuner(L.Callback):
     rank 0's choice is used everywhere. Results are cached per dataset, machine
     and torch version, so a rerun skips the measuring.
 
-    After ``verdict_steps`` training batches it compares the loader's measured
-    rate with the rate the model consumes batches at, says whether data loading
-    is the bottleneck, and logs ``data/loader_batches_per_sec``,
+    After 3 warm-up training batches and ``verdict_steps`` timed ones it compares the
+    loader's measured rate with the rate the model consumes batches at, says whether
+    data loading is the bottleneck, and logs ``data/loader_batches_per_sec``,
     ``data/model_batches_per_sec`` and ``data/num_workers``.
 
     Training on CPU, the search at ``fit`` start leaves torch's threads their

@@ -295,6 +295,25 @@ def test_warm_sends_dtypes_that_torchs_own_pickling_fails_on(dtype: torch.dtype)
         assert torch.equal(sample.float(), Ids()[i].float())
 
 
+@pytest.mark.parametrize("view", ["conj", "neg"])
+def test_warm_sends_a_lazy_conjugate_or_negation(view: str) -> None:
+    """``x.conj()`` is a view with the conjugate bit set, whose ``numpy()`` raises (and so
+    did the warming worker's pickling); the sample arrives as its values."""
+
+    class Complex(Dataset[torch.Tensor]):
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> torch.Tensor:
+            z = torch.tensor([1 + 2j, float(i) - 1j])
+            return z.conj() if view == "conj" else torch.neg(z.conj()).conj()
+
+    cached = SampleCache(Complex())
+    assert cached.warm(num_workers=2, chunk_size=2, progress=False) == 4
+    for i in range(4):
+        assert torch.equal(cached._samples[i], Complex()[i])
+
+
 class Data(SpeedDataModuleMixin, L.LightningDataModule):
     def __init__(self, cache: bool | int, warm: bool = False) -> None:
         super().__init__()
