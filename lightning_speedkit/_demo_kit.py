@@ -261,10 +261,13 @@ class _Kit:
             )
         swap = self.swap.report
         swapped = len(swap.swapped) if swap is not None else 0
-        reverted = len(swap.reverted) if swap is not None else 0
+        reasons = [why for _, why in swap.reverted] if swap is not None else []
+        faster = sum(why.startswith("own forward faster") for why in reasons)
+        parity = len(reasons) - faster
         notes.append(
             f"kit: AttentionSwap: {swapped} attention modules on a fused kernel"
-            + (f", {reverted} kept their own (parity)" if reverted else "")
+            + (f", {faster} kept their own (timed faster)" if faster else "")
+            + (f", {parity} kept their own (parity)" if parity else "")
             + "; not bitwise equal to the eager attention, so the loss drifts from "
             "plain's by training noise"
         )

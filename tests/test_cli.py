@@ -255,6 +255,21 @@ def test_the_demo_kit_swaps_attention_everywhere_and_compiles_on_cuda(on_cuda: b
     assert any("RegionalCompile left out on CPU" in n for n in notes) is not on_cuda
 
 
+def test_the_demo_note_tells_a_module_timed_faster_from_one_that_failed_parity() -> None:
+    """auto keeps a module's own attention where it was timed faster: the demo said every
+    module kept as it was had failed its parity check."""
+    from types import SimpleNamespace
+
+    kit = _Kit.build(DemoConfig(steps=20), False)
+    reverted = [("a", "own forward faster: 'flash' ... 0.50x"), ("b", "parity error 3e-2")]
+    kit.swap.report = SimpleNamespace(swapped=["c"], reverted=reverted)  # type: ignore[assignment]
+    (note,) = [n for n in kit.notes(DemoConfig(steps=20)) if "AttentionSwap" in n]
+    assert note.startswith(
+        "kit: AttentionSwap: 1 attention modules on a fused kernel, "
+        "1 kept their own (timed faster), 1 kept their own (parity);"
+    )
+
+
 def test_demo_can_do_one_run(demo_corpus: Path, tmp_path: Path) -> None:
     assert main(["demo", "--steps", "15", "--only", "plain", "--data-dir", str(demo_corpus),
                  "--output-dir", str(tmp_path), "--accelerator", "cpu"]) == 0  # fmt: skip
