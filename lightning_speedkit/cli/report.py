@@ -39,7 +39,10 @@ def add_parser(subparsers: Subparsers) -> None:
     report.add_argument(
         "--out",
         default=None,
-        help="directory for speedkit_report.{md,json,png} (default: beside the trace)",
+        help=(
+            "directory for <trace name>.report.{md,json,png}, the trace's name up to its "
+            "first dot (default: beside the trace)"
+        ),
     )
     report.add_argument("--json", action="store_true", help="print JSON instead of markdown")
     report.add_argument(

@@ -729,24 +729,6 @@ def test_device_mirrors_of_the_marks_neither_count_as_steps_nor_keep_one() -> No
     assert report.step_ms == pytest.approx(1.0)
 
 
-def test_a_sync_site_is_read_in_its_sources_own_encoding(tmp_path: Path) -> None:
-    """A user's module declared latin-1 (PEP 263), non-ASCII in a comment: the report
-    still quotes the line with the sync, whatever the locale's encoding."""
-    from lightning_speedkit.measure.report.sources import _call_line
-
-    source = (
-        "# -*- coding: latin-1 -*-\n"
-        "def training_step(batch):\n"
-        "    # m\xe9trique\n"
-        "    return batch.sum().item()\n"
-    )
-    path = tmp_path / "user_module.py"
-    path.write_bytes(source.encode("latin-1"))
-    assert _call_line(str(path), 2, "training_step") == (
-        f"{path}:4 in training_step: return batch.sum().item()"
-    )
-
-
 def test_device_idle_is_what_the_unprofiled_step_leaves() -> None:
     """The synthetic step is 1000 us under the profiler, 950 us without: the kernels keep
     their 750 us, the unexplained idle shrinks from 100 to 50 us."""

@@ -1,18 +1,30 @@
-"""Host-device sync call sites: the Python line that made each sync, from the trace's
-Python stacks and, since a profiler records a function's first line, from the source of
-that function (the ``.item()``, ``.cpu()`` or ``.tolist()`` line in its body). A sync
-made inside torch, Lightning or the kit is named but not blamed on the user's code.
+"""Host-device sync call sites: the Python line that made each sync, found from the
+trace's Python stacks and the source of the function that made the call.
+
+With ``with_stack=True`` torch records each Python function call as an event named
+``file(line): function`` where ``line`` is where the function starts (or, for a frame
+already running when the profiler started, where it stood then), never the line that
+made a later call. It also records each call into a C function, ``<built-in method item
+of Tensor object at 0x...>``, as a child of the frame that made it. A sync's site is
+therefore that frame's function and the call's name; the line is read from the
+function's source: the one call of that name in its body, or, where the body has several
+and runs straight through (no loop or branch around them), the one whose turn it was.
+Where neither says, the site names the function and the candidate lines without
+claiming one. A sync made inside torch, Lightning or the kit is named but not blamed on
+the user's code.
 """
 
 from __future__ import annotations
 
 import ast
 import bisect
+import io
 import re
 import sys
 import tokenize
 from collections import defaultdict
-from collections.abc import Mapping
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +36,36 @@ _LIBRARY_FRAMES = re.compile(
     r"lightning_speedkit|torchmetrics|deepspeed|transformers|timm|numpy)/|^<frozen "
 )
 _FRAME = re.compile(r"^(?P<file>.+?)\((?P<line>\d+)\): (?P<func>.+)$")
-_SYNC_CALLS = re.compile(r"\.(item|cpu|tolist|numpy)\(|torch\.cuda\.synchronize|\.to\([\"']cpu")
+_BUILTIN = re.compile(r"^<built-in (?:method|function) (?P<name>[\w.]+)")
+# Code that may run a call more than once, or not at all: calls under it have no fixed turn.
+_BRANCHES = (
+    ast.For,
+    ast.AsyncFor,
+    ast.While,
+    ast.If,
+    ast.IfExp,
+    ast.BoolOp,
+    ast.Try,
+    ast.Match,
+    ast.comprehension,
+    ast.ListComp,
+    ast.SetComp,
+    ast.DictComp,
+    ast.GeneratorExp,
+)
+# Code that runs in a frame of its own (a nested function, a lambda, a class body).
+_OWN_FRAMES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+_NOT_RECORDED = "(the trace names the function, not the line)"
+
+
+@dataclass(frozen=True)
+class _Call:
+    """One call of the wanted name in a function's body: its line, whether its turn is
+    fixed (no loop or branch around it), and its place in the source."""
+
+    line: int
+    straight: bool
+    order: tuple[int, int]
 
 
 def _python_frames(events: list[_Event]) -> tuple[list[_Event], dict[Any, _Event]]:
@@ -33,62 +74,160 @@ def _python_frames(events: list[_Event]) -> tuple[list[_Event], dict[Any, _Event
     return frames, by_id
 
 
-def _user_frame(
-    op: _Event, frames: list[_Event], starts: list[float], by_id: Mapping[Any, _Event]
-) -> tuple[str, bool]:
-    """The Python frame that made ``op``'s call, and whether it is the user's code.
+class _Sites:
+    """Names the site of each sync in one trace: the frames, their calls in order, and
+    each source file read once."""
 
-    The innermost enclosing frame that is not a built-in decides: a sync made inside
-    torch or Lightning is theirs (named, but not blamed on the user's step).
-    """
-    # Frames are sorted by start: the innermost enclosing one is the latest-starting
-    # frame before the op that still runs when the op ends.
-    inner = None
-    i = bisect.bisect_right(starts, op.start) - 1
-    while i >= 0:
-        f = frames[i]
-        if f.tid == op.tid and f.end >= op.end:
-            inner = f
-            break
-        i -= 1
-    seen = 0
-    while inner is not None and seen < 64:
-        match = _FRAME.match(inner.name)
-        if match:
-            if _LIBRARY_FRAMES.search(match["file"]):
-                return f"{match['file']}:{match['line']} in {match['func']}", False
-            return _call_line(match["file"], int(match["line"]), match["func"]), True
-        inner = by_id.get(inner.args.get("Python parent id"))
-        seen += 1
-    return "unknown (profile with with_stack=True to name it)", False
+    def __init__(self, events: list[_Event]) -> None:
+        self.frames, self.by_id = _python_frames(events)
+        self.frames.sort(key=lambda f: f.start)
+        self.starts = [f.start for f in self.frames]
+        self.children: dict[Any, list[_Event]] = defaultdict(list)
+        for f in self.frames:  # in order of start
+            self.children[f.args.get("Python parent id")].append(f)
+        self.sources: dict[str, tuple[list[str], ast.Module] | None] = {}
+
+    def site(self, op: _Event) -> tuple[str, bool]:
+        """Where ``op`` was called, and whether that is the user's code.
+
+        The innermost enclosing frame that is not a built-in decides: a sync made inside
+        torch or Lightning is theirs (named, but not blamed on the user's step).
+        """
+        # Frames are sorted by start: the innermost enclosing one is the latest-starting
+        # frame before the op that still runs when the op ends.
+        inner = None
+        i = bisect.bisect_right(self.starts, op.start) - 1
+        while i >= 0:
+            f = self.frames[i]
+            if f.tid == op.tid and f.end >= op.end:
+                inner = f
+                break
+            i -= 1
+        call = None  # the built-in called directly by the frame above it
+        seen = 0
+        while inner is not None and seen < 64:
+            match = _FRAME.match(inner.name)
+            if match:
+                user = not _LIBRARY_FRAMES.search(match["file"])
+                return self._line(
+                    inner, match["file"], int(match["line"]), match["func"], call
+                ), user
+            call = inner if _called(inner) else None
+            inner = self.by_id.get(inner.args.get("Python parent id"))
+            seen += 1
+        return "unknown (profile with with_stack=True to name it)", False
+
+    def _line(self, frame: _Event, file: str, first: int, func: str, call: _Event | None) -> str:
+        name = _called(call) if call else None
+        parsed = self._source(file)
+        scope = _scope(parsed[1], first, func) if parsed else None
+        if parsed is None or scope is None or name is None:
+            said = f", its {name}() call" if name else ""
+            return f"{file} in {func}{said} {_NOT_RECORDED}"
+        lines = parsed[0]
+        calls = sorted(_calls(scope, name), key=lambda c: c.order)
+        line = None
+        if len(calls) == 1:
+            line = calls[0].line
+        elif calls and all(c.straight for c in calls) and first == _first_line(scope):
+            # entered while profiling, so every call it made is in the trace: the k-th
+            # call of this name is the k-th in the source when each runs exactly once
+            made = [c for c in self.children[frame.args.get("Python id")] if _called(c) == name]
+            if len(made) == len(calls) and call in made:
+                line = calls[made.index(call)].line
+        if line is not None:
+            return f"{file}:{line} in {func}: {_code(lines[line - 1])}"
+        if not calls:
+            return f"{file} in {func}, its {name}() call {_NOT_RECORDED}"
+        where = sorted({c.line for c in calls})
+        listed = ", ".join(map(str, where[:-1])) + f" or {where[-1]}"
+        return f"{file} in {func}, its {name}() on line {listed} {_NOT_RECORDED}"
+
+    def _source(self, file: str) -> tuple[list[str], ast.Module] | None:
+        if file not in self.sources:
+            self.sources[file] = _read_source(file)
+        return self.sources[file]
 
 
-def _call_line(file: str, first_line: int, func: str) -> str:
-    """Profilers record a function's first line; find the syncing call in its body."""
-    candidates = [Path(file), *(Path(p) / file for p in sys.path if p)]
-    for path in candidates:
+def _called(event: _Event) -> str | None:
+    """The name of the built-in ``event`` records a call of (``item``), else None."""
+    match = _BUILTIN.match(event.name)
+    return match["name"].rsplit(".", 1)[-1] if match else None
+
+
+def _code(line: str) -> str:
+    """A source line's code, without its trailing comment."""
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(line).readline):
+            if token.type == tokenize.COMMENT:
+                return line[: token.start[1]].strip()
+    except (tokenize.TokenError, SyntaxError):  # a line inside a longer statement or string
+        pass
+    return line.strip()
+
+
+def _read_source(file: str) -> tuple[list[str], ast.Module] | None:
+    """A file's lines and syntax tree, looked up as the trace wrote its name (absolute,
+    or relative to an entry of ``sys.path``); None where it cannot be read."""
+    for path in [Path(file), *(Path(p) / file for p in sys.path if p)]:
         try:
             with tokenize.open(path) as handle:  # the source's own encoding, not the locale's
                 source = handle.read()
         except (OSError, SyntaxError, UnicodeDecodeError):  # SyntaxError: a bad coding line
             continue
         try:
-            tree = ast.parse(source)
+            return source.splitlines(), ast.parse(source)
         except SyntaxError:
-            break
-        lines = source.splitlines()
-        for node in ast.walk(tree):
-            if (
-                isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
-                and node.name == func
-                and node.lineno <= first_line <= (node.end_lineno or node.lineno)
-            ):
-                body = range(node.lineno, (node.end_lineno or node.lineno) + 1)
-                hits = [i for i in body if _SYNC_CALLS.search(lines[i - 1])]
-                if hits:
-                    return f"{file}:{hits[0]} in {func}: {lines[hits[0] - 1].strip()}"
-        break
-    return f"{file}:{first_line} in {func}"
+            return None
+    return None
+
+
+def _first_line(node: ast.AST) -> int:
+    """The line a function's frame starts on: its first decorator's, else its ``def``."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return min([node.lineno, *(d.lineno for d in node.decorator_list)])
+    return 1  # a module's
+
+
+def _scope(tree: ast.Module, line: int, func: str) -> ast.AST | None:
+    """The code the frame ``func`` at ``line`` runs: the innermost function of that name
+    around the line, or the module's own statements for ``<module>``."""
+    if func == "<module>":
+        return tree
+    short = func.rsplit(".", 1)[-1]  # a qualified name, where a tracer writes one
+    found: ast.AST | None = None
+    for node in ast.walk(tree):
+        if (
+            isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and node.name == short
+            and _first_line(node) <= line <= (node.end_lineno or node.lineno)
+            and (found is None or _first_line(node) > _first_line(found))
+        ):
+            found = node
+    return found
+
+
+def _calls(scope: ast.AST, name: str) -> Iterator[_Call]:
+    """The calls of ``name`` (``x.name(...)`` or ``name(...)``) the frame of ``scope``
+    makes itself, not those of functions or classes defined inside it."""
+
+    def walk(node: ast.AST, straight: bool) -> Iterator[_Call]:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, _OWN_FRAMES):
+                continue
+            if isinstance(child, ast.Call):
+                f = child.func
+                if isinstance(f, ast.Attribute) and f.attr == name:
+                    # the line the name is on, for a call chained over several lines
+                    line = f.end_lineno or child.lineno
+                    yield _Call(line, straight, (child.lineno, child.col_offset))
+                elif isinstance(f, ast.Name) and f.id == name:
+                    yield _Call(child.lineno, straight, (child.lineno, child.col_offset))
+            yield from walk(child, straight and not isinstance(child, _BRANCHES))
+
+    for statement in scope.body:  # type: ignore[attr-defined]
+        if not isinstance(statement, _OWN_FRAMES):
+            yield from walk(ast.Module(body=[statement], type_ignores=[]), True)
 
 
 def _sync_sites(
@@ -104,12 +243,10 @@ def _sync_sites(
     rest = [e for e in runtime if not any(o.start <= e.start <= o.end for o in scalars)]
     if not scalars and not rest:
         return []
-    outer = scalars
-    frames, by_id = _python_frames(events)
-    starts = [f.start for f in frames]
+    named = _Sites(events)
     sites: dict[tuple[str, bool], list[float]] = defaultdict(list)
-    for e in outer + rest:
-        sites[_user_frame(e, frames, starts, by_id)].append(e.dur)
+    for e in scalars + rest:
+        sites[named.site(e)].append(e.dur)
     rows = [
         {
             "site": site,
