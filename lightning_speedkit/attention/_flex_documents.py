@@ -70,8 +70,9 @@ def flex_per_document(
 ) -> Tensor:
     """``flex(q, k, v, block_mask=..., ...)`` over the packed rows, documents kept apart."""
     block_mask = document_block_mask(documents, is_causal, q.device)
-    pieces = [(1, end - start, end - start) for spans in documents.spans for start, end in spans]
-    return run_flex(flex, q, k, v, block_mask, scale, pieces)
+    return run_flex(flex, q, k, v, block_mask, scale, lambda: [
+        (1, end - start, end - start) for spans in documents.spans for start, end in spans
+    ])  # fmt: skip
 
 
 def run_flex(
@@ -81,13 +82,13 @@ def run_flex(
     v: Tensor,
     block_mask: Any,
     scale: float | None,
-    pieces: list[tuple[int, int, int]],
+    pieces: Callable[[], list[tuple[int, int, int]]],
 ) -> Tensor:
     """One FlexAttention call. Under a FLOP count it runs with the count set aside (torch
     runs FlexAttention under no dispatch mode but its own) and is priced as dense attention
-    over ``pieces`` of ``(batch, query length, key length)``."""
+    over ``pieces()`` of ``(batch, query length, key length)`` (made only when counted)."""
     gqa = k.shape[1] != q.shape[1]
     return run_unseen(
         lambda: flex(q, k, v, block_mask=block_mask, scale=scale, enable_gqa=gqa),
-        lambda: attention_flops("flex_attention", q.shape[1], q.shape[-1], v.shape[-1], pieces),
+        lambda: attention_flops("flex_attention", q.shape[1], q.shape[-1], v.shape[-1], pieces()),
     )

@@ -388,7 +388,9 @@ def _flex(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None)
         block_mask = create_block_mask(
             _causal_mask_mod, None, None, q.shape[-2], k.shape[-2], device=q.device
         )
-    return run_flex(fn, q, k, v, block_mask, scale, [(q.shape[0], q.shape[-2], k.shape[-2])])
+    return run_flex(
+        fn, q, k, v, block_mask, scale, lambda: [(q.shape[0], q.shape[-2], k.shape[-2])]
+    )
 
 
 def _causal_mask_mod(batch: Tensor, head: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:

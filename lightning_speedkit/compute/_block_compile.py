@@ -19,8 +19,18 @@ from lightning_speedkit import _compat, _surgery, _validation
 from lightning_speedkit._blocks import block_instances, repeated_block_types
 from lightning_speedkit.errors import SpeedkitConfigError
 
-__all__ = ["BlockChoice", "CompileMode", "compile_blocks", "compiled_blocks"]
+__all__ = [
+    "CACHE_CALLED",
+    "BlockChoice",
+    "CompileMode",
+    "check_backend_name",
+    "check_options",
+    "compile_blocks",
+    "compiled_blocks",
+    "cpu_compiler_missing",
+]
 
+# The name these records had before the core moved here: a logging setup keeps working.
 log = logging.getLogger("lightning_speedkit.compute.regional_compile")
 
 BlockChoice = str | Sequence[type[nn.Module] | str]
@@ -31,7 +41,7 @@ _MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagra
 # --- choosing and compiling the blocks ---------------------------------------------------------
 
 
-def _check_options(
+def check_options(
     mode: Any, dynamic: Any, fullgraph: Any, backend: Any, blocks: Any = "auto"
 ) -> None:
     """Refuse bad ``compile_blocks``/``RegionalCompile`` arguments, naming the argument."""
@@ -55,7 +65,7 @@ def _check_options(
                          "pass e.g. `blocks=[MyBlock]` or `blocks=['MyBlock']`")  # fmt: skip
 
 
-def _check_backend_name(backend: Any) -> None:
+def check_backend_name(backend: Any) -> None:
     if not isinstance(backend, str) or backend in torch.compiler.list_backends(exclude_tags=()):
         return
     _validation.choice("backend", backend, sorted(torch.compiler.list_backends()),
@@ -129,7 +139,7 @@ def compiled_blocks(model: nn.Module) -> list[str]:
 
 #: Compiled blocks that were called with a KV cache among their arguments (a
 #: ``DynamicCache`` and the like): the likely cause of their recompiling, one graph per layer.
-_CACHE_CALLED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+CACHE_CALLED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def _carries_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -140,8 +150,8 @@ def _carries_cache(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
 def _note_cache(module: nn.Module) -> None:
     """Record a block called with a KV cache; the first of its class (among live modules)
     warns, as it happens: every other layer is about to compile a graph of its own."""
-    first = not any(type(other) is type(module) for other in _CACHE_CALLED)
-    _CACHE_CALLED.add(module)
+    first = not any(type(other) is type(module) for other in CACHE_CALLED)
+    CACHE_CALLED.add(module)
     if first:
         rank_zero_warn(
             f"RegionalCompile: a compiled {type(module).__name__} is called with a KV cache "
@@ -152,7 +162,7 @@ def _note_cache(module: nn.Module) -> None:
         )
 
 
-def _cpu_compiler_missing(backend: Any) -> str | None:
+def cpu_compiler_missing(backend: Any) -> str | None:
     """Why inductor cannot build CPU kernels here, or None when it can."""
     if backend != "inductor":
         return None
@@ -229,9 +239,9 @@ def compile_blocks(
     """
     _validation.instance("model", model, nn.Module, what="a torch.nn.Module",
                          fix="pass the model itself, e.g. `compile_blocks(model)`")  # fmt: skip
-    _check_options(mode, dynamic, fullgraph, backend, blocks)
+    check_options(mode, dynamic, fullgraph, backend, blocks)
     _surgery.refuse_wrapped(model, "compile_blocks")
-    _check_backend_name(backend)
+    check_backend_name(backend)
     kinds = _resolve(model, blocks)
     instances = block_instances(model, kinds)
     _refuse_compiled_around(model, instances)
@@ -251,7 +261,7 @@ def _compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:
     runs eagerly: compiled kernels hide the operators they fuse, and dynamo does not
     compile under such a mode anyway (with ``fullgraph=True`` it raises). So while one
     is active, the block's own call runs; otherwise the compiled one. The first compiled
-    call that carries a KV cache is noted (:data:`_CACHE_CALLED`), to name the cause
+    call that carries a KV cache is noted (:data:`CACHE_CALLED`), to name the cause
     should the block recompile; the calls after it are not looked at (a per-step cost).
     """
     module.compile(**options)

@@ -275,15 +275,14 @@ class FrozenFeatures:
         of its frozen submodules took the batch's tensors instead (diffusers' VAE runs
         ``vae.encoder`` from ``vae.encode(x)``, never ``vae(x)``)."""
         for name, cached in self.cached.items():
-            if cached.slots or cached.counts.plain_calls:
-                continue
             inside = [f for f in topmost(self._found) if f.startswith(f"{name}.")]
-            fix = (f"name {', '.join(f'`{f}`' for f in inside)}, which took the batch's tensors"
-                   if inside else "name the submodule the model calls")  # fmt: skip
+            if cached.slots or cached.counts.plain_calls or not inside:
+                continue  # called, or perhaps called on later steps only: nothing to say
             self._scope.warn_once(
                 f"FrozenFeatureCache: `{name}`'s forward did not run in the first training step, "
-                f"so nothing of it is cached (a model that calls a method of it, such as "
-                f"`vae.encode(x)`, runs its submodules instead); {fix}, or pass "
+                f"but {', '.join(f'`{f}`' for f in inside)} of it took the batch's tensors (a "
+                f"model that calls a method of it, such as `vae.encode(x)`, runs its "
+                f"submodules): nothing of `{name}` is served; name those, or pass "
                 f"`modules='auto'`."
             )
 

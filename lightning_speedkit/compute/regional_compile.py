@@ -35,14 +35,14 @@ from lightning_speedkit._blocks import CacheOff
 from lightning_speedkit._loggers import log_metrics
 from lightning_speedkit._model_ready import forget_pending, when_model_ready
 from lightning_speedkit.compute._block_compile import (
-    _CACHE_CALLED,
+    CACHE_CALLED,
     BlockChoice,
     CompileMode,
-    _check_backend_name,
-    _check_options,
-    _cpu_compiler_missing,
+    check_backend_name,
+    check_options,
     compile_blocks,
     compiled_blocks,
+    cpu_compiler_missing,
 )
 from lightning_speedkit.compute._recompile_advice import recompile_advice
 
@@ -111,8 +111,8 @@ class RegionalCompile(L.Callback):
         recompile_warning: int = 4,
         verbose: bool = True,
     ) -> None:
-        _check_options(mode, dynamic, fullgraph, backend, blocks)
-        _check_backend_name(backend)  # a typo fails here, not when the fit starts
+        check_options(mode, dynamic, fullgraph, backend, blocks)
+        check_backend_name(backend)  # a typo fails here, not when the fit starts
         _validation.positive_int("recompile_warning", recompile_warning,
                                  hint="4 warns well before dynamo's limit of 8")  # fmt: skip
         _validation.boolean("verbose", verbose)
@@ -130,6 +130,7 @@ class RegionalCompile(L.Callback):
         self._warned = False
         self._classes = 1
         self._cache_off = CacheOff()
+        self._compiled_before = False  # an earlier fit with this callback compiled graphs
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":  # validate, test, predict: blocks a fit compiled stay compiled
@@ -143,7 +144,7 @@ class RegionalCompile(L.Callback):
         when_model_ready(pl_module, partial(self._compile, pl_module, on_cpu))
 
     def _compile(self, pl_module: L.LightningModule, on_cpu: bool) -> None:
-        missing = _cpu_compiler_missing(self.backend) if on_cpu else None
+        missing = cpu_compiler_missing(self.backend) if on_cpu else None
         if missing is not None:
             rank_zero_warn(
                 f"RegionalCompile: {missing}. The blocks stay uncompiled; install g++ or "
@@ -191,7 +192,7 @@ class RegionalCompile(L.Callback):
         blocks = [pl_module.get_submodule(name) for name in self.compiled]
         return recompile_advice(
             watch.most_recompiled, watch.recompiles, watch.seconds, watch.last_reason(),
-            cache_called=any(block in _CACHE_CALLED for block in blocks), dynamic=self.dynamic,
+            cache_called=any(block in CACHE_CALLED for block in blocks), dynamic=self.dynamic,
         )  # fmt: skip
 
     def on_train_batch_end(
@@ -208,13 +209,15 @@ class RegionalCompile(L.Callback):
         if not self._reported:
             self._reported = True
             if self.verbose:
+                reused = " (the blocks' code, compiled in an earlier fit, is reused)"
                 rank_zero_info(
                     f"RegionalCompile: compiled {watch.graphs} graph(s) in {watch.seconds:.1f} s "
                     f"during the first step"
                     if watch.graphs
-                    else "RegionalCompile: nothing compiled during the first step (the blocks' "
-                    "code, compiled in an earlier fit, is reused)"
+                    else "RegionalCompile: nothing compiled during the first step"
+                    + (reused if self._compiled_before else "")
                 )
+            self._compiled_before = self._compiled_before or watch.graphs > 0
         allowed = self.recompile_warning + self._classes - 1
         if not self._warned and watch.most_recompiled >= allowed:
             self._warned = True

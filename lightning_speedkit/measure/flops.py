@@ -174,32 +174,34 @@ def run_unseen(call: Callable[[], Tensor], flops: Callable[[], KernelFlops]) -> 
     when autograd reaches it, in the module paths of the moment (so a checkpointed
     block's recomputation counts as recomputation, as an operator's would).
     """
-    if not _ACTIVE or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or not _ACTIVE:  # traced: no guard on the count
         return call()
-    counter = _ACTIVE[-1]
+    counters = list(_ACTIVE)  # nested counts each see an operator: each gets the price
     cost = None if _PAUSED else flops()
     if cost is not None:  # before the call: a checkpoint's recomputation stops inside
-        counter.add(cost.operator, cost.forward)  # the call once it has saved its tensors
-    with _compat.dispatch_modes_set_aside():
+        for counter in counters:  # the call once it has saved its tensors
+            counter.add(cost.operator, cost.forward)
+    with _compat.dispatch_modes_set_aside():  # every mode: FakeTensorMode too, were one on
         out = call()
     if cost is not None and cost.backward and out.requires_grad:
-        out = _CountBackward.apply(out, counter, cost)
+        out = _CountBackward.apply(out, counters, cost)
     return out
 
 
 class _CountBackward(torch.autograd.Function):
-    """Identity whose backward counts a :class:`KernelFlops`' backward in ``counter``."""
+    """Identity whose backward counts a :class:`KernelFlops`' backward in ``counters``."""
 
     @staticmethod
-    def forward(ctx: Any, out: Tensor, counter: _Counter, cost: KernelFlops) -> Tensor:
-        ctx.counter, ctx.cost = counter, cost
+    def forward(ctx: Any, out: Tensor, counters: list[_Counter], cost: KernelFlops) -> Tensor:
+        ctx.counters, ctx.cost = counters, cost
         return out.clone()  # not a view: the model may write into its attention output
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
-        counter, cost = ctx.counter, ctx.cost
-        if counter in _ACTIVE and not _PAUSED:
-            counter.add(f"{cost.operator}_backward", cost.backward, cost.rescored)
+        cost = ctx.cost
+        for counter in ctx.counters:
+            if counter in _ACTIVE and not _PAUSED:
+                counter.add(f"{cost.operator}_backward", cost.backward, cost.rescored)
         return grad, None, None
 
 

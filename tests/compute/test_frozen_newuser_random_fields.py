@@ -185,7 +185,7 @@ class LatentDenoiser(Denoiser):
 
 def test_a_named_module_whose_forward_never_runs_is_said_with_the_one_to_name() -> None:
     cache = FrozenFeatureCache(modules=["vae"])
-    with pytest.warns(UserWarning, match=r"`vae`'s forward did not run .* name `vae.encoder`"):
+    with pytest.warns(UserWarning, match=r"`vae`.s forward did not run .* but `vae.encoder` of it"):
         fit(LatentDenoiser, _loader, cache, epochs=1)
     assert cache.counts["hits"] + cache.counts["misses"] == 0
     named = FrozenFeatureCache(modules=["vae.encoder"])  # the fix the warning names
