@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_warn
@@ -28,7 +29,12 @@ from torch import nn
 from lightning_speedkit import _surgery
 from lightning_speedkit.measure._batch_info import BatchInfo
 
-__all__ = ["MIXED_DOCUMENTS", "documents_kept_apart", "warn_if_documents_mix"]
+__all__ = [
+    "MIXED_DOCUMENTS",
+    "VarlenWatch",
+    "documents_kept_apart",
+    "warn_if_documents_mix",
+]
 
 MIXED_DOCUMENTS = (
     "SpeedMonitor: the training batches are packed (`cu_seqlens`/`document_ids`) but no "
@@ -41,20 +47,47 @@ _ATTENTION_SWAP = "lightning_speedkit.attention.attention_swap"
 
 
 def documents_kept_apart(
-    callbacks: Iterable[L.Callback], model: nn.Module, transformers_varlen: bool = False
+    callbacks: Iterable[L.Callback], model: nn.Module, varlen_taken: bool = False
 ) -> bool:
     """Whether attention in ``model`` takes a packed batch's documents: AttentionSwap among
     ``callbacks`` (it also says itself what it could not swap), a module of ``model``
-    swapped by ``swap_attention``, or, for a batch of transformers' flash-attention
-    arguments (``transformers_varlen``), a transformers model set to flash attention,
-    whose variable-length kernel reads them itself."""
+    swapped by ``swap_attention``, or (``varlen_taken``) a transformers model set to flash
+    attention was called with the batch's ``cu_seq_lens_q``: its variable-length kernel
+    keeps them apart itself (:class:`VarlenWatch`)."""
     module = sys.modules.get(_ATTENTION_SWAP)  # never imported here: see the module docstring
     swap = getattr(module, "AttentionSwap", None)
     if swap is not None and any(isinstance(callback, swap) for callback in callbacks):
         return True
-    if transformers_varlen and any(_flash_attention(m) for m in model.modules()):
-        return True
-    return any(_surgery.replaced_forward(m) is not None for m in model.modules())
+    return varlen_taken or any(_surgery.replaced_forward(m) is not None for m in model.modules())
+
+
+class VarlenWatch:
+    """Whether, in one step, a transformers model set to flash attention is called with
+    ``cu_seq_lens_q``: the training step may drop the field, or the flash model may be
+    another than the one the packed tokens go through (a vision tower on flash, the
+    language model on ``sdpa``). Hooks on those models only, removed by :meth:`close`."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.taken = False
+        flash = [m for m in model.modules() if _flash_attention(m)]
+        self._handles = [m.register_forward_pre_hook(self._call, with_kwargs=True)
+                         for m in flash]  # fmt: skip
+
+    @classmethod
+    def start(cls, info: BatchInfo | None, model: nn.Module) -> VarlenWatch | None:
+        """A watch for the fit's first packed batch when it gives transformers' flash
+        arguments (``info.transformers_varlen``); None otherwise."""
+        return cls(model) if info is not None and info.transformers_varlen else None
+
+    def _call(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        self.taken = self.taken or kwargs.get("cu_seq_lens_q") is not None
+
+    def close(self) -> bool:
+        """Remove the hooks; whether a flash model was called with ``cu_seq_lens_q``."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        return self.taken
 
 
 def _flash_attention(module: nn.Module) -> bool:
@@ -65,12 +98,17 @@ def _flash_attention(module: nn.Module) -> bool:
 
 
 def warn_if_documents_mix(
-    info: BatchInfo | None, trainer: L.Trainer, model: L.LightningModule
+    info: BatchInfo | None,
+    trainer: L.Trainer,
+    model: L.LightningModule,
+    varlen: VarlenWatch | None = None,
 ) -> None:
     """At the end of the fit's first packed batch (``info.first_packed``), warn (rank 0)
-    when nothing keeps its documents apart; every other batch returns at once."""
+    when nothing keeps its documents apart; every other batch returns at once. ``varlen``:
+    the step's :class:`VarlenWatch`, closed here."""
+    taken = varlen.close() if varlen is not None else False
     if info is None or not info.first_packed:
         return
     callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
-    if not documents_kept_apart(callbacks, model, info.transformers_varlen):
+    if not documents_kept_apart(callbacks, model, taken):
         rank_zero_warn(MIXED_DOCUMENTS)

@@ -71,7 +71,7 @@ from lightning_speedkit.measure._clock import StepClock
 from lightning_speedkit.measure._compile_watch import CompileWatch
 from lightning_speedkit.measure._flop_book import CountSchedule, FlopBook, step_flops
 from lightning_speedkit.measure._host_memory import host_memory_bytes
-from lightning_speedkit.measure._packed_check import warn_if_documents_mix
+from lightning_speedkit.measure._packed_check import VarlenWatch, warn_if_documents_mix
 from lightning_speedkit.measure._profiler_windows import window_open
 from lightning_speedkit.measure._throughput import Throughput
 
@@ -175,6 +175,7 @@ class SpeedMonitor(L.Callback):
         self._batches = 0
         self._reader = BatchReader(self.samples_per_batch, self.tokens_per_batch)
         self._info: BatchInfo | None = None
+        self._varlen: VarlenWatch | None = None
         max_counts = 0 if self.flops_per_batch is not None else self.max_flop_counts
         self._counts = CountSchedule(self.flops, max_counts)
         self._clock = StepClock(torch.device("cpu"), untimed=window_open)
@@ -227,6 +228,7 @@ class SpeedMonitor(L.Callback):
         self._batches += 1
         _reset_memory_peak(self._device, self._batches)
         self._info = info = self._describe(batch)
+        self._varlen = VarlenWatch.start(info, pl_module)  # transformers' own packing
         self._counts.step_start(info)
         self._clock.batch_start()
 
@@ -256,7 +258,8 @@ class SpeedMonitor(L.Callback):
         )
         if info is not None:
             self._counts.step_end(info)
-        warn_if_documents_mix(info, trainer, pl_module)  # the fit's first packed batch only
+        warn_if_documents_mix(info, trainer, pl_module, self._varlen)  # the first packed only
+        self._varlen = None
         if keep and info is not None:
             flops = step_flops(info, batch, self.flops, self.flops_per_batch, self._counts.served)
             real = info.throughput_tokens  # padding left out where the batch marks it
@@ -276,6 +279,9 @@ class SpeedMonitor(L.Callback):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._counts.close()
+        varlen, self._varlen = self._varlen, None
+        if varlen is not None:  # a batch that never ended (a failed step): its hooks go
+            varlen.close()
 
     # -- log time: the only place that waits for the device or talks to other ranks ------------
 

@@ -92,26 +92,49 @@ def test_each_packing_field_alone_marks_a_packed_batch(field: str) -> None:
     assert _said(Task(), batch, _monitor()) == [MIXED_DOCUMENTS]
 
 
+class FlashLM(nn.Module):
+    """A transformers-like model set to flash attention: it takes the flattening collator's
+    keyword arguments (and here ignores them, as only the kernel would read them)."""
+
+    def __init__(self, implementation: str) -> None:
+        super().__init__()
+        self.config = SimpleNamespace(_attn_implementation=implementation)  # transformers'
+        self.inner = TinyGPT()
+
+    def forward(self, input_ids: Tensor, **flash_kwargs: Any) -> Tensor:
+        return self.inner(input_ids)
+
+
+class PassesFields(Task):
+    """``self.model(**batch)`` minus the labels, as a transformers user's step does."""
+
+    def _loss(self, batch: dict[str, Any]) -> Tensor:
+        logits = self.model(**{k: v for k, v in batch.items() if k != "labels"})
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+
+
 @pytest.mark.parametrize(
-    ("implementation", "field", "said"),
+    ("implementation", "field", "step", "said"),
     [
-        ("flash_attention_2", "cu_seq_lens_q", False),  # transformers' recipe: apart
-        ("flash_attention_3", "cu_seq_lens_q", False),
-        ("flash_attention_2", "cu_seqlens", True),  # ours: transformers does not read it
-        ("sdpa", "cu_seq_lens_q", True),  # its sdpa path ignores the argument
+        ("flash_attention_2", "cu_seq_lens_q", PassesFields, False),  # transformers' recipe
+        ("flash_attention_3", "cu_seq_lens_q", PassesFields, False),
+        ("flash_attention_2", "cu_seq_lens_q", Task, True),  # the step drops the field
+        ("flash_attention_2", "cu_seqlens", PassesFields, True),  # ours: not read there
+        ("sdpa", "cu_seq_lens_q", PassesFields, True),  # its sdpa path ignores the argument
     ],
 )
-def test_a_transformers_model_on_flash_attention_reads_its_own_packing_fields(
-    implementation: str, field: str, said: bool
+def test_a_transformers_model_on_flash_attention_given_its_own_packing_fields(
+    implementation: str, field: str, step: type[Task], said: bool
 ) -> None:
     """``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` and a model set to
-    flash attention: transformers' variable-length kernel keeps the documents apart, and
-    the warning (whose fix, AttentionSwap, would run them slower) was wrong there."""
-    model = TinyGPT()
-    model.config = SimpleNamespace(_attn_implementation=implementation)  # as transformers'
+    flash attention, called with them: transformers' variable-length kernel keeps the
+    documents apart, and the warning (whose fix, AttentionSwap, would run them slower)
+    was wrong there. Where the step does not hand the field to that model, it stands."""
     ours = _packed()
     batch = {"input_ids": ours["input_ids"], "labels": ours["labels"], field: ours["cu_seqlens"]}
-    assert _said(Task(model), batch, _monitor()) == ([MIXED_DOCUMENTS] if said else [])
+    task = step(FlashLM(implementation))
+    assert _said(task, batch, _monitor()) == ([MIXED_DOCUMENTS] if said else [])
+    assert not task.model._forward_pre_hooks  # the watch's hooks are gone with its step
 
 
 @pytest.mark.parametrize("monitor_first", [True, False], ids=["monitor-first", "swap-first"])
