@@ -205,30 +205,10 @@ class _SwappedForward:
         reference = self._reference(args, kwargs, grad) if is_half(own.tensors) else None
         if reference is not None:  # judge both against float32, not fused against eager
             tolerance = max(tolerance, 2 * reference.error(own))
-        passing: list[tuple[str, float, Run]] = []
-        failure = ""
-        for backend in candidates:
-            ctx = SwapContext(
-                self.module, self.original, self._attend(backend), self.ctx.binding, checking=True
-            )
-            try:
-                fused = Run(_bind(self.adapter.forward, ctx, copies), copies, self.module, grad)
-            except SwapRefusedError as error:
-                failure = str(error)
-                continue
-            except Exception as error:
-                failure = f"the fused forward raised {type(error).__name__}: {error}"
-                continue
-            if fused.not_implemented:
-                return False
-            error_value = (reference or own).error(fused)
-            if error_value <= tolerance:
-                passing.append((backend, error_value, fused))
-            elif not failure or error_value < math.inf:
-                failure = (
-                    f"parity error {error_value:.2e} > tolerance {tolerance:.1e} "
-                    f"on {label} inputs with backend {backend!r}"
-                )
+        judged = self._judge(candidates, copies, reference or own, tolerance, label, grad)
+        if judged is None:
+            return False
+        passing, failure = judged
         if training is not None:
             runs = [(p, self._fails_in_training(p[0], copies, training)) for p in passing]
             passing = [p for p, why in runs if why is None]
@@ -253,6 +233,44 @@ class _SwappedForward:
         entry.checked = label
         entry.status = "active"
         return True
+
+    def _judge(
+        self,
+        candidates: Sequence[str],
+        copies: Inputs,
+        reference: Run,
+        tolerance: float,
+        label: str,
+        grad: bool,
+    ) -> tuple[list[tuple[str, float, Run]], str] | None:
+        """Each candidate's fused forward against ``reference``: those within ``tolerance``
+        as ``(backend, error, run)``, and why the last one failed; None when the adapter
+        does not handle these inputs (nothing is decided)."""
+        passing: list[tuple[str, float, Run]] = []
+        failure = ""
+        for backend in candidates:
+            ctx = SwapContext(
+                self.module, self.original, self._attend(backend), self.ctx.binding, checking=True
+            )
+            try:
+                fused = Run(_bind(self.adapter.forward, ctx, copies), copies, self.module, grad)
+            except SwapRefusedError as error:
+                failure = str(error)
+                continue
+            except Exception as error:
+                failure = f"the fused forward raised {type(error).__name__}: {error}"
+                continue
+            if fused.not_implemented:
+                return None
+            error_value = reference.error(fused)
+            if error_value <= tolerance:
+                passing.append((backend, error_value, fused))
+            elif not failure or error_value < math.inf:
+                failure = (
+                    f"parity error {error_value:.2e} > tolerance {tolerance:.1e} "
+                    f"on {label} inputs with backend {backend!r}"
+                )
+        return passing, failure
 
     def _pick(
         self, own: Run, passing: list[tuple[str, float, Run]], inputs: Inputs, grad: bool

@@ -31,6 +31,7 @@ from lightning_speedkit.measure._batch_info import BatchInfo
 
 __all__ = [
     "MIXED_DOCUMENTS",
+    "PackedCheck",
     "VarlenWatch",
     "documents_kept_apart",
     "warn_if_documents_mix",
@@ -112,3 +113,25 @@ def warn_if_documents_mix(
     callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
     if not documents_kept_apart(callbacks, model, taken):
         rank_zero_warn(MIXED_DOCUMENTS)
+
+
+class PackedCheck:
+    """SpeedMonitor's check, once per fit, that its first packed batch's documents are
+    kept apart: :meth:`start` and :meth:`end` around each training batch."""
+
+    def __init__(self) -> None:
+        self._varlen: VarlenWatch | None = None
+
+    def start(self, info: BatchInfo | None, model: nn.Module) -> None:
+        self.close()  # a batch that never ended (a failed step)
+        self._varlen = VarlenWatch.start(info, model)
+
+    def end(self, info: BatchInfo | None, trainer: L.Trainer, model: L.LightningModule) -> None:
+        varlen, self._varlen = self._varlen, None
+        warn_if_documents_mix(info, trainer, model, varlen)
+
+    def close(self) -> None:
+        """Remove a watch's hooks, if one is on."""
+        varlen, self._varlen = self._varlen, None
+        if varlen is not None:
+            varlen.close()

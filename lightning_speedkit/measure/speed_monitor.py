@@ -71,7 +71,7 @@ from lightning_speedkit.measure._clock import StepClock
 from lightning_speedkit.measure._compile_watch import CompileWatch
 from lightning_speedkit.measure._flop_book import CountSchedule, FlopBook, step_flops
 from lightning_speedkit.measure._host_memory import host_memory_bytes
-from lightning_speedkit.measure._packed_check import VarlenWatch, warn_if_documents_mix
+from lightning_speedkit.measure._packed_check import PackedCheck
 from lightning_speedkit.measure._profiler_windows import window_open
 from lightning_speedkit.measure._throughput import Throughput
 
@@ -162,20 +162,19 @@ class SpeedMonitor(L.Callback):
         self.samples_per_batch = samples_per_batch
         self.peak_flops = peak_flops
         self.max_flop_counts = max_flop_counts
-
         self.flops = FlopBook()
         self.last_metrics: dict[str, float] = {}
         self._throughput = Throughput(window)
         self._peak: float | None = None
         self._peak_warned = self._bf16_warned = False
         self._device = torch.device("cpu")
+        self._packed = PackedCheck()  # packed batches' documents kept apart (said once)
         self._reset_fit_state()
 
     def _reset_fit_state(self) -> None:
         self._batches = 0
         self._reader = BatchReader(self.samples_per_batch, self.tokens_per_batch)
         self._info: BatchInfo | None = None
-        self._varlen: VarlenWatch | None = None
         max_counts = 0 if self.flops_per_batch is not None else self.max_flop_counts
         self._counts = CountSchedule(self.flops, max_counts)
         self._clock = StepClock(torch.device("cpu"), untimed=window_open)
@@ -228,7 +227,7 @@ class SpeedMonitor(L.Callback):
         self._batches += 1
         _reset_memory_peak(self._device, self._batches)
         self._info = info = self._describe(batch)
-        self._varlen = VarlenWatch.start(info, pl_module)  # transformers' own packing
+        self._packed.start(info, pl_module)
         self._counts.step_start(info)
         self._clock.batch_start()
 
@@ -251,15 +250,12 @@ class SpeedMonitor(L.Callback):
         (still compiling, or profiled) are start-up too: they would add samples and no
         FLOPs. A counted step is slower, so it is not timed either; nor is a step of a
         ProfilerSchedule window, nor the step after one (the clock's ``untimed``)."""
-        info, counted_now = self._info, self._counts.counting
+        info, counted = self._info, self._counts.counting
         priced = self.flops_per_batch is not None or bool(self.flops.counted)
-        keep = self._clock.batch_end(
-            not counted_now and priced and self._batches > self.warmup_steps
-        )
+        keep = self._clock.batch_end(priced and not counted and self._batches > self.warmup_steps)
         if info is not None:
             self._counts.step_end(info)
-        warn_if_documents_mix(info, trainer, pl_module, self._varlen)  # the first packed only
-        self._varlen = None
+        self._packed.end(info, trainer, pl_module)  # the fit's first packed batch only
         if keep and info is not None:
             flops = step_flops(info, batch, self.flops, self.flops_per_batch, self._counts.served)
             real = info.throughput_tokens  # padding left out where the batch marks it
@@ -279,9 +275,7 @@ class SpeedMonitor(L.Callback):
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         self._counts.close()
-        varlen, self._varlen = self._varlen, None
-        if varlen is not None:  # a batch that never ended (a failed step): its hooks go
-            varlen.close()
+        self._packed.close()  # a batch that never ended (a failed step): its hooks go
 
     # -- log time: the only place that waits for the device or talks to other ranks ------------
 
