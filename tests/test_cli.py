@@ -89,6 +89,16 @@ def test_plan_counts_a_real_model_and_says_what_to_do(capsys: pytest.CaptureFixt
     assert "nothing fits" in capsys.readouterr().out
 
 
+def test_a_value_read_as_a_flag_is_told_how_to_write_it(capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse reads ``-7e9`` as a flag and says only "expected one argument"."""
+    assert main(["plan", "--params", "-7e9", "--gpus", "2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == ("speedkit plan: error: argument --params: expected one argument (a value "
+                   "that starts with '-' goes after '=': `--params=-7e9`)")  # fmt: skip
+    assert main(["plan", "--params=-7e9", "--gpus", "2"]) == 2  # now its own, clear refusal
+    assert "must be a number of parameters of at least 1" in capsys.readouterr().err
+
+
 def test_plan_on_cpu_counts_single_tensor_adams_temporaries(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

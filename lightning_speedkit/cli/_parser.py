@@ -30,6 +30,8 @@ class ArgumentParser(argparse.ArgumentParser):
     """argparse, with its usage errors raised for ``main`` to print as one line."""
 
     def error(self, message: str) -> NoReturn:
+        if message.endswith("expected one argument"):  # argparse reads `-7e9` as a flag
+            message += " (a value that starts with '-' goes after '=': `--params=-7e9`)"
         raise CommandLineError(message, prog=self.prog)
 
 
