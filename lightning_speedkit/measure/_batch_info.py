@@ -234,7 +234,8 @@ class BatchReader:
             )
         if self.tokens_per_batch is not None:
             count = int(number(self.tokens_per_batch(batch), "tokens_per_batch"))
-            return BatchInfo(signature, samples, count, None, first_packed, varlen)
+            return BatchInfo(signature, samples, count, first_packed=first_packed,
+                             transformers_varlen=varlen)  # fmt: skip
         counts = [n for found in tensors if (n := tokens(found)) is not None]
         reals = [
             r
@@ -245,7 +246,8 @@ class BatchReader:
         for each in reals:
             real = each if real is None else real + each
         positions = sum(counts) if counts else None
-        return BatchInfo(signature, samples, positions, real, first_packed, varlen)
+        return BatchInfo(signature, samples, positions, real, first_packed=first_packed,
+                         transformers_varlen=varlen)  # fmt: skip
 
     def _samples(self, batch: Any, tensors: list[torch.Tensor]) -> int:
         """Samples of one loader's batch: a packed batch's documents (its ``cu_seqlens``
