@@ -1,13 +1,14 @@
 """The micro-batch search itself: which sizes to try, the walk through them, and the verdict.
 
-A pure function of measurements: the walk asks a ``trial(n)`` for each size (a
-:class:`~lightning_speedkit.compute.StepMeasurement`, or :class:`Skipped` saying why it
-did not count) and an ``agree(ok)`` that ranks running in lockstep use to go on or stop
-together; it touches no model, loader or device, so tests drive it with fake ones.
-"""
+A pure function of measurements: the walk (and the confirmation of its verdict) asks a
+``trial(n)`` for each size (a :class:`~lightning_speedkit.compute.StepMeasurement`, or
+:class:`Skipped` saying why it did not count) and an ``agree(ok)`` that ranks running in
+lockstep use to go on or stop together; it touches no model, loader or device, so tests
+drive it with fake ones."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,15 @@ from typing import Any
 from lightning_speedkit.compute._memory_probe import GIB
 from lightning_speedkit.compute._step_timer import StepMeasurement
 
-__all__ = ["Skipped", "Trial", "candidate_sizes", "default_candidates", "verdict", "walk"]
+__all__ = [
+    "Skipped",
+    "Trial",
+    "candidate_sizes",
+    "confirm",
+    "default_candidates",
+    "verdict",
+    "walk",
+]
 
 
 @dataclass(frozen=True)
@@ -79,7 +88,8 @@ def _predicted_peak(rows: list[dict[str, Any]], micro_batch: int) -> int | None:
 
 def _row(micro_batch: int) -> dict[str, Any]:
     return {"micro_batch": micro_batch, "samples_per_sec": None, "step_ms": None,
-            "peak_bytes": None, "fits": False, "skipped": None}  # fmt: skip
+            "peak_bytes": None, "fits": False, "skipped": None,
+            "confirmed_samples_per_sec": None}  # fmt: skip
 
 
 def _measured(row: dict[str, Any], measured: StepMeasurement, limit: int | None) -> str | None:
@@ -150,3 +160,52 @@ def verdict(table: list[dict[str, Any]], agree: Callable[[bool], bool]) -> dict[
         row["skipped"] = "does not fit on another rank"
     fitting = [r for r in table if r["fits"] and r["samples_per_sec"]]
     return max(fitting, key=lambda r: r["samples_per_sec"]) if fitting else None
+
+
+def _top_two(table: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This rank's fastest two rows that fit (the first is :func:`verdict`'s on a tie too)."""
+    fitting = [r for r in table if r["fits"] and r["samples_per_sec"]]
+    return sorted(fitting, key=lambda r: r["samples_per_sec"], reverse=True)[:2]
+
+
+def confirm(
+    table: list[dict[str, Any]],
+    best: dict[str, Any] | None,
+    trial: Trial,
+    agree: Callable[[bool], bool],
+    rounds: int = 3,
+) -> dict[str, Any] | None:
+    """Re-time the winner and the runner-up interleaved; the faster by those medians wins.
+
+    Each size was measured once, one after another, so a busy spell over one size's
+    runs and not another's (another process, a CPU's clock) decides the verdict. Here
+    the two fastest that fit run ``A B A B ...``, ``rounds`` times each, so load that
+    changes over time hits both alike; each row's ``confirmed_samples_per_sec`` is
+    its size over the median of its re-timed seconds, and the higher wins (the first
+    verdict on a tie). Without a runner-up, with ``rounds`` 0, or if a re-run fails
+    (out of memory, the step raised), the first verdict stands.
+
+    ``agree`` keeps ranks in lockstep: one call per row that fits (the pair is the rows
+    every rank has in its top two; ranks that disagree on it confirm nothing), one
+    before each re-run (every rank runs it, or none does), and one at the end.
+    """
+    top = _top_two(table)
+    pair = [r for r in table if r["fits"] and agree(any(r is t for t in top))]
+    if len(pair) != 2 or rounds < 1:
+        return best
+    seconds: list[list[float]] = [[], []]
+    ok = True
+    for i in [0, 1] * rounds:  # A B A B ...: both see the same spells of load
+        if not agree(ok):
+            return best
+        outcome = trial(pair[i]["micro_batch"])
+        if isinstance(outcome, Skipped):
+            ok = False
+        else:
+            seconds[i].append(outcome.seconds)
+    if not agree(ok):
+        return best
+    for row, times in zip(pair, seconds, strict=True):
+        median = statistics.median(times)
+        row["confirmed_samples_per_sec"] = row["micro_batch"] / median if median > 0 else None
+    return max(pair, key=lambda r: (r["confirmed_samples_per_sec"] or 0.0, r is best))

@@ -10,7 +10,9 @@ faster (caches, memory traffic, a kernel's sweet spot): it is measured.
 :func:`tune_micro_batch` times the real step (forward and backward, grads then
 dropped) at growing micro-batches drawn from the user's own loader, stops at the
 first one that would not fit in memory (or at ``max_micro_batch``), and keeps the
-fastest in samples/s. The model comes back exactly as it was: gradients, buffers
+fastest in samples/s, once confirmed: the fastest and the runner-up are timed again
+in turns (``A B A B A B``), so a busy spell over one size's runs cannot decide the
+pick. The model comes back exactly as it was: gradients, buffers
 (batch-norm statistics), train/eval modes, and every random state the trials
 touched (torch's, CUDA's, Python's, NumPy's, the loader's generators).
 
@@ -48,6 +50,7 @@ from lightning_speedkit.compute._candidate_walk import (
     Skipped,
     Trial,
     candidate_sizes,
+    confirm,
     verdict,
     walk,
 )
@@ -67,9 +70,11 @@ class MicroBatchResult:
     Attributes:
         best: DataLoader keyword arguments to use: ``{"batch_size": n}``.
         table: every candidate, in order: ``micro_batch``, ``samples_per_sec``,
-            ``step_ms``, ``peak_bytes``, ``fits`` and ``skipped`` (why it did not run
-            or does not count, else None).
-        best_samples_per_sec: the measured rate of ``best``.
+            ``step_ms``, ``peak_bytes``, ``fits``, ``skipped`` (why it did not run
+            or does not count, else None) and ``confirmed_samples_per_sec`` (the
+            rate re-timed in turns with the other of the two fastest, else None).
+        best_samples_per_sec: the measured rate of ``best`` (the re-timed one where
+            it was confirmed).
         given: the loader's batch size as given.
         accumulation: micro-batches per optimizer step at ``best`` (with a global batch).
         global_batch: the global batch kept (None if none was given).
@@ -150,6 +155,7 @@ def tune_micro_batch(
     limit_bytes: int | None = None,
     measure: Measure | None = None,
     agree: Callable[[bool], bool] | None = None,
+    confirm_rounds: int = 3,
 ) -> MicroBatchResult:
     """Time the training step at growing micro-batches; return the fastest that fits.
 
@@ -159,7 +165,8 @@ def tune_micro_batch(
     only if every size fails. The search stops at the first candidate predicted or
     measured over the memory limit, or out of memory, or past ``max_micro_batch``;
     the fastest in samples/s of those that fit wins (the loader's own size when none
-    does). The model, its gradients,
+    does), once confirmed: it and the runner-up are re-timed in turns, and the faster
+    by those medians wins. The model, its gradients,
     buffers and modes, and all random states come back as they were; compiled code
     is set aside during the trials (each new shape would compile anew).
 
@@ -181,10 +188,15 @@ def tune_micro_batch(
             (optimizer states before the first step).
         limit_bytes: the peak a candidate may reach, instead of :func:`memory_limit`'s.
         measure: ``measure(run, micro_batch) -> StepMeasurement`` instead of
-            :func:`timed_measure` (one warm-up, median of three).
+            :func:`timed_measure` (one warm-up, then the median of at least three
+            runs and of at least 20 ms of them).
         agree: ranks running in lockstep pass a function that returns True only if
             every rank's argument is True; each candidate runs only then, and a size
             counts only if it fitted on every rank.
+        confirm_rounds: re-timings each of the fastest size and the runner-up, taken
+            in turns after the search; 0 keeps the first measurements. Each round
+            costs one measurement of each (3: about three times measuring the two
+            once more); raise it on a machine others share.
 
     Example::
 
@@ -205,6 +217,8 @@ def tune_micro_batch(
         True
     """
     candidates = _check_micro_batch_arguments(candidates, max_micro_batch, memory_headroom)
+    _validation.non_negative_int("confirm_rounds", confirm_rounds, example=3,
+                                 hint="or 0 to keep the first measurements")  # fmt: skip
     trainable = _check_tune_inputs(model, dataloader, global_batch, world_size)
     started = time.perf_counter()
     device = trainable[0].device
@@ -223,11 +237,12 @@ def tune_micro_batch(
     )  # fmt: skip
     with preserved(model, dataloader), eager(), torch.enable_grad():
         table, failures = walk(sizes, limit, trial, agree)
-    best_row = verdict(table, agree)
+        best_row = confirm(table, verdict(table, agree), trial, agree, confirm_rounds)
     if failures and not any(row["samples_per_sec"] for row in table):
         raise failures[0]  # the step fails at every size: the user's error, not a size's
     if best_row is not None:
-        best, rate = int(best_row["micro_batch"]), float(best_row["samples_per_sec"])
+        best = int(best_row["micro_batch"])
+        rate = float(best_row["confirmed_samples_per_sec"] or best_row["samples_per_sec"])
     else:
         best, rate = int(given), None  # type: ignore[arg-type]
         rank_zero_warn(
@@ -392,5 +407,7 @@ def table_text(result: MicroBatchResult) -> str:
         ms = f"{row['step_ms']:9.1f}" if row["step_ms"] is not None else f"{'-':>9}"
         peak = f"{row['peak_bytes'] / GIB:10.2f}" if row["peak_bytes"] is not None else f"{'-':>10}"
         note = row["skipped"] or ("best" if row["micro_batch"] == result.best["batch_size"] else "")
+        if row.get("confirmed_samples_per_sec"):  # re-timed in turns with the other fastest
+            note = f"{note}{', ' if note else ''}re-timed {row['confirmed_samples_per_sec']:.1f}/s"
         lines.append(f"  {row['micro_batch']:>11} {rate} {ms} {peak}  {note}")
     return "\n".join(lines)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
+import itertools
+import threading
 from collections.abc import Callable
+
+import pytest
 
 from lightning_speedkit.compute import StepMeasurement
 from lightning_speedkit.compute._candidate_walk import (
     Skipped,
     candidate_sizes,
+    confirm,
     default_candidates,
     verdict,
     walk,
@@ -110,3 +117,126 @@ def test_a_zero_time_has_no_rate_and_cannot_win() -> None:
     table, _ = walk([1], None, trial, _alone)
     assert table[0]["samples_per_sec"] is None
     assert verdict(table, _alone) is None
+
+
+def _sequence(outcomes: dict[int, list[StepMeasurement | Skipped]]) -> tuple[Callable, list[int]]:
+    """A trial that gives each size's outcomes in turn: a first measurement, then re-timings."""
+    ran: list[int] = []
+    left = {n: iter(seen) for n, seen in outcomes.items()}
+
+    def trial(n: int) -> StepMeasurement | Skipped:
+        ran.append(n)
+        return next(left[n])
+
+    return trial, ran
+
+
+def _search(trial: Callable, sizes: list[int], agree: Callable = _alone, limit: int | None = None,
+            rounds: int = 3) -> tuple[list[dict], dict | None]:  # fmt: skip
+    table, _ = walk(sizes, limit, trial, agree)
+    return table, confirm(table, verdict(table, agree), trial, agree, rounds)
+
+
+def test_a_busy_spell_over_the_runner_ups_first_measurement_is_undone_by_the_retiming() -> None:
+    # Truly 1 -> 2000/s and 32 -> 8000/s. The walk saw 1 at an idle moment (4000/s) and
+    # 2 and 32 in a busy spell (32 six times slower: 1333/s), so 1 led. Re-timed in turns,
+    # a spell in the second round hits both alike, and the medians put 32 first.
+    trial, ran = _sequence({
+        1: [StepMeasurement(0.00025), StepMeasurement(0.0005), StepMeasurement(0.003),
+            StepMeasurement(0.0005)],
+        2: [StepMeasurement(0.008)],
+        32: [StepMeasurement(0.024), StepMeasurement(0.004), StepMeasurement(0.024),
+             StepMeasurement(0.004)],
+    })  # fmt: skip
+    table, best = _search(trial, [1, 2, 32])
+    assert ran == [1, 2, 32, 1, 32, 1, 32, 1, 32]  # 1 and 32 interleaved, three rounds each
+    assert best is not None
+    assert best["micro_batch"] == 32
+    assert [r["samples_per_sec"] for r in table] == pytest.approx([4000.0, 250.0, 32 / 0.024])
+    assert [r["confirmed_samples_per_sec"] for r in table] == [
+        pytest.approx(2000.0), None, pytest.approx(8000.0)
+    ]  # fmt: skip
+
+
+def test_a_winner_that_holds_its_lead_when_retimed_stays() -> None:
+    trial, ran = _sequence({4: [StepMeasurement(0.004)] * 4, 8: [StepMeasurement(0.005)] * 4,
+                            16: [StepMeasurement(0.020)]})  # fmt: skip
+    table, best = _search(trial, [4, 8, 16], rounds=2)
+    assert ran == [4, 8, 16, 4, 8, 4, 8]  # two rounds: the winner (8) and the runner-up (4)
+    assert best is table[1]
+    assert [r["confirmed_samples_per_sec"] for r in table] == [1000.0, 1600.0, None]
+
+
+@pytest.mark.parametrize(
+    ("outcomes", "limit", "rounds"),
+    [
+        ({1: [StepMeasurement(0.01)]}, None, 3),  # one size
+        ({1: [StepMeasurement(0.01, GIB)], 2: [StepMeasurement(0.01, 9 * GIB)]}, 4 * GIB, 3),
+        ({1: [StepMeasurement(0.01)], 2: [StepMeasurement(0.03)]}, None, 0),  # switched off
+    ],
+    ids=["one-size", "the-other-does-not-fit", "rounds-0"],
+)
+def test_without_a_runner_up_or_rounds_nothing_is_retimed(
+    outcomes: dict[int, list[StepMeasurement]], limit: int | None, rounds: int
+) -> None:
+    trial, ran = _sequence(outcomes)
+    table, best = _search(trial, sorted(outcomes), limit=limit, rounds=rounds)
+    assert ran == sorted(outcomes)
+    assert best is table[0]
+    assert all(r["confirmed_samples_per_sec"] is None for r in table)
+
+
+def test_a_retiming_that_fails_keeps_the_first_verdict() -> None:
+    oom = Skipped("out of memory", stop=True)
+    trial, ran = _sequence({1: [StepMeasurement(0.01)] * 4, 2: [StepMeasurement(0.01), oom]})
+    table, best = _search(trial, [1, 2])
+    assert ran == [1, 2, 1, 2]  # nothing more after the failed re-run
+    assert best is table[1]
+    assert all(r["confirmed_samples_per_sec"] is None for r in table)
+
+
+def _ranks(count: int) -> list[Callable[[bool], bool]]:
+    """``agree`` for ``count`` ranks in threads: each call waits for every rank's (an
+    unequal number of calls breaks the barrier), and answers True only if all were."""
+    barrier = threading.Barrier(count, timeout=5)
+    votes: dict[int, list[bool]] = collections.defaultdict(list)
+
+    def agree_for(rank: int) -> Callable[[bool], bool]:
+        calls = itertools.count()
+
+        def agree(ok: bool) -> bool:
+            i = next(calls)
+            votes[i].append(ok)
+            barrier.wait()
+            return all(votes[i])
+
+        return agree
+
+    return [agree_for(rank) for rank in range(count)]
+
+
+def _in_lockstep(trials: list[Callable]) -> list[dict | None]:
+    agrees = _ranks(len(trials))
+    with concurrent.futures.ThreadPoolExecutor(len(trials)) as pool:
+        searches = [pool.submit(_search, trial, [1, 2, 4], agree)
+                    for trial, agree in zip(trials, agrees, strict=True)]  # fmt: skip
+        return [search.result()[1] for search in searches]
+
+
+def test_ranks_retime_the_same_pair_in_lockstep_and_stop_together() -> None:
+    fast, slow = StepMeasurement(0.001), StepMeasurement(0.004)
+    # both ranks: 2 fastest, then 4; rank 1's second re-run of 4 runs out of memory
+    trial0, ran0 = _sequence({1: [slow], 2: [fast] * 4, 4: [fast] * 4})
+    trial1, ran1 = _sequence({1: [slow], 2: [fast] * 4, 4: [fast, fast, Skipped("oom")]})
+    best = _in_lockstep([trial0, trial1])
+    assert ran0 == ran1 == [1, 2, 4, 2, 4, 2, 4]  # no rank runs the third round
+    assert [b["micro_batch"] for b in best] == [4, 4]  # type: ignore[index]  # first verdicts
+
+
+def test_ranks_that_disagree_on_the_pair_retime_nothing() -> None:
+    fast, slow = StepMeasurement(0.001), StepMeasurement(0.004)
+    trial0, ran0 = _sequence({1: [slow], 2: [fast] * 4, 4: [fast] * 4})  # 4 and 2
+    trial1, ran1 = _sequence({1: [fast] * 4, 2: [slow], 4: [fast] * 4})  # 4 and 1
+    best = _in_lockstep([trial0, trial1])
+    assert ran0 == ran1 == [1, 2, 4]
+    assert [b["micro_batch"] for b in best] == [4, 4]  # type: ignore[index]

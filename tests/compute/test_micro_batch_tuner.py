@@ -28,6 +28,7 @@ from lightning_speedkit.compute import (
     timed_measure,
     tune_micro_batch,
 )
+from lightning_speedkit.compute.micro_batch_search import table_text
 from lightning_speedkit.data import LengthBucketBatchSampler
 
 from ..helpers.recorder import Recorder
@@ -73,12 +74,16 @@ def test_the_fastest_in_samples_per_sec_wins_not_the_largest() -> None:
     model, loader, step = _setup()
     measure, ran = fake_measure(SECONDS)
     result = tune_micro_batch(model, loader, step, global_batch=32, measure=measure)
-    assert ran == [1, 2, 4, 8, 16, 32]  # powers of two up to the global batch
+    # powers of two up to the global batch; then the two fastest, re-timed in turns
+    assert ran == [1, 2, 4, 8, 16, 32, 8, 16, 8, 16, 8, 16]
+    assert [row["confirmed_samples_per_sec"] for row in result.table] == [
+        None, None, None, pytest.approx(8 / 0.035), pytest.approx(16 / 0.075), None
+    ]  # fmt: skip
     assert result.best == {"batch_size": 8}
     assert result.best_samples_per_sec == pytest.approx(8 / 0.035)
     assert result.accumulation == 4
     assert result.given == 4
-    assert [row["micro_batch"] for row in result.table] == ran
+    assert [row["micro_batch"] for row in result.table] == ran[:6]
     assert result.table[3]["samples_per_sec"] == pytest.approx(228.571, rel=1e-4)
     assert result.table[3]["step_ms"] == pytest.approx(35.0)
     assert result.dataloader is not None
@@ -89,7 +94,7 @@ def test_a_size_the_step_fails_at_is_skipped() -> None:
     model, loader, step = _setup(batch_norm=True)  # batch norm refuses a batch of one
     measure, ran = fake_measure(SECONDS)
     result = tune_micro_batch(model, loader, step, candidates=[1, 2, 4], measure=measure)
-    assert ran == [2, 4]
+    assert ran == [2, 4, 2, 4, 2, 4, 2, 4]
     assert result.table[0]["skipped"].startswith(
         "the step failed: ValueError: Expected more than 1 value per channel"
     )
@@ -103,14 +108,14 @@ def test_only_micro_batches_that_keep_the_global_batch_are_tried() -> None:
     measure, ran = fake_measure(seconds)
     # 48 over 2 ranks: 24 per rank; powers of two dividing 24, and the loader's own 4
     tune_micro_batch(model, loader, step, global_batch=48, world_size=2, measure=measure)
-    assert ran == [1, 2, 4, 8]
+    assert ran == [1, 2, 4, 8, 1, 2, 1, 2, 1, 2]  # a tie: the first two are re-timed
     measure, ran = fake_measure(seconds)
     tune_micro_batch(model, loader, step, global_batch=48, world_size=2, measure=measure,
                      candidates=[3, 5, 6, 12, 16, 24])  # fmt: skip
-    assert ran == [3, 6, 12, 24]
+    assert ran == [3, 6, 12, 24, 3, 6, 3, 6, 3, 6]
     measure, ran = fake_measure(seconds)
     tune_micro_batch(model, loader, step, max_micro_batch=6, measure=measure, candidates=[2, 6, 8])
-    assert ran == [2, 6]
+    assert ran == [2, 6, 2, 6, 2, 6, 2, 6]
 
 
 def test_stops_before_a_micro_batch_predicted_over_the_memory_limit() -> None:
@@ -119,7 +124,7 @@ def test_stops_before_a_micro_batch_predicted_over_the_memory_limit() -> None:
     # measured: 1 -> 1100, 2 -> 1200, 4 -> 1400, 8 -> 1800; 16 predicted 2600 > 2500
     result = tune_micro_batch(model, loader, step, global_batch=32, measure=measure,
                               limit_bytes=2500)  # fmt: skip
-    assert ran == [1, 2, 4, 8]
+    assert ran == [1, 2, 4, 8, 4, 8, 4, 8, 4, 8]
     assert result.table[-1]["micro_batch"] == 16
     assert result.table[-1]["skipped"].startswith("predicted peak")
     assert result.best == {"batch_size": 8}
@@ -132,7 +137,8 @@ def test_a_micro_batch_measured_over_the_limit_does_not_count() -> None:
     measure, ran = fake_measure({1: 0.01, 2: 0.011, 4: 0.012, 8: 0.013}, peak=peaks.get)
     result = tune_micro_batch(model, loader, step, candidates=[1, 2, 4, 8], measure=measure,
                               limit_bytes=1000)  # fmt: skip
-    assert ran == [1, 2, 4]  # the fastest per sample (4) is over the limit; 8 is not tried
+    # the fastest per sample (4) is over the limit; 8 is not tried; 1 and 2 are re-timed
+    assert ran == [1, 2, 4, 1, 2, 1, 2, 1, 2]
     assert result.table[2]["fits"] is False
     assert "over the limit" in result.table[2]["skipped"]
     assert result.best == {"batch_size": 2}
@@ -183,7 +189,7 @@ def test_the_model_and_every_random_state_come_back_as_they_were() -> None:
 
 
 def test_the_default_measure_times_and_reads_the_peak_on_cpu() -> None:
-    measure = timed_measure("cpu", warmup=1, repeats=2)
+    measure = timed_measure("cpu", warmup=1, repeats=2, min_seconds=0.0)
     calls: list[int] = []
     measured = measure(lambda: calls.append(1), 4)
     assert len(calls) == 3  # one warm-up, two timed
@@ -192,6 +198,34 @@ def test_the_default_measure_times_and_reads_the_peak_on_cpu() -> None:
         limit = memory_limit("cpu", memory_headroom=0.5)
         assert limit is not None
         assert 0 < measured.peak_bytes < limit
+
+
+def test_a_busy_spell_cannot_pick_the_size_and_the_retimed_rates_are_shown() -> None:
+    # the probe's fault: 1 timed idle (0.25 ms), 32 in a busy spell (six times slower)
+    seen = {1: iter([0.00025, 0.0005, 0.0005, 0.0005]), 2: iter([0.008]),
+            32: iter([0.024, 0.004, 0.004, 0.004])}  # fmt: skip
+    ran: list[int] = []
+
+    def measure(run: Callable[[], None], n: int) -> StepMeasurement:
+        run()
+        ran.append(n)
+        return StepMeasurement(next(seen[n]))
+
+    model, loader, step = _setup()
+    result = tune_micro_batch(model, loader, step, candidates=[1, 2, 32], measure=measure)
+    assert ran == [1, 2, 32, 1, 32, 1, 32, 1, 32]
+    assert result.best == {"batch_size": 32}
+    assert result.best_samples_per_sec == pytest.approx(8000.0)  # the re-timed rate
+    assert table_text(result).splitlines()[1:] == [
+        "            1     4000.0       0.2          -  re-timed 2000.0/s",
+        "            2      250.0       8.0          -  ",
+        "           32     1333.3      24.0          -  best, re-timed 8000.0/s",
+    ]
+    ran.clear()
+    seen = {1: iter([0.00025]), 2: iter([0.008]), 32: iter([0.024])}
+    off = tune_micro_batch(model, loader, step, candidates=[1, 2, 32], measure=measure,
+                           confirm_rounds=0)  # fmt: skip
+    assert (ran, off.best) == ([1, 2, 32], {"batch_size": 1})  # the first verdict, unconfirmed
 
 
 @pytest.mark.parametrize(
@@ -205,6 +239,7 @@ def test_the_default_measure_times_and_reads_the_peak_on_cpu() -> None:
             r"`max_micro_batch` is below every candidate \(\[4, 8\]\), got 2",
         ),
         ({"memory_headroom": 1.0}, r"`memory_headroom` must be a number in \[0, 1\), got 1.0"),
+        ({"confirm_rounds": -1}, r"`confirm_rounds` must be an integer >= 0, got -1"),
         (
             {"candidates": [5, 7], "global_batch": 32},
             r"`candidates` holds no micro-batch that divides the 32",
@@ -227,7 +262,7 @@ def test_candidates_may_be_any_iterable_of_sizes() -> None:
     model, loader, step = _setup()
     measure, ran = fake_measure(SECONDS)
     tune_micro_batch(model, loader, step, candidates=np.array([8, 2]), measure=measure)
-    assert ran == [2, 8]
+    assert ran == [2, 8, 2, 8, 2, 8, 2, 8]
 
 
 class Counting(nn.Module):
@@ -299,7 +334,7 @@ def test_a_candidate_larger_than_a_drop_last_dataset_stops_the_search() -> None:
     short = DataLoader(loader.dataset, batch_size=4, drop_last=True)
     measure, ran = fake_measure(SECONDS)
     result = tune_micro_batch(model, short, step, candidates=[4, 8, 16, 32], measure=measure)
-    assert ran == [4, 8]
+    assert ran == [4, 8, 4, 8, 4, 8, 4, 8]
     assert result.table[-1]["skipped"] == "the dataset holds fewer than 16 samples (drop_last)"
 
 
@@ -331,7 +366,7 @@ def test_samples_are_counted_from_the_sampler_not_guessed_from_the_batch() -> No
 
     measure, ran = fake_measure(SECONDS)
     tune_micro_batch(model, loader, step, candidates=[4, 16, 32], measure=measure)
-    assert ran == [4, 16, 32]
+    assert ran == [4, 16, 32, 4, 16, 4, 16, 4, 16]
 
 
 def test_a_custom_batch_sampler_is_refused_with_the_fix() -> None:
@@ -388,7 +423,7 @@ def test_the_callback_trains_with_the_choice_and_accumulation_follows() -> None:
     model = Seen()
     run = trainer(3, [losses, scheduler, tuner], logger=recorder, log_every_n_steps=1)
     run.fit(model, given)
-    assert ran == [1, 2, 4, 8, 16, 32]
+    assert ran == [1, 2, 4, 8, 16, 32, 8, 16, 8, 16, 8, 16]
     assert tuner.result is not None
     assert tuner.result.best == {"batch_size": 8}
     # the loader Lightning trained from: the new size, everything else the user's
