@@ -115,7 +115,8 @@ class MicroBatchTuner(L.Callback):
             varies with batch contents (caption lengths, image counts), and the
             trials see one batch per size.
         warmup: untimed runs per candidate (its first run allocates and picks kernels).
-        repeats: timed runs per candidate; the median counts.
+        repeats: the fewest timed runs per candidate (a short step runs until 20 ms of
+            runs are timed); the median counts.
         measure: ``measure(run, micro_batch) -> StepMeasurement`` replacing the
             timing (a device-specific clock, or a fixed table in tests).
         verbose: print the table (rank 0).
