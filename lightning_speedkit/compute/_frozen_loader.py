@@ -196,6 +196,14 @@ def with_sample_index(loader: DataLoader[Any], plan: SkipPlan | None = None) -> 
             "needs a map-style dataset (an IterableDataset has no index)",
             "pass `key='<field>'`, a batch field that identifies each sample (an id, a file name)",
         )
+    if loader.batch_size is None and loader.batch_sampler is None:
+        _validation.fail(
+            "key",
+            "index",
+            "needs a loader that batches samples (this one has batch_size=None: its dataset "
+            "gives whole batches, which carry no one index per row)",
+            "pass `key='<field>'`, a batch field that identifies each row (an id, a file name)",
+        )
     if isinstance(loader.collate_fn, IndexedCollate):
         return loader  # carries them already
     changes: dict[str, Any] = {

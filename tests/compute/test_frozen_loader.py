@@ -119,6 +119,16 @@ def test_an_iterable_dataset_is_refused_with_the_field_fix() -> None:
         with_sample_index(DataLoader(Stream(), batch_size=2))
 
 
+def test_a_loader_that_does_not_batch_is_refused_with_the_field_fix() -> None:
+    """``batch_size=None``: the dataset's items are whole batches, one index for many
+    rows; the index collate then failed in the loader with a bare TypeError."""
+    data = [{"x": torch.zeros(4, 1)} for _ in range(3)]
+    with pytest.raises(
+        SpeedkitConfigError, match=r"^`key` needs a loader that batches samples.*`key='<field>'`"
+    ):
+        with_sample_index(DataLoader(data, batch_size=None))
+
+
 def test_a_field_key_reads_the_field_and_a_missing_one_names_the_fields() -> None:
     assert batch_keys({"id": ["a", "b"], "x": torch.zeros(2)}, "id") == ["a", "b"]
     with pytest.raises(
