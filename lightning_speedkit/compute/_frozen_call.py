@@ -265,12 +265,7 @@ class CachedModule:
         return _first_row(out) if lone else out
 
     def _batch_field(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable | None:
-        """Which batch field this call's input is, as the batch carries it (or None)."""
-        given = [*args, *kwargs.values()]
-        for name, tensor in self.scope.fields.items():
-            if any(same_tensor(value, tensor) for value in given):
-                return name
-        return None
+        return batch_field(self.scope.fields, [*args, *kwargs.values()])
 
     def _real_inputs(
         self,
@@ -456,6 +451,15 @@ def _numerics(device: str) -> tuple[Hashable, ...]:
     if torch.get_float32_matmul_precision() != "highest":
         parts.append(("float32_matmul", torch.get_float32_matmul_precision()))
     return tuple(parts)
+
+
+def batch_field(fields: dict[Hashable, torch.Tensor], given: list[Any]) -> Hashable | None:
+    """Which of the step's batch ``fields`` a call's arguments ``given`` pass as they are
+    (the field's name, as the batch carries it), or None."""
+    for name, tensor in fields.items():
+        if any(same_tensor(value, tensor) for value in given):
+            return name
+    return None
 
 
 def same_tensor(value: Any, field: torch.Tensor) -> bool:

@@ -15,7 +15,13 @@ import torch
 from torch import nn
 
 from lightning_speedkit import _compat, _validation
-from lightning_speedkit.compute._frozen_call import CachedModule, ModuleCounts, Scope, same_tensor
+from lightning_speedkit.compute._frozen_call import (
+    CachedModule,
+    ModuleCounts,
+    Scope,
+    batch_field,
+    same_tensor,
+)
 from lightning_speedkit.compute._frozen_disk import DiskStore, prepare_directory
 from lightning_speedkit.compute._frozen_lease import PruneReport, prune_frozen_features
 from lightning_speedkit.compute._frozen_loader import dataset_fingerprint
@@ -236,9 +242,7 @@ class FrozenFeatures:
                 given = [*args, *kwargs.values()]
                 if any(same_tensor(value, field) for value in given for field in fields):
                     self._found.add(name)
-                    source = next((f for f, t in self._scope.fields.items()
-                                   if any(same_tensor(v, t) for v in given)), None)  # fmt: skip
-                    running[name] = (source, model_flops_so_far())
+                    running[name] = (batch_field(self._scope.fields, given), model_flops_so_far())
 
             return hook
 

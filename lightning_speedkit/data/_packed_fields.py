@@ -28,7 +28,6 @@ __all__ = [
     "one_row_offsets",
     "packing_field",
     "row_shaped",
-    "transformers_varlen",
 ]
 
 #: The fields as transformers' ``DataCollatorWithFlattening`` names them
@@ -42,14 +41,6 @@ def carries_packing(batch: Mapping[Any, Any]) -> bool:
     """Whether ``batch`` carries a packing field (ours or transformers' name for it): a
     look at its keys, nothing converted or read."""
     return any(batch.get(key) is not None for pair in HF_NAMES.items() for key in pair)
-
-
-def transformers_varlen(batch: Mapping[Any, Any]) -> bool:
-    """Whether ``batch`` gives its documents as transformers' flash-attention arguments
-    only (``cu_seq_lens_q``), which transformers' flash path reads itself: keys only."""
-    return batch.get(HF_NAMES["cu_seqlens"]) is not None and not any(
-        batch.get(name) is not None for name in HF_NAMES
-    )
 
 
 def packing_field(batch: Mapping[Any, Any], name: str) -> Tensor | None:

@@ -31,12 +31,7 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 
-from lightning_speedkit.data._packed_fields import (
-    carries_packing,
-    one_row_offsets,
-    packing_field,
-    transformers_varlen,
-)
+from lightning_speedkit.data._packed_fields import carries_packing, one_row_offsets, packing_field
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure import _tensor_walk
 
@@ -55,9 +50,6 @@ class BatchInfo:
     """The first batch the reader read that carries packing fields (``cu_seqlens``,
     ``document_ids``, or transformers' names): SpeedMonitor then checks, once, that
     attention keeps its documents apart."""
-    transformers_varlen: bool = field(default=False, compare=False)
-    """That first packed batch gives its documents as transformers' flash-attention
-    arguments (``cu_seq_lens_q``, from ``DataCollatorWithFlattening``) and not ours."""
 
     @property
     def throughput_tokens(self) -> int | torch.Tensor | None:
@@ -172,13 +164,6 @@ def _packed(batch: Any) -> bool:
     return fields is not None and carries_packing(fields)
 
 
-def _transformers_varlen(batch: Any) -> bool:
-    """Whether one loader's batch gives its documents in transformers' flash-attention
-    arguments only (``cu_seq_lens_q``, not our ``cu_seqlens`` or ``document_ids``)."""
-    fields = _tensor_walk.named_fields(batch)
-    return fields is not None and transformers_varlen(fields)
-
-
 class BatchReader:
     """Reads :class:`BatchInfo` from batches, with the user's functions where given.
 
@@ -225,7 +210,6 @@ class BatchReader:
         signature = tuple((tuple(t.shape), str(t.dtype)) for each in tensors for t in each)
         first_packed = not self._seen_packed and any(map(_packed, parts))
         self._seen_packed = self._seen_packed or first_packed
-        varlen = first_packed and any(map(_transformers_varlen, parts))
         if self.samples_per_batch is not None:
             samples = int(number(self.samples_per_batch(batch), "samples_per_batch"))
         else:
@@ -234,8 +218,7 @@ class BatchReader:
             )
         if self.tokens_per_batch is not None:
             count = int(number(self.tokens_per_batch(batch), "tokens_per_batch"))
-            return BatchInfo(signature, samples, count, first_packed=first_packed,
-                             transformers_varlen=varlen)  # fmt: skip
+            return BatchInfo(signature, samples, count, first_packed=first_packed)
         counts = [n for found in tensors if (n := tokens(found)) is not None]
         reals = [
             r
@@ -246,8 +229,7 @@ class BatchReader:
         for each in reals:
             real = each if real is None else real + each
         positions = sum(counts) if counts else None
-        return BatchInfo(signature, samples, positions, real, first_packed=first_packed,
-                         transformers_varlen=varlen)  # fmt: skip
+        return BatchInfo(signature, samples, positions, real, first_packed=first_packed)
 
     def _samples(self, batch: Any, tensors: list[torch.Tensor]) -> int:
         """Samples of one loader's batch: a packed batch's documents (its ``cu_seqlens``

@@ -76,9 +76,9 @@ class VarlenWatch:
 
     @classmethod
     def start(cls, info: BatchInfo | None, model: nn.Module) -> VarlenWatch | None:
-        """A watch for the fit's first packed batch when it gives transformers' flash
-        arguments (``info.transformers_varlen``); None otherwise."""
-        return cls(model) if info is not None and info.transformers_varlen else None
+        """A watch for the fit's first packed batch (``info.first_packed``); None for any
+        other (the check runs once)."""
+        return cls(model) if info is not None and info.first_packed else None
 
     def _call(self, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
         self.taken = self.taken or kwargs.get("cu_seq_lens_q") is not None
@@ -99,19 +99,15 @@ def _flash_attention(module: nn.Module) -> bool:
 
 
 def warn_if_documents_mix(
-    info: BatchInfo | None,
-    trainer: L.Trainer,
-    model: L.LightningModule,
-    varlen: VarlenWatch | None = None,
+    info: BatchInfo | None, trainer: L.Trainer, model: L.LightningModule, varlen_taken: bool
 ) -> None:
     """At the end of the fit's first packed batch (``info.first_packed``), warn (rank 0)
-    when nothing keeps its documents apart; every other batch returns at once. ``varlen``:
-    the step's :class:`VarlenWatch`, closed here."""
-    taken = varlen.close() if varlen is not None else False
+    when nothing keeps its documents apart; every other batch returns at once.
+    ``varlen_taken``: what that step's :class:`VarlenWatch` saw."""
     if info is None or not info.first_packed:
         return
     callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
-    if not documents_kept_apart(callbacks, model, taken):
+    if not documents_kept_apart(callbacks, model, varlen_taken):
         rank_zero_warn(MIXED_DOCUMENTS)
 
 
@@ -127,11 +123,9 @@ class PackedCheck:
         self._varlen = VarlenWatch.start(info, model)
 
     def end(self, info: BatchInfo | None, trainer: L.Trainer, model: L.LightningModule) -> None:
-        varlen, self._varlen = self._varlen, None
-        warn_if_documents_mix(info, trainer, model, varlen)
+        warn_if_documents_mix(info, trainer, model, self.close())
 
-    def close(self) -> None:
-        """Remove a watch's hooks, if one is on."""
+    def close(self) -> bool:
+        """Remove a watch's hooks, if one is on; whether it saw ``cu_seq_lens_q`` taken."""
         varlen, self._varlen = self._varlen, None
-        if varlen is not None:
-            varlen.close()
+        return varlen.close() if varlen is not None else False
