@@ -23,8 +23,7 @@ __all__ = ["mixing_message"]
 
 _SWAP_IT = (
     "wap it (`register_adapter` for a family the kit does not know; `tolerance=` for a module "
-    "that failed its check; a named backend, `backend='sdpa'`, for one `auto` timed faster "
-    "as it was), or write the document mask into that module, or do not pack."
+    "that failed its check), or write the document mask into that module, or do not pack."
 )
 
 
@@ -38,8 +37,7 @@ def mixing_message(mixing: Sequence[str], modules: Mapping[str, nn.Module]) -> s
         A packed batch (`cu_seqlens`/`document_ids`) reached attention that AttentionSwap did
         not swap, which attends across the documents of a row: 'h.1.attn'. Swap it
         (`register_adapter` for a family the kit does not know; `tolerance=` for a module
-        that failed its check; a named backend, `backend='sdpa'`, for one `auto` timed faster
-        as it was), or write the document mask into that module, or do not pack.
+        that failed its check), or write the document mask into that module, or do not pack.
     """
     which = ", ".join(map(_quoted, mixing)) or "no attention was found"
     parts = [

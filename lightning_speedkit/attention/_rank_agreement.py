@@ -27,6 +27,7 @@ def decision(entry: ModuleSwap) -> dict[str, Any]:
         "status": entry.status,
         "backend": entry.backend,
         "reason": entry.reason,
+        "packed_backend": entry.packed_backend,
         "parity_error": entry.parity_error,
         "speedup": entry.speedup,
         "checked": entry.checked,
@@ -37,6 +38,8 @@ def _differs(ours: Mapping[str, Any] | None, theirs: Mapping[str, Any] | None) -
     if ours is None or theirs is None:
         return ours is not theirs
     if ours["status"] != theirs["status"]:
+        return True
+    if ours.get("packed_backend") != theirs.get("packed_backend"):
         return True
     return bool(ours["status"] == "active" and ours["backend"] != theirs["backend"])
 

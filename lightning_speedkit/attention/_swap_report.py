@@ -30,6 +30,9 @@ class ModuleSwap:
     """What the latest passed check covered: ``synthetic``, ``forward`` or ``forward+backward``."""
     reason: str = ""
     """Why it was reverted."""
+    packed_backend: str | None = None
+    """Where ``auto`` kept the own forward as faster: the backend that still runs packed
+    batches (the own forward would attend across their documents)."""
     detail: str = ""
     """What discovery saw in the module (``traced`` family): heads, projections, masks."""
     ranks: str = ""

@@ -3,8 +3,9 @@
 A swapped module's first call on real inputs (and its first with gradients) runs
 its own forward and the fused one on copies of those inputs and compares them
 (:mod:`._parity`); ``auto`` also times the passing backends (:mod:`._auto_timing`).
-A module whose fused forward fails is reverted to its own, with a warning; so is one
-whose own forward ``auto`` timed clearly faster, unless a packed batch needs the swap.
+A module whose fused forward fails is reverted to its own, with a warning. One whose
+own forward ``auto`` timed clearly faster runs it too, but for packed batches: the fused
+forward that passed its check still runs those, as only it keeps their documents apart.
 A module that holds FSDP2 units (a Hugging Face model under ``fsdp2_zero2``) is checked
 forward only, without gradients: see :func:`_holds_fsdp2_unit`.
 Decisions made elsewhere (rank 0's, a resumed run's) are taken with
@@ -81,14 +82,20 @@ class _SwappedForward:
         self.checked_forward = False
         self.checked_backward = False
         self._pinned = False
+        self.packed_only = False
+        """``auto`` kept the own forward as faster: the fused one runs packed batches only."""
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.packed_only and _documents.active() is None:
+            return self.original(*args, **kwargs)
         if torch.compiler.is_compiling():  # checks run eagerly; a traced call takes what passed
-            if self.entry.status == "active":
+            if self.entry.status == "active" or self.packed_only:
                 return self._fast(self.ctx, args, kwargs)
             return self.original(*args, **kwargs)
         grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
         with swapped_call():  # an enclosing module's trace or fusion does not look in here
+            if self.packed_only:
+                return self._fast(self.ctx, args, kwargs)
             if not self.checked_forward or (grad and not self.checked_backward):
                 return self._check_call(args, kwargs, grad)
             return self._fast(self.ctx, args, kwargs)
@@ -222,7 +229,7 @@ class _SwappedForward:
             # (the validation sanity check) times no backward, and its batch may be
             # unpacked where the training batches are packed.
             if auto and grad and own_is_faster(entry.speedup) and not packed:
-                self._keep_own(backend, entry.speedup, warn=timed)
+                self._keep_own(backend, own.tensors[0].device, entry.speedup, warn=timed)
                 return False
         else:
             backend, error_value, _ = passing[0]
@@ -296,11 +303,14 @@ class _SwappedForward:
         self._picks[kind] = (backend, speedup)  # the later modules of its kind take it
         return backend, error_value, speedup, True
 
-    def _keep_own(self, backend: str, speedup: float | None, *, warn: bool) -> None:
+    def _keep_own(
+        self, backend: str, device: torch.device, speedup: float | None, *, warn: bool
+    ) -> None:
         """``auto``'s revert of a module whose own forward was timed clearly faster.
 
         Reported like a failed check (``reverted``, with the reason and the ratio); said
         once per kind of call: the later modules of its kind are reverted without a word.
+        ``backend`` passed its check: it still runs packed batches.
         """
         self._revert(
             f"own forward faster: {backend!r}, the fastest passing backend, ran at "
@@ -308,6 +318,7 @@ class _SwappedForward:
             f"{_auto_timing.OWN_FASTER_BELOW:.2f}x; name a backend to swap it anyway)",
             warn=warn,
             more="; the modules of its kind called later keep theirs too",
+            packed=self._attend(backend).describe(device),
         )
 
     def _fails_in_training(
@@ -375,19 +386,22 @@ class _SwappedForward:
             pin: run the decided backend (``auto``'s pick) rather than timing again.
             trust: take its checks as done here (the ranks agree); else check again.
         """
+        entry = self.entry
         status = decision.get("status")
+        packed = decision.get("packed_backend")
         if status == "reverted":
-            if self.entry.status != "reverted":
-                self._revert(f"reverted {source}: {decision.get('reason', '')}")
+            if entry.status != "reverted" or entry.packed_backend != packed:
+                self._revert(f"reverted {source}: {decision.get('reason', '')}", packed=packed)
             return
         if status != "active":
             return
         if replaced_forward(self.module) is not self:  # reverted here: swapped again
             replace_forward(self.module, self)
-        backend = str(decision.get("backend") or "").split(" ", 1)[0]  # "sdpa (...)" ran sdpa
+        self.packed_only = False
+        entry.packed_backend = None
+        backend = _backend_name(decision.get("backend"))
         if pin and backend in BACKENDS:
             self.pin(backend)
-        entry = self.entry
         entry.status = "active"
         entry.reason = ""
         if trust:
@@ -401,15 +415,36 @@ class _SwappedForward:
             entry.parity_error = decision.get("parity_error")
             entry.speedup = decision.get("speedup")
 
-    def _revert(self, reason: str, *, warn: bool = True, more: str = "") -> None:
-        restore_forward(self.module, self)
+    def _revert(
+        self, reason: str, *, warn: bool = True, more: str = "", packed: str | None = None
+    ) -> None:
+        """Give the module its own forward back; for all but packed batches where
+        ``packed`` (a backend that passed its check, as :meth:`Attend.describe` says it)."""
+        backend = _backend_name(packed)
+        if backend in BACKENDS:
+            if replaced_forward(self.module) is not self:  # reverted here: for packed batches
+                replace_forward(self.module, self)
+            self.packed_only = True
+            self.ctx = SwapContext(
+                self.module, self.original, self._attend(backend), self.ctx.binding
+            )
+            more += f"; packed batches still run {backend!r}, which keeps their documents apart"
+        else:
+            restore_forward(self.module, self)
+            self.packed_only = False
         self.entry.status = "reverted"
         self.entry.reason = reason
+        self.entry.packed_backend = packed if backend in BACKENDS else None
         if warn:
             rank_zero_warn(
                 f"AttentionSwap kept {self.entry.name or type(self.module).__name__!r}'s own "
                 f"attention ({self.entry.family}): {reason}{more}."
             )
+
+
+def _backend_name(described: Any) -> str:
+    """The backend an :meth:`Attend.describe` names: ``"sdpa (math fallback)"`` ran sdpa."""
+    return str(described or "").split(" ", 1)[0]
 
 
 def _call_kind(module: nn.Module, entry: ModuleSwap, inputs: Inputs, grad: bool) -> Hashable:

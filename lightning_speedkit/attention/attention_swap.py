@@ -161,7 +161,11 @@ class AttentionSwap(L.Callback):
         modules: dict[str, dict[str, Any]] = {}
         for m in self.report.modules:
             if m.status == "reverted":
-                modules[m.name] = {"status": "reverted", "reason": m.reason}
+                modules[m.name] = {
+                    "status": "reverted",
+                    "reason": m.reason,
+                    "packed_backend": m.packed_backend,
+                }
             elif m.status == "active":
                 modules[m.name] = {"status": "active", "backend": m.backend}
         return {"backend": self.backend, "modules": modules}

@@ -25,8 +25,8 @@ How a swap works:
    backward, and keeps the fastest that passes: once per kind of call (module class
    and input shapes), so a model's like blocks share one backend and, compiled, one
    graph. Where the module's own forward was timed more than 10% faster than every
-   passing backend, it keeps its own (reverted, with the ratio), unless a packed
-   batch is active: only the swapped attention keeps its documents apart.
+   passing backend, it keeps its own (reverted, with the ratio) for all but packed
+   batches: only the swapped attention keeps their documents apart.
 4. Under ``torch.distributed``, :func:`agree_across_ranks` makes every rank run
    rank 0's decisions (AttentionSwap calls it after the first training batch).
 

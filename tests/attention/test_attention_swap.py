@@ -115,6 +115,29 @@ def test_resume_keeps_autos_picks_and_reverts(
         assert m.backend == picks[m.name]  # pinned: not timed again
 
 
+@pytest.mark.own_timing  # the virtual clock decides: the margin is real
+def test_resume_keeps_autos_own_forward_and_the_backend_for_packed_batches(
+    small_corpus: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rig_auto_timing(monkeypatch, own=1.0, fused=2.0)  # auto keeps every own forward
+    swap = AttentionSwap("auto", verbose=False)
+    checkpoint = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    with pytest.warns(UserWarning, match="packed batches still run"):
+        _fit(small_corpus, [swap, checkpoint], steps=2, enable_checkpointing=True)
+    state = torch.load(tmp_path / "last.ckpt", weights_only=False)["callbacks"]["AttentionSwap"]
+    kept = {name: saved["packed_backend"] for name, saved in state["modules"].items()}
+    assert sorted(kept) == sorted(ATTENTION)
+    assert all(saved["status"] == "reverted" for saved in state["modules"].values())
+
+    resumed = AttentionSwap("auto", verbose=False)
+    with pytest.warns(UserWarning, match="reverted in the run this one resumes"):
+        _, task = _fit(small_corpus, [resumed], steps=3, ckpt_path=str(tmp_path / "last.ckpt"))
+    assert resumed.report is not None
+    assert {m.name: m.packed_backend for m in resumed.report.modules} == kept
+    for name, swapped in swapped_modules(task).items():  # own forward, but for packed batches
+        assert swapped.packed_only, name
+
+
 def test_second_fit_keeps_the_swaps(small_corpus: Path) -> None:
     swap = AttentionSwap("sdpa", verbose=False)
     trainer, task = _fit(small_corpus, [swap], steps=1)

@@ -18,6 +18,7 @@ from lightning_speedkit._surgery import replaced_forward
 from lightning_speedkit.attention import _swapped_forward, packed_documents
 from lightning_speedkit.attention._auto_timing import OWN_FASTER_BELOW
 from lightning_speedkit.attention._parity import Run
+from lightning_speedkit.attention.backends import BACKENDS
 from lightning_speedkit.data import PackingCollate
 from tests.helpers.clock import VirtualClock
 
@@ -134,9 +135,9 @@ def test_own_forward_clearly_faster_is_kept_with_the_ratio_in_the_report(
     assert report.reverted == [(entry.name, entry.reason)]
     assert report.swapped == []
     assert "| reverted | - | 0.50x | own forward faster" in report.to_markdown()
+    assert entry.packed_backend in BACKENDS  # the passing backend stays, for packed batches
     module = model.get_submodule(entry.name)
-    assert replaced_forward(module) is None  # its own forward again, nothing wrapped
-    assert "forward" not in vars(module)
+    assert replaced_forward(module).packed_only
     # Bit for bit the module that was never swapped: outputs and every gradient.
     for ours, theirs in zip(_outputs(model, inputs), _outputs(plain, inputs), strict=True):
         assert torch.equal(ours, theirs)
@@ -215,6 +216,36 @@ def test_a_packed_batch_keeps_the_swap_even_where_own_is_faster(
     apart = torch.cat([plain(x[:, :3]), plain(x[:, 3:])], dim=1)  # each document alone
     torch.testing.assert_close(out, apart, rtol=1e-5, atol=1e-5)
     assert (plain(x) - apart).abs().max() > 1e-3  # the own forward would have mixed them
+
+
+def test_own_forward_kept_on_an_unpacked_call_still_keeps_later_packed_documents_apart(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The verdict is made on the first training call; where that call is unpacked and the
+    module keeps its own forward, a later packed batch runs the checked backend: the own
+    forward would let the tokens of one document attend to the next's (it did, before)."""
+    rig_auto_timing(monkeypatch, own=1.0, fused=2.0)
+    model, inputs = _encoder_case()
+    plain = copy.deepcopy(model)
+    report = swap_attention(model, "auto")
+    with pytest.warns(UserWarning, match="packed batches still run"):
+        model(*inputs).sum().backward()  # the first training call: unpacked, own kept
+    (entry,) = report.modules
+    assert entry.status == "reverted"
+    assert entry.packed_backend in BACKENDS
+    model.zero_grad()
+    samples = [{"input_ids": torch.arange(3)}, {"input_ids": torch.arange(5)}]
+    x = torch.randn(1, 8, 16, generator=torch.Generator().manual_seed(2))
+    with packed_documents(PackingCollate(max_tokens=8)(samples)):
+        out = model(x)
+        out.sum().backward()
+    apart = torch.cat([plain(x[:, :3]), plain(x[:, 3:])], dim=1)  # each document alone
+    apart.sum().backward()
+    torch.testing.assert_close(out, apart, rtol=1e-5, atol=1e-5)
+    for ours, theirs in zip(model.parameters(), plain.parameters(), strict=True):
+        torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-5)
+    assert (plain(x) - apart).abs().max() > 1e-3  # the own forward would have mixed them
+    torch.testing.assert_close(model(*inputs), plain(*inputs), rtol=0, atol=0)  # unpacked: own
 
 
 def test_a_named_backend_slower_than_own_stays_swapped(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -370,8 +370,7 @@ def test_a_packed_step_names_the_attention_that_mixes_documents_once() -> None:
         "A packed batch (`cu_seqlens`/`document_ids`) reached attention that AttentionSwap did "
         "not swap, which attends across the documents of a row: 'h.1.attn', 'vision'. Swap it "
         "(`register_adapter` for a family the kit does not know; `tolerance=` for a module that "
-        "failed its check; a named backend, `backend='sdpa'`, for one `auto` timed faster as it "
-        "was), or write the document mask into that module, or do not pack."
+        "failed its check), or write the document mask into that module, or do not pack."
     ]
 
 

@@ -35,8 +35,7 @@ HEAD = (
 )
 SWAP_IT = (
     "wap it (`register_adapter` for a family the kit does not know; `tolerance=` for a module "
-    "that failed its check; a named backend, `backend='sdpa'`, for one `auto` timed faster "
-    "as it was), or write the document mask into that module, or do not pack."
+    "that failed its check), or write the document mask into that module, or do not pack."
 )
 
 

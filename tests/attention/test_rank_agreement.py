@@ -39,6 +39,7 @@ def test_a_decision_is_plain_values() -> None:
         "status": "active",
         "backend": entry.backend,
         "reason": "",
+        "packed_backend": None,
         "parity_error": entry.parity_error,
         "speedup": None,
         "checked": "forward+backward",
@@ -53,6 +54,31 @@ def test_another_rank_takes_rank_0s_revert() -> None:
     entry = report.modules[0]
     assert (entry.status, entry.reason) == ("reverted", "reverted on rank 0: parity error 1.0e+00")
     assert replaced_forward(layer.self_attn) is None  # its own forward runs
+
+
+def test_another_rank_takes_rank_0s_own_forward_kept_for_all_but_packed_batches() -> None:
+    # auto kept the own forward on rank 0 (timed faster), where rank 1 swapped: rank 1 runs
+    # its own forward too, and rank 0's checked backend for packed batches, as rank 0 does.
+    layer, report = _swapped()
+    rank_0 = {
+        "self_attn": {
+            "status": "reverted",
+            "reason": "own forward faster",
+            "packed_backend": "math",
+        }
+    }
+    with pytest.warns(UserWarning, match="packed batches still run 'math'"):
+        agree(report, rank=1, world_size=2, all_gather=_gather(rank_0, None))
+    entry = report.modules[0]
+    assert (entry.status, entry.packed_backend) == ("reverted", "math")
+    swap = swapped_modules(layer)["self_attn"]
+    assert swap.packed_only
+    assert swap.ctx.attend.backend == "math"
+    rank_0["self_attn"] = {"status": "reverted", "reason": "parity error 1.0e+00"}
+    with pytest.warns(UserWarning, match="parity error"):  # now a plain revert: nothing kept
+        agree(report, rank=1, world_size=2, all_gather=_gather(rank_0, None))
+    assert replaced_forward(layer.self_attn) is None
+    assert (entry.status, entry.packed_backend) == ("reverted", None)
 
 
 def test_another_rank_takes_rank_0s_backend_and_its_checks() -> None:

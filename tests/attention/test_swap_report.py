@@ -60,6 +60,7 @@ def test_as_dict_is_plain_values() -> None:
         "speedup": None,
         "checked": "",
         "reason": "parity error 1.0e+00",
+        "packed_backend": None,
         "detail": "",
         "ranks": "",
     }
