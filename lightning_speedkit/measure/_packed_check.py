@@ -8,7 +8,9 @@ loss, and the throughput SpeedMonitor logs, are not those of the documents train
 
 The check runs once per fit, at the end of the first packed batch (a module only a trace
 finds is swapped during that batch's forward), and reads no tensor: the Trainer's
-callbacks and the model's modules, each looked at once. A swapped module is marked where
+callbacks and the model's modules, each looked at once. A model with nothing that looks
+like attention (:func:`may_attend`: an MLP or convolutional token model) mixes nothing
+through attention, and is not warned about. A swapped module is marked where
 the kit's module surgery puts it (:func:`lightning_speedkit._surgery.replaced_forward`:
 the kit's forward that replaces a module's computation, which only an attention swap
 installs; activation checkpointing wraps, it does not replace). AttentionSwap is found
@@ -20,6 +22,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable
+from types import CodeType
 from typing import Any
 
 import lightning as L
@@ -34,6 +37,7 @@ __all__ = [
     "PackedCheck",
     "VarlenWatch",
     "documents_kept_apart",
+    "may_attend",
     "warn_if_documents_mix",
 ]
 
@@ -45,6 +49,54 @@ MIXED_DOCUMENTS = (
     "`swap_attention(model)` and run each step inside `packed_documents(batch)`."
 )
 _ATTENTION_SWAP = "lightning_speedkit.attention.attention_swap"
+
+
+#: Names whose call in a module's ``forward`` (or a function defined in it) computes or
+#: dispatches attention: SDPA, a written-out softmax, FlexAttention, flash-attn's kernels,
+#: transformers' attention interface and its eager function.
+_ATTENDING_NAMES = frozenset(
+    {
+        "scaled_dot_product_attention",
+        "softmax",
+        "flex_attention",
+        "flash_attn_func",
+        "flash_attn_varlen_func",
+        "flash_attn_qkvpacked_func",
+        "attention_interface",
+        "eager_attention_forward",
+        "multi_head_attention_forward",
+    }
+)
+
+
+def may_attend(model: nn.Module) -> bool:
+    """Whether ``model`` may compute attention, read off its modules' classes and code:
+    an ``nn.MultiheadAttention``, a class named for attention (``attn``, ``attention``,
+    ``transformer``), or a ``forward`` that names an attention call (:data:`_ATTENDING_NAMES`).
+
+    Generous on purpose: a false yes costs a warning, a false no a silent mix. A model
+    that attends only through a helper function of its own, called from a module that
+    names none of these, is missed.
+    """
+    for module in model.modules():
+        if isinstance(module, nn.MultiheadAttention):
+            return True
+        name = type(module).__name__.lower()
+        if any(word in name for word in ("attn", "attention", "transformer")):
+            return True
+        code = getattr(getattr(type(module), "forward", None), "__code__", None)
+        if code is not None and _ATTENDING_NAMES & _names(code):
+            return True
+    return False
+
+
+def _names(code: CodeType) -> set[str]:
+    """The global and attribute names a function's code (and the code nested in it) uses."""
+    names = set(code.co_names)
+    for constant in code.co_consts:
+        if isinstance(constant, CodeType):
+            names |= _names(constant)
+    return names
 
 
 def documents_kept_apart(
@@ -107,7 +159,7 @@ def warn_if_documents_mix(
     if info is None or not info.first_packed:
         return
     callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
-    if not documents_kept_apart(callbacks, model, varlen_taken):
+    if not documents_kept_apart(callbacks, model, varlen_taken) and may_attend(model):
         rank_zero_warn(MIXED_DOCUMENTS)
 
 

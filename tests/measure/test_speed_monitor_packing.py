@@ -174,3 +174,66 @@ def test_each_fit_checks_its_first_packed_batch_once() -> None:
     monitor, task = _monitor(), Task()
     assert _said(task, _packed(), monitor) == [MIXED_DOCUMENTS]
     assert _said(task, _packed(), monitor) == [MIXED_DOCUMENTS]  # a second fit, said again
+
+
+class MLPTokens(nn.Module):
+    """A token model with no attention: each position on its own, nothing to mix."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed, self.mlp = nn.Embedding(50, 8), nn.Sequential(nn.Linear(8, 16), nn.GELU())
+        self.head = nn.Linear(16, 50)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.head(self.mlp(self.embed(ids)))
+
+
+def test_a_packed_fit_of_a_model_without_attention_says_nothing() -> None:
+    """The warning's fix, AttentionSwap, has nothing to swap there: it was a false alarm."""
+    assert _said(Task(MLPTokens()), _packed(), _monitor()) == []
+
+
+class WrittenOut(nn.Module):
+    """Attention written out in a block named for nothing (a softmax in its forward)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(8, 24)
+
+    def forward(self, x: Tensor) -> Tensor:
+        q, k, v = self.qkv(x).chunk(3, dim=-1)
+        return (q @ k.transpose(-2, -1)).softmax(-1) @ v
+
+
+class InClosure(nn.Module):
+    """SDPA called from a function defined inside the forward."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        def attend(t: Tensor) -> Tensor:
+            return F.scaled_dot_product_attention(t, t, t, is_causal=True)
+
+        return attend(x)
+
+
+class Mixer(nn.Module):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("model", "attends"),
+    [
+        (MLPTokens(), False),
+        (nn.Sequential(nn.Conv1d(8, 8, 3), nn.GRU(8, 8)), False),
+        (TinyGPT(), True),  # F.scaled_dot_product_attention in CausalSelfAttention.forward
+        (nn.Sequential(WrittenOut()), True),
+        (nn.Sequential(InClosure()), True),
+        (nn.TransformerEncoderLayer(8, 2), True),
+        (nn.Sequential(nn.MultiheadAttention(8, 2)), True),
+        (nn.ModuleDict({"blocks": nn.ModuleList([type("LlamaAttention", (Mixer,), {})()])}), True),
+    ],
+    ids=["mlp", "conv-gru", "nanogpt", "written-out", "closure", "torch-layer", "mha", "named"],
+)
+def test_what_may_attend(model: nn.Module, attends: bool) -> None:
+    from lightning_speedkit.measure._packed_check import may_attend
+
+    assert may_attend(model) is attends
