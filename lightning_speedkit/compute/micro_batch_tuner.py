@@ -117,6 +117,9 @@ class MicroBatchTuner(L.Callback):
         warmup: untimed runs per candidate (its first run allocates and picks kernels).
         repeats: the fewest timed runs per candidate (a short step runs until 20 ms of
             runs are timed); the median counts.
+        confirm_rounds: re-timings of the fastest size and the runner-up, in turns
+            (A B A B A B), after the search; the faster by those medians wins. 0 keeps
+            the first measurements; raise it on a machine others share.
         measure: ``measure(run, micro_batch) -> StepMeasurement`` replacing the
             timing (a device-specific clock, or a fixed table in tests).
         verbose: print the table (rank 0).
@@ -140,19 +143,17 @@ class MicroBatchTuner(L.Callback):
         *,
         warmup: int = 1,
         repeats: int = 3,
+        confirm_rounds: int = 3,
         measure: Measure | None = None,
         verbose: bool = True,
     ) -> None:
         self.candidates = _check_micro_batch_arguments(candidates, max_micro_batch, memory_headroom)
-        _validation.non_negative_int("warmup", warmup, example=1)
-        _validation.positive_int("repeats", repeats, example=3)
-        fix = "pass `lambda run, micro_batch: StepMeasurement(...)`, or None"
-        _validation.optional(_validation.function, "measure", measure, fix=fix)
-        _validation.boolean("verbose", verbose)
+        _check_timing_arguments(warmup, repeats, confirm_rounds, measure, verbose)
         self.max_micro_batch = max_micro_batch
         self.memory_headroom = float(memory_headroom)
         self.warmup = warmup
         self.repeats = repeats
+        self.confirm_rounds = confirm_rounds
         self.measure = measure
         self.verbose = verbose
         self.result: MicroBatchResult | None = None
@@ -282,6 +283,18 @@ class MicroBatchTuner(L.Callback):
         self._apply(trainer, loader, saved, f"kept from the checkpoint ({saved})")
 
 
+def _check_timing_arguments(
+    warmup: int, repeats: int, confirm_rounds: int, measure: Measure | None, verbose: bool
+) -> None:
+    _validation.non_negative_int("warmup", warmup, example=1)
+    _validation.positive_int("repeats", repeats, example=3)
+    _validation.non_negative_int("confirm_rounds", confirm_rounds, example=3,
+                                 hint="or 0 to keep the first measurements")  # fmt: skip
+    fix = "pass `lambda run, micro_batch: StepMeasurement(...)`, or None"
+    _validation.optional(_validation.function, "measure", measure, fix=fix)
+    _validation.boolean("verbose", verbose)
+
+
 def _tune_in_fit(
     tuner: MicroBatchTuner,
     trainer: L.Trainer,
@@ -310,6 +323,7 @@ def _tune_in_fit(
         to_device=lambda batch: strategy.batch_to_device(batch),
         reserve_bytes=optimizer_state_bytes(trainer.optimizers),
         measure=tuner.measure or timed_measure(strategy.root_device, tuner.warmup, tuner.repeats),
+        confirm_rounds=tuner.confirm_rounds,
         agree=(lambda ok: bool(strategy.reduce_boolean_decision(ok, all=True)))
         if lockstep
         else None,

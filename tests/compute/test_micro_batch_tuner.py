@@ -447,6 +447,24 @@ def test_the_callback_trains_with_the_choice_and_accumulation_follows() -> None:
     assert torch.equal(losses.batches[0][0], first[0])
 
 
+@pytest.mark.parametrize(("rounds", "again"), [(0, []), (1, [8, 16]), (2, [8, 16, 8, 16])])
+def test_the_callbacks_confirm_rounds_set_how_often_the_two_best_are_retimed(
+    rounds: int, again: list[int]
+) -> None:
+    measure, ran = fake_measure(SECONDS)
+    tuner = MicroBatchTuner(confirm_rounds=rounds, measure=measure, verbose=False)
+    scheduler = AccumulationScheduler(target_global_batch=32, micro_batch_size=4, verbose=False)
+    trainer(1, [scheduler, tuner]).fit(Net(), DataLoader(dataset(96), batch_size=4))
+    assert ran == [1, 2, 4, 8, 16, 32, *again]
+    assert tuner.result is not None
+    assert tuner.result.best == {"batch_size": 8}
+
+
+def test_the_callback_refuses_negative_confirm_rounds() -> None:
+    with pytest.raises(SpeedkitConfigError, match=r"`confirm_rounds` must be an integer >= 0"):
+        MicroBatchTuner(confirm_rounds=-1)
+
+
 class OneCycle(Seen):
     """Sizes its schedule from ``trainer.estimated_stepping_batches``, which loads the
     train loader before any callback's ``on_fit_start``."""
