@@ -1,6 +1,19 @@
 """Timing one candidate of the worker search: its batches/s after start-up and warm-up,
 on a clock the caller gives; a crash, a hang or a dataset that cannot be pickled raises,
-and :func:`describe_failure` says which."""
+and :func:`describe_failure` says which.
+
+Batches made before the clock starts are not timed. A loader with workers keeps
+``num_workers * prefetch_factor`` batches asked for ahead of the one it hands out, and
+its workers go on making them while the warm-up's batches are read: that many more are
+left untimed after the warm-up. (Timed, on a 4-batch epoch, the one batch left after the
+warm-up had been made during it, and 2 workers measured 13,000 batches/s where they
+could make 166.) What remains is the pipeline at its pace: the few batches in the
+workers' hands at either end of the window balance out, and at least ``batches`` timed
+keep them small. An epoch that ends first is followed by the next, from a new iterator
+over the loader as training starts one (worker start-up again, unless the workers
+persist), so a short epoch is timed over as many as it takes. Only a loader that gives
+no more batches at all ends the timing early.
+"""
 
 from __future__ import annotations
 
@@ -41,6 +54,74 @@ def _main_process_deadline(seconds: float) -> Iterator[None]:
         signal.signal(signal.SIGALRM, previous)
 
 
+def queued_ahead(loader: DataLoader[Any]) -> int:
+    """Batches ``loader`` may have made before they are asked for: the ``num_workers *
+    prefetch_factor`` its iterator keeps asked for ahead; none loading in this process.
+
+    Example::
+
+        >>> from torch.utils.data import DataLoader
+        >>> queued_ahead(DataLoader(range(8))), queued_ahead(DataLoader(range(8), num_workers=2))
+        (0, 4)
+    """
+    if loader.num_workers == 0:
+        return 0
+    return loader.num_workers * (loader.prefetch_factor or 2)
+
+
+class _Epochs:
+    """``loader``'s batches epoch after epoch: a new iterator where one ends, as training
+    starts one each epoch."""
+
+    def __init__(self, loader: DataLoader[Any]) -> None:
+        self.loader = loader
+        self.iterator: Iterator[Any] | None = None
+        self.given = 0  # batches read, all epochs together
+
+    def next_batch(self) -> bool:
+        """Read one batch; False when a new epoch gives none (the loader has no more)."""
+        if self.iterator is not None and self._read(self.iterator):
+            return True
+        with garbage_kept_from_children():  # workers start here, unless they persist
+            self.iterator = iter(self.loader)
+        return self._read(self.iterator)
+
+    def _read(self, iterator: Iterator[Any]) -> bool:
+        try:
+            next(iterator)
+        except StopIteration:
+            return False
+        self.given += 1
+        return True
+
+
+def time_batches(
+    next_batch: Callable[[], bool],
+    untimed: int,
+    batches: int,
+    min_seconds: float,
+    max_seconds: float,
+    clock: Callable[[], float],
+) -> tuple[int, float]:
+    """``(timed, seconds)``: the batches ``next_batch`` reads after ``untimed`` others, and
+    their time on ``clock``, read once before the first timed batch and once after each.
+
+    At least ``batches`` batches and ``min_seconds``, at most ``max_seconds`` (cut at the
+    first batch past it); fewer only where ``next_batch`` says there are no more (False).
+    """
+    for _ in range(untimed):
+        if not next_batch():
+            return 0, 0.0
+    start = clock()
+    timed, elapsed = 0, 0.0
+    while next_batch():
+        timed += 1
+        elapsed = clock() - start  # up to the latest batch
+        if (timed >= batches and elapsed >= min_seconds) or elapsed > max_seconds:
+            break
+    return timed, elapsed
+
+
 def measure_loader(
     loader: DataLoader[Any],
     warmup: int,
@@ -50,59 +131,48 @@ def measure_loader(
     min_seconds: float = 0.0,
     clock: Callable[[], float] = time.perf_counter,
 ) -> float:
-    """Batches/s after start-up and ``warmup`` batches; raises on crash, hang or pickling.
+    """Batches/s after start-up, ``warmup`` batches and those made ahead; raises on crash,
+    hang, pickling, or a loader that gives no batch to time.
 
-    Times at least ``batches`` batches and at least ``min_seconds`` (a longer window
-    evens out a shared machine's hiccups), at most ``max_seconds``, on ``clock``
-    (seconds), read once before the first timed batch and once after each.
+    Leaves :func:`queued_ahead` batches untimed after the warm-up, then times at least
+    ``batches`` batches and at least ``min_seconds`` (a longer window evens out a shared
+    machine's hiccups), at most ``max_seconds``, on ``clock`` (seconds), epoch after
+    epoch where one is shorter (see :func:`time_batches`).
     """
-    try:
-        per_epoch: int | None = len(loader)
-    except TypeError:  # an iterable dataset without a length
-        per_epoch = None
-    if per_epoch is not None:  # a short epoch: fewer left untimed, at least one timed
-        # (with no warm-up left, the timed batch carries the workers' start-up: on such an
-        # epoch loading in the training process wins, as it should: workers cannot repay)
-        warmup = min(warmup, max(0, per_epoch - 1))
+    ahead = queued_ahead(loader)
     if loader.num_workers > 0:
         # Iterate a private copy: with workers, DataLoader raises if one takes longer than
         # `timeout` for a batch. (Iterating the caller's loader itself once left a hung
         # worker's queue locked when the loader was freed.)
         loader = rebuild_dataloader(loader, timeout=timeout)
+    epochs = _Epochs(loader)
     with _main_process_deadline(timeout + max_seconds + warmup * timeout):
-        with garbage_kept_from_children():  # the workers start here
-            iterator = iter(loader)
         finished = False
         try:
-            seen, elapsed = 0, 0.0
-            for _ in range(warmup):
-                next(iterator, None)  # includes worker start-up: not timed
-            start = clock()
-            while True:
-                try:
-                    next(iterator)
-                except StopIteration:
-                    break
-                seen += 1
-                elapsed = clock() - start  # up to the latest batch
-                if (seen >= batches and elapsed >= min_seconds) or elapsed > max_seconds:
-                    break
+            seen, elapsed = time_batches(epochs.next_batch, warmup + ahead, batches,
+                                         min_seconds, max_seconds, clock)  # fmt: skip
             finished = True
         finally:
             # After a failure a worker may hang, and the orderly shutdown would wait for it:
             # end the workers first. After a clean run the orderly shutdown comes first: it
             # stops the pin-memory thread before the workers, which, terminated under it,
             # leave it a traceback (ConnectionResetError) for a batch still in flight.
-            workers, shutdown = _compat.loader_iterator_workers(iterator)
+            workers, shutdown = _compat.loader_iterator_workers(epochs.iterator)
             if not finished:
                 for worker in workers:
                     if worker.is_alive():
                         worker.terminate()
             if shutdown is not None:
                 shutdown()
-            del iterator
+            epochs.iterator = None
     if seen == 0:
-        raise RuntimeError("the loader ran out of batches during warm-up; lower `warmup_batches`")
+        untimed = (f"the first {warmup + ahead} go untimed ({warmup} of warm-up, {ahead} its "
+                   "workers may have made before timing began)" if ahead else
+                   f"the first {warmup} are warm-up")  # fmt: skip
+        raise RuntimeError(
+            f"the loader ran out of batches before one could be timed: it gave {epochs.given}, "
+            f"and {untimed}; lower `warmup_batches`, or give a loader that can be iterated again"
+        )
     return seen / elapsed
 
 

@@ -5,7 +5,9 @@ to the per-rank CPU budget: the cores this process may run on divided by the
 local ranks), with ``persistent_workers`` for any worker count and
 ``pin_memory`` only when CUDA is there to pin for. Each candidate's batches/s is
 measured after its workers have started and a few warm-up batches have come
-through (start-up is a one-off cost that persistent workers pay once). The
+through (start-up is a one-off cost that persistent workers pay once), leaving
+out too the ``num_workers * prefetch_factor`` batches the workers may have made
+ahead meanwhile, over as many epochs as the timing takes where one is short. The
 search stops when more workers stop helping, when the time budget is spent, or
 at the budget's last count; the best count then tries a deeper prefetch.
 
@@ -242,9 +244,11 @@ def tune_num_workers(
         dataloader: the loader to tune; it is not modified.
         max_workers: most workers to try; default the per-rank CPU budget.
         local_world_size: ranks sharing this machine's cores.
-        batches: batches timed per candidate (after warm-up). 30 is enough for
-            a stable rate when a batch takes milliseconds; raise it for noisy data.
-        warmup_batches: batches per candidate left untimed after workers start.
+        batches: batches timed per candidate (after warm-up), over several epochs
+            where one is shorter. 30 is enough for a stable rate when a batch takes
+            milliseconds; raise it for noisy data.
+        warmup_batches: batches per candidate left untimed after workers start (and
+            then the ``num_workers * prefetch_factor`` they may have made ahead).
         min_seconds: time each candidate for at least this long, however many
             batches that takes: a longer window evens out a busy machine.
         min_gain: more workers must be this much faster (0.05 = 5%) to count as
@@ -260,8 +264,10 @@ def tune_num_workers(
         measure: what times one candidate: called with the trial loader (``dataloader``
             rebuilt with the candidate's settings), it returns batches/s, or raises
             if loading fails (the candidate is then skipped with the reason). By
-            default, ``batches`` batches after ``warmup_batches`` and worker start-up,
-            within ``timeout`` and what is left of ``time_budget``. Pass your own to
+            default, ``batches`` batches after worker start-up, ``warmup_batches`` and
+            the ``num_workers * prefetch_factor`` batches the workers may have made
+            ahead (an epoch that ends first is followed by the next), within
+            ``timeout`` and what is left of ``time_budget``. Pass your own to
             time something else (the batches' copy to the device, say) or to check
             the choice against set figures.
 

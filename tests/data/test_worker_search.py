@@ -571,18 +571,23 @@ def test_a_stateful_dataloader_over_a_users_batch_sampler_is_kept() -> None:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_an_epoch_shorter_than_the_warm_up_is_still_timed(
+def test_an_epoch_shorter_than_the_warm_up_is_timed_over_the_next_epochs(
     num_workers: int, paced: Callable[[Rates], Figures]
 ) -> None:
-    """One batch per epoch: warm-up leaves it to be timed, not reported as a failure."""
-    loader = DataLoader(SlowDataset(n=3), batch_size=4, num_workers=num_workers)
-    rate = worker_search._measure(loader, warmup=3, batches=30, max_seconds=30, timeout=30,
-                                  clock=StepClock(0.5))  # fmt: skip
-    assert rate == 1 / 0.5  # the one batch, 0.5 s on the clock
-    paced({0: 8.0, 1: 4.0, (1, 4): 4.0, (2, 2): 4.0})  # each candidate's one real batch, paced
-    result = tune_num_workers(loader, max_workers=1, cache=False, progress=False)
+    """One batch per epoch: timed over as many epochs as the batches asked for take, not
+    reported as a failure (nor timed on one batch its workers made during the warm-up)."""
+    loader = DataLoader(SlowDataset(n=3), batch_size=4, num_workers=num_workers,
+                        persistent_workers=num_workers > 0)  # fmt: skip
+    clock = StepClock(0.5)
+    rate = worker_search._measure(loader, warmup=3, batches=4, max_seconds=30, timeout=30,
+                                  clock=clock)  # fmt: skip
+    assert rate == 1 / 0.5  # a batch every 0.5 s on the clock
+    assert clock.readings == 1 + 4  # the 4 batches asked for, from 4 epochs
+    paced({0: 8.0, 1: 4.0, (1, 4): 4.0, (2, 2): 4.0})  # each candidate's real batches, paced
+    result = tune_num_workers(loader, max_workers=1, batches=2, min_seconds=0.0, cache=False,
+                              progress=False)  # fmt: skip
     # The loader as given, then 0 workers (unless that is the loader as given), 1 worker and
-    # its deeper prefetch: each timed on its one batch, none "ran out of batches".
+    # its deeper prefetch: each timed, none "ran out of batches".
     table = [(row["num_workers"], row["prefetch_factor"], row["skipped"], row["batches_per_sec"])
              for row in result.table]  # fmt: skip
     assert table == [(2, 2, None, 4.0), (0, None, None, 8.0), (1, 2, None, 4.0),
