@@ -8,9 +8,10 @@ command cannot use, refused as one line naming the factory, never a traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import ModuleType
 from typing import Any
 
@@ -20,13 +21,26 @@ EXAMPLE_MODEL = "speedkit_examples.vlm:VLM"
 """The example VLM, built with its default config: what ``--model``'s help names."""
 
 
+@contextlib.contextmanager
+def _current_directory_first() -> Iterator[None]:
+    """The current directory first on ``sys.path`` while the user's code runs, as under
+    ``python -m``: the import, and the factory and hook that may import a module beside
+    theirs only when called (``def build(): from mymodels import Net``)."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        yield
+    finally:
+        if added and cwd in sys.path:
+            sys.path.remove(cwd)
+
+
 def _import_module(module_name: str, spec: str) -> ModuleType:
-    """``module_name`` imported as ``python -m`` would (the current directory first)."""
+    """``module_name`` imported, or the reason it cannot be, as one line."""
     import importlib
 
-    added = os.getcwd() not in sys.path
-    if added:
-        sys.path.insert(0, os.getcwd())
     try:
         return importlib.import_module(module_name)
     except ImportError as err:
@@ -39,16 +53,12 @@ def _import_module(module_name: str, spec: str) -> ModuleType:
             f"{type(err).__name__}: {err}; fix the module so that it imports, or give "
             "--params instead"
         ) from err
-    finally:
-        if added:
-            sys.path.remove(os.getcwd())
 
 
 def _model_builder(spec: str) -> tuple[Callable[[], Any], str]:
     """What ``--model MODULE:FACTORY`` names, as a function of no arguments, and a note.
 
-    The module is imported as ``python -m`` would (the current directory first). The
-    example VLM's class is built with its default config (the ``tiny`` preset).
+    The example VLM's class is built with its default config (the ``tiny`` preset).
     """
     import inspect
 
@@ -90,7 +100,20 @@ def _model_builder(spec: str) -> tuple[Callable[[], Any], str]:
 
 
 def count_parameters(spec: str) -> tuple[int, int, str]:
-    """``(all, trainable, note)`` of ``--model``'s model, built on the meta device."""
+    """``(all, trainable, note)`` of ``--model``'s model, built on the meta device.
+
+    Its module is imported, and its factory and ``configure_model`` run, with the
+    current directory first on ``sys.path``, as under ``python -m``.
+    """
+    with _current_directory_first():
+        model, note = _build_model(spec)
+    seen = {id(p): p for p in model.parameters()}  # tied parameters once
+    return (sum(p.numel() for p in seen.values()),
+            sum(p.numel() for p in seen.values() if p.requires_grad), note)  # fmt: skip
+
+
+def _build_model(spec: str) -> tuple[Any, str]:
+    """``--model``'s model on the meta device, its ``configure_model`` run, and a note."""
     import torch
 
     build, note = _model_builder(spec)
@@ -107,10 +130,7 @@ def count_parameters(spec: str) -> tuple[int, int, str]:
         raise CommandLineError(
             f"argument --model: {spec} returned a {type(model).__name__}, not a torch.nn.Module"
         )
-    note += _configure_model(model, spec)
-    seen = {id(p): p for p in model.parameters()}  # tied parameters once
-    return (sum(p.numel() for p in seen.values()),
-            sum(p.numel() for p in seen.values() if p.requires_grad), note)  # fmt: skip
+    return model, note + _configure_model(model, spec)
 
 
 def _configure_model(model: Any, spec: str) -> str:

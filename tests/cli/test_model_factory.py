@@ -35,24 +35,40 @@ def not_a_model():
 
 def needs(width, depth=2):
     return torch.nn.Linear(width, width)
+
+def lazy():
+    from speedkit_factory_sibling_xyz import build  # beside this module, imported on call
+
+    return build()
 """
+_SIBLING = "speedkit_factory_sibling_xyz"
 
 
 @pytest.fixture
 def models(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     """A module of model factories in the current directory, as a user's would be."""
     (tmp_path / f"{_MODULE}.py").write_text(_SOURCE)
+    (tmp_path / f"{_SIBLING}.py").write_text("import torch\ndef build():\n"
+                                             "    return torch.nn.Linear(4, 4)\n")  # fmt: skip
     monkeypatch.chdir(tmp_path)
     path = list(sys.path)
     yield
-    assert sys.path == path  # the current directory was added for the import only
+    assert sys.path == path  # the current directory was added while the user's code ran only
     sys.modules.pop(_MODULE, None)
+    sys.modules.pop(_SIBLING, None)
 
 
 @pytest.mark.usefixtures("models")
 def test_tied_parameters_count_once_and_frozen_ones_apart() -> None:
     assert count_parameters(f"{_MODULE}:Tied") == (48, 40, "")
     assert count_parameters(f"{_MODULE}:Zoo.linear") == (8, 8, "")  # a dotted attribute
+
+
+@pytest.mark.usefixtures("models")
+def test_a_factory_imports_a_module_beside_its_own_when_called() -> None:
+    """As under `python -m`, the current directory is still on the path as the factory
+    runs (it was taken off after the import: "No module named 'speedkit_factory_sibling_xyz'")."""
+    assert count_parameters(f"{_MODULE}:lazy") == (20, 20, "")  # a Linear(4, 4)
 
 
 def test_the_example_vlm_is_built_with_its_default_config() -> None:
