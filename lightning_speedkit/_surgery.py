@@ -122,6 +122,26 @@ def first_call_work() -> int:
     return _FIRST_CALL_WORK[0]
 
 
+_SIDE_RUNS = [0]
+
+
+@contextlib.contextmanager
+def side_run() -> Iterator[None]:
+    """Around the kit's runs of a module on copies of its inputs, beside the model's own
+    call (a swap's parity check and timing): not the training's work, so a frozen-feature
+    cache inside neither serves, stores nor counts it (:func:`in_side_run`)."""
+    _SIDE_RUNS[0] += 1
+    try:
+        yield
+    finally:
+        _SIDE_RUNS[0] -= 1
+
+
+def in_side_run() -> bool:
+    """Whether a :func:`side_run` is running now."""
+    return _SIDE_RUNS[0] > 0
+
+
 _SERVED_FLOPS = [0.0]
 
 

@@ -31,6 +31,7 @@ from lightning_speedkit._surgery import (
     replace_forward,
     replaced_forward,
     restore_forward,
+    side_run,
 )
 from lightning_speedkit.attention import _auto_timing, _documents
 from lightning_speedkit.attention._auto_timing import own_is_faster, pick_fastest
@@ -152,6 +153,7 @@ class _SwappedForward:
             _keep_saved_tensors(),
             _documents.suspended(),
             random_state_kept(),  # in the user's step: its dropout draws as without the check
+            side_run(),  # a frozen-feature cache inside runs as it is, uncounted
         ):
             passed = self._check(
                 args,

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
 
 from lightning_speedkit import _compat
-from lightning_speedkit._surgery import note_served_flops
+from lightning_speedkit._surgery import in_side_run, note_served_flops
 from lightning_speedkit.compute._frozen_modules import (
     ModuleWeights,
     Stamp,
@@ -32,14 +32,33 @@ from lightning_speedkit.compute._frozen_modules import (
     fingerprint,
     why_not_now,
 )
+from lightning_speedkit.compute._frozen_rows import (
+    batch_field,
+    cut_rows,
+    dim_order,
+    empty_in_order,
+    first_row,
+    numerics,
+    same_tensor,
+)
 from lightning_speedkit.compute._frozen_store import FeatureStore
 from lightning_speedkit.measure.flops import model_flops_so_far
 
-__all__ = ["CachedModule", "Scope", "Slot", "same_tensor"]
+__all__ = ["CachedModule", "Scope", "Slot"]
+
+_DRAWN = (
+    "its input, the batch's `{field}`, differed between two reads of one sample of the "
+    "dataset (a random augmentation, random crops or flips, noise drawn in the dataset): a "
+    "stored feature would serve one draw in every epoch. Augment after the frozen module "
+    "(on its features), or only with a fixed per-sample transform, or remove "
+    "FrozenFeatureCache"
+)
 
 #: What a module's output is rebuilt from: its tree spec, the slots of its tensors among
-#: the leaves, the leaf count, and each tensor's dtype and device.
-Layout = tuple[Any, list[int], int, list[torch.dtype], list[torch.device]]
+#: the leaves, the leaf count, and each tensor's dtype, device and order of dimensions in
+#: memory (a transformers hidden state may be a transposed view: a reduction over it
+#: adds in that order, so a served copy is laid out the same).
+Layout = tuple[Any, list[int], int, list[torch.dtype], list[torch.device], list[list[int]]]
 
 
 @dataclass
@@ -49,7 +68,8 @@ class Scope:
     ``fields`` are the step's batch tensors by field (a dict batch's key, a list batch's
     position); ``stand_ins`` the rows whose inputs the loader left out (:mod:`._frozen_skip`)
     and ``refetch(keys, field)`` what reads their real inputs again. ``data`` is the
-    dataset's fingerprint (empty when the keys identify samples by themselves).
+    dataset's fingerprint (empty when the keys identify samples by themselves), and
+    ``drawn`` the sample fields its two reads of a sample disagreed on (random).
     """
 
     store: FeatureStore
@@ -61,6 +81,7 @@ class Scope:
     stand_ins: Sequence[int] = ()
     refetch: Callable[[Sequence[Hashable], Hashable], Any] | None = None
     data: str = ""
+    drawn: set[Hashable] = field(default_factory=set)
 
     def warn_once(self, message: str) -> None:
         if message not in self.warned:
@@ -182,9 +203,11 @@ class CachedModule:
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         keys = self.scope.keys
-        if keys is None:
+        if keys is None or in_side_run():  # no step, or the kit's check beside the step
             return self.original(*args, **kwargs)
         slot = self._slot(args, kwargs)
+        if slot.source in self.scope.drawn and self.counts.stood_down is None:
+            self.stand_down(_DRAWN.format(field=slot.source))
         if self.counts.stood_down is not None:
             return self._run(args, kwargs, slot=slot)
         signature, why = self._signature(args, kwargs, len(keys))
@@ -194,9 +217,7 @@ class CachedModule:
             self.counts.plain_calls += 1
             self.scope.warn_once(f"FrozenFeatureCache runs `{self.name}` without the store: {why}.")
             return self._run(args, kwargs, slot=slot)
-        dtype = str(self.scope.dtype or "as computed")
-        fingerprint = self._weights_fingerprint(stamp)
-        base = (self.name, fingerprint, signature, self.scope.data, dtype, slot.key)
+        base = self._base(stamp, signature, slot)
         found = [self.scope.store.get((*base, key)) for key in keys]
         hit = [i for i, entry in enumerate(found) if entry is not None]
         miss = [i for i, entry in enumerate(found) if entry is None]
@@ -221,6 +242,33 @@ class CachedModule:
         if slot.flops_per_row is not None:  # a FLOP count of this step must leave them out
             note_served_flops(slot.flops_per_row * len(hit))
         return self._assemble(found, hit, miss, computed, len(keys), slot.layouts[signature])
+
+    def take(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
+        """Store what a call that ran before the module was cached computed (the step in
+        which ``"auto"`` found it), as a first call stores its misses: those samples are
+        then never run again a few rows apart, whose last bits a convolution's or matrix
+        product's kernels may compute otherwise than a whole batch's."""
+        keys = self.scope.keys
+        if keys is None or self.counts.stood_down is not None:
+            return
+        slot = self._slot(args, kwargs)
+        if slot.source in self.scope.drawn:
+            return  # its next call stands down
+        signature, why = self._signature(args, kwargs, len(keys))
+        stamp = self._weights.stamp()
+        if why or why_not_now(self.name, self.module, self._chance) or self._trainable(stamp):
+            return  # its next call runs it as it is, and says why
+        base = self._base(stamp, signature, slot)
+        miss = [i for i, key in enumerate(keys) if self.scope.store.get((*base, key)) is None]
+        leaves = self._leaves(out, len(keys), slot, signature)
+        if leaves is not None:
+            self._keep(leaves, base, [keys[i] for i in miss], miss, slot)
+
+    def _base(self, stamp: Stamp, signature: Hashable, slot: Slot) -> tuple[Hashable, ...]:
+        """The store key of this call's features, but the sample's key."""
+        dtype = str(self.scope.dtype or "as computed")
+        fingerprint = self._weights_fingerprint(stamp)
+        return (self.name, fingerprint, signature, self.scope.data, dtype, slot.key)
 
     def _slot(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Slot:
         """This call's slot: by the batch field it reads, else by its place in the step
@@ -255,14 +303,14 @@ class CachedModule:
         lone = rows is not None and len(rows) == 1 and keys is not None and len(keys) > 1
         if rows is not None and keys is not None:
             cut = rows * 2 if lone else rows
-            args, kwargs = _rows(args, cut, len(keys)), _rows(kwargs, cut, len(keys))
+            args, kwargs = cut_rows(args, cut, len(keys)), cut_rows(kwargs, cut, len(keys))
         before = model_flops_so_far()  # under a FLOP count: learn what a row costs
         out = self.original(*args, **kwargs)
         after = model_flops_so_far()
         run = len(rows) * (2 if lone else 1) if rows is not None else len(keys or ())
         if slot is not None and before is not None and after is not None and run:
             slot.flops_per_row = (after - before) / run
-        return _first_row(out) if lone else out
+        return first_row(out) if lone else out
 
     def _batch_field(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Hashable | None:
         return batch_field(self.scope.fields, [*args, *kwargs.values()])
@@ -343,7 +391,7 @@ class CachedModule:
                 parts.append((where, repr(value)[:200]))
         if not batched:
             return None, "it was called with no tensor that has a row per sample"
-        return (*parts, *_numerics(device)), None
+        return (*parts, *numerics(device)), None
 
     # -- storing, checking, serving -------------------------------------------------------
 
@@ -361,8 +409,9 @@ class CachedModule:
             self.stand_down("its output is not made of tensors with one row per sample")
             return None
         places = [i for i, t in enumerate(leaves) if t is not None]
-        slot.layouts[signature] = (spec, places, len(leaves), [t.dtype for t in tensors],
-                                   [t.device for t in tensors])  # fmt: skip
+        dtypes, devices = [t.dtype for t in tensors], [t.device for t in tensors]
+        slot.layouts[signature] = (spec, places, len(leaves), dtypes, devices,
+                                   [dim_order(t) for t in tensors])  # fmt: skip
         return tensors, spec
 
     def _keep(
@@ -375,12 +424,15 @@ class CachedModule:
     ) -> None:
         """Count ``rows`` of the output as run, and store each under its sample's key."""
         self.counts.misses += len(flat[0][0]) if flat[0] else 0
-        if not keys or self.scope.store.full:
-            self.counts.not_stored += len(keys)
+        first: dict[Hashable, int] = {}  # a key twice in a batch (drawn with replacement): once
+        for row, key in zip(rows, keys, strict=True):
+            first.setdefault(key, row)
+        if not first or self.scope.store.full:
+            self.counts.not_stored += len(first)
             return
         # SYNC: on an accelerator, the copy to host memory waits for the module's output.
         host = [t.detach().to(dtype=self.scope.dtype or t.dtype, device="cpu") for t in flat[0]]
-        for row, key in zip(rows, keys, strict=True):
+        for key, row in first.items():
             if self.scope.store.put((*base, key), tuple(t[row].clone() for t in host)):
                 self.counts.stored += 1
                 slot.ready.add(key)
@@ -421,17 +473,21 @@ class CachedModule:
         self, found: list[Any], hit: list[int], miss: list[int], computed: Any, rows: int,
         layout: Layout,
     ) -> Any:  # fmt: skip
-        spec, places, count, dtypes, devices = layout
+        spec, places, count, dtypes, devices, orders = layout
         leaves = []
         fresh: list[torch.Tensor] | None = computed
         for j, (dtype, device) in enumerate(zip(dtypes, devices, strict=True)):
             served = torch.stack([found[i][j] for i in hit]).to(
                 device=device, dtype=dtype, non_blocking=True
             )
-            if fresh is None:
+            in_order = orders[j] == sorted(orders[j])  # stacked rows lie as computed
+            if fresh is None and in_order:
                 leaves.append(served)
                 continue
-            whole = served.new_empty((rows, *served.shape[1:]))
+            whole = empty_in_order((rows, *served.shape[1:]), orders[j], served)
+            if fresh is None:
+                leaves.append(whole.copy_(served))
+                continue
             whole[torch.tensor(hit, device=device)] = served
             whole[torch.tensor(miss, device=device)] = fresh[j].to(dtype)
             leaves.append(whole)
@@ -439,58 +495,3 @@ class CachedModule:
         for place, leaf in zip(places, leaves, strict=True):
             full[place] = leaf
         return spec.unflatten(full)
-
-
-def _numerics(device: str) -> tuple[Hashable, ...]:
-    """What else decides the output's numbers for a call on ``device``: autocast, when it is
-    on (a ``precision="bf16-mixed"`` fit), and float32 matmul precision other than the
-    default (TF32). Nothing when neither is set, so that plain calls keep their keys."""
-    parts: list[Hashable] = []
-    if torch.is_autocast_enabled(device):
-        parts.append(("autocast", device, str(torch.get_autocast_dtype(device))))
-    if torch.get_float32_matmul_precision() != "highest":
-        parts.append(("float32_matmul", torch.get_float32_matmul_precision()))
-    return tuple(parts)
-
-
-def batch_field(fields: dict[Hashable, torch.Tensor], given: list[Any]) -> Hashable | None:
-    """Which of the step's batch ``fields`` a call's arguments ``given`` pass as they are
-    (the field's name, as the batch carries it), or None."""
-    for name, tensor in fields.items():
-        if any(same_tensor(value, tensor) for value in given):
-            return name
-    return None
-
-
-def same_tensor(value: Any, field: torch.Tensor) -> bool:
-    """Whether ``value`` is the batch tensor ``field`` (the object, or a view of all of it)."""
-    if value is field:
-        return True
-    return (
-        isinstance(value, torch.Tensor)
-        and value.device == field.device
-        and value.dtype == field.dtype
-        and value.shape == field.shape
-        and value.stride() == field.stride()
-        and value.numel() > 0
-        and value.data_ptr() == field.data_ptr()
-    )
-
-
-def _first_row(out: Any) -> Any:
-    """``out`` (a module's output for a lone row and its copy) with the copy's row taken off."""
-    _, tree_map = _compat.tree_flatten_and_map()
-    return tree_map(lambda t: t[:1] if isinstance(t, torch.Tensor) and t.ndim else t, out)
-
-
-def _rows(values: Any, rows: list[int], total: int) -> Any:
-    """``values`` (args or kwargs) with each batched tensor cut to ``rows``."""
-
-    def cut(value: Any) -> Any:
-        if isinstance(value, torch.Tensor) and value.ndim and value.shape[0] == total:
-            return value.index_select(0, torch.tensor(rows, device=value.device))
-        return value
-
-    if isinstance(values, dict):
-        return {name: cut(value) for name, value in values.items()}
-    return tuple(cut(value) for value in values)

@@ -15,13 +15,7 @@ import torch
 from torch import nn
 
 from lightning_speedkit import _compat, _validation
-from lightning_speedkit.compute._frozen_call import (
-    CachedModule,
-    ModuleCounts,
-    Scope,
-    batch_field,
-    same_tensor,
-)
+from lightning_speedkit.compute._frozen_call import CachedModule, ModuleCounts, Scope
 from lightning_speedkit.compute._frozen_disk import DiskStore, prepare_directory
 from lightning_speedkit.compute._frozen_lease import PruneReport, prune_frozen_features
 from lightning_speedkit.compute._frozen_loader import dataset_fingerprint
@@ -32,6 +26,7 @@ from lightning_speedkit.compute._frozen_modules import (
     topmost,
     why_not_cacheable,
 )
+from lightning_speedkit.compute._frozen_rows import batch_field, same_tensor
 from lightning_speedkit.compute._frozen_skip import SkipPlan
 from lightning_speedkit.compute._frozen_store import FeatureStore, budget_bytes
 from lightning_speedkit.measure.flops import model_flops_so_far
@@ -58,6 +53,8 @@ class FrozenFeatures:
         self._found_flops: dict[str, dict[Hashable, float]] = {}  # per row, by batch field
         self._watched = False  # the first step's calls have been watched
         self._probes: list[Any] = []
+        #: The found modules' calls in the step ``"auto"`` watched: stored once chosen.
+        self._first_calls: dict[str, list[tuple[Any, Any, Any]]] = {}
         self._loaded: dict[str, Any] = {}  # counters of modules "auto" has not found yet
         self._plan: SkipPlan | None = None  # the loader's: which samples come without inputs
         self._primed = False  # the plan holds every sample ready before it was given
@@ -122,9 +119,7 @@ class FrozenFeatures:
     def end_step(self) -> None:
         """The batch has run: calls without keys run the modules as they are."""
         keys = self._scope.keys
-        self._scope.keys, self._scope.fields, self._scope.stand_ins = None, {}, ()
-        self._forget_lost()
-        if self._probes:
+        if self._probes:  # with the step's keys and fields still set: found calls are stored
             for handle in self._probes:
                 handle.remove()
             self._probes = []
@@ -132,6 +127,9 @@ class FrozenFeatures:
                 self._choose_found()
             else:
                 self._warn_not_called()
+        self._first_calls = {}
+        self._scope.keys, self._scope.fields, self._scope.stand_ins = None, {}, ()
+        self._forget_lost()
         if self._plan is not None and keys:
             self._plan_ready(keys)
 
@@ -177,7 +175,9 @@ class FrozenFeatures:
         """Key features by ``dataset`` too (its :func:`dataset_fingerprint`): with sample keys
         that are dataset indices, another dataset's index ``i`` is another sample. Features
         of the dataset used before leave the memory store."""
-        data = dataset_fingerprint(dataset)
+        drawn: set[Hashable] = set()
+        data = dataset_fingerprint(dataset, drawn=drawn)
+        self._scope.drawn = drawn
         if data == self._scope.data:
             return
         if self._scope.data:
@@ -248,6 +248,10 @@ class FrozenFeatures:
 
         def after(name: str) -> Any:
             def hook(module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
+                if name in running and self._auto and not self.cached:  # as it is now: the
+                    _, tree_map = _compat.tree_flatten_and_map()  # step may write it later
+                    kept = tree_map(lambda t: t.detach().clone() if _is_tensor(t) else t, out)
+                    self._first_calls.setdefault(name, []).append((args, kwargs, kept))
                 source, start = running.pop(name, (None, None))
                 end, rows = model_flops_so_far(), len(self._scope.keys or ())
                 if source is not None and start is not None and end is not None and rows:
@@ -265,13 +269,15 @@ class FrozenFeatures:
             why = why_not_cacheable(name, named[name])
             if why is None:
                 self._add(name, named[name])
+                for args, kwargs, out in self._first_calls.get(name, []):  # ran uncached
+                    self.cached[name].take(args, kwargs, out)
             else:
                 self._scope.warn_once(f"FrozenFeatureCache leaves `{name}` out: {why}.")
         if not self.cached:
             self._scope.warn_once(
                 "FrozenFeatureCache(modules='auto') found no frozen submodule called with a "
                 "tensor of the batch as it is (a module whose input is computed from the batch "
-                "is not found); name it: `modules=['vision']`, or a module type."
+                "is not found); name it (`modules=['<name>']`), or give a module type."
             )
 
     def _warn_not_called(self) -> None:
@@ -379,6 +385,10 @@ class FrozenFeatures:
             keep=self.disk_groups(),
             dry_run=dry_run,
         )
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
 
 
 def _fields(batch: Any) -> dict[Hashable, torch.Tensor]:

@@ -353,7 +353,7 @@ def batch_rows(
     return list(value), []
 
 
-def dataset_fingerprint(dataset: Any, probes: int = 3) -> str:
+def dataset_fingerprint(dataset: Any, probes: int = 3, drawn: set[Hashable] | None = None) -> str:
     """A hash of what identifies ``dataset`` cheaply: its type, its length, and the content
     of ``probes`` samples spread over it (the first, the middle, the last).
 
@@ -366,7 +366,9 @@ def dataset_fingerprint(dataset: Any, probes: int = 3) -> str:
     generator of the dataset's own is left out where the two reads differ, and hashed
     where they happen to agree. The reads draw no number of the run's (its random state
     is put back). One that raises counts by its index and the error's type. A dataset
-    without a length is known by its type only.
+    without a length is known by its type only. ``drawn``, when given, gets the sample's
+    fields (a mapping's keys, a tuple's places) that the two reads of a probe disagreed on:
+    a cached module fed one of them would be served one draw for every epoch's.
 
     Example::
 
@@ -390,8 +392,28 @@ def dataset_fingerprint(dataset: Any, probes: int = 3) -> str:
             except Exception as error:  # the fit meets it again, where the user expects it
                 digest.update(f"unreadable {index}: {type(error).__name__}".encode())
                 continue
-            _feed(digest, _agreed(first, second))
+            agreed = _agreed(first, second)
+            _feed(digest, agreed)
+            if drawn is not None:
+                drawn.update(_drawn_fields(agreed))
     return digest.hexdigest()
+
+
+def _drawn_fields(agreed: Any) -> set[Hashable]:
+    """The top-level fields of a sample's :func:`_agreed` reading that hold a ``_Drawn``."""
+    if isinstance(agreed, Mapping):
+        return {key for key, value in agreed.items() if _holds_drawn(value)}
+    if isinstance(agreed, list):
+        return {place for place, value in enumerate(agreed) if _holds_drawn(value)}
+    return set()
+
+
+def _holds_drawn(value: Any) -> bool:
+    if isinstance(value, _Drawn):
+        return True
+    if isinstance(value, Mapping):
+        return any(_holds_drawn(v) for v in value.values())
+    return isinstance(value, list) and any(_holds_drawn(v) for v in value)
 
 
 class _Drawn:

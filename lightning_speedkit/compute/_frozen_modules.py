@@ -58,7 +58,10 @@ def _rate(layer: nn.Module) -> tuple[str, float] | None:
 
 
 def why_not_cacheable(name: str, module: nn.Module) -> str | None:
-    """Why ``module``'s outputs cannot be served from a store, as it is now; None if they can.
+    """Why ``module``'s outputs cannot be served from a store (a parameter that requires
+    grad); None if they can. Its layers' modes are checked at each call instead
+    (:func:`why_not_now`): Lightning puts the model in train mode at fit start, and a
+    tower put back in eval mode in ``on_train_epoch_start`` is served from then on.
 
     Example::
 
@@ -74,7 +77,7 @@ def why_not_cacheable(name: str, module: nn.Module) -> str | None:
             f"`{name}` has parameters that require grad ({shown}): a stored output would cut "
             f"their gradient; freeze them with `module.requires_grad_(False)`"
         )
-    return why_not_now(name, module, _chance_layers(module))
+    return None
 
 
 def _chance_layers(module: nn.Module) -> list[tuple[str, nn.Module]]:

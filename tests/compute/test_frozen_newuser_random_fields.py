@@ -209,3 +209,38 @@ def test_speed_monitor_takes_the_served_encoder_off_when_auto_found_it(modules: 
     # Epoch 3 is served whole: its steps spent the model's FLOPs less the encoder's.
     assert monitor.last_metrics["flops_per_sample"] == pytest.approx(whole - encoder, rel=1e-9)
     assert encoder > 0.5 * whole
+
+
+class Flipped(Captioned):
+    """The picture flipped at random (torch's generator, p=0.5), as a torchvision
+    ``RandomHorizontalFlip`` in the dataset's transform does it."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        sample = super().__getitem__(index)
+        if torch.rand(()) < 0.5:
+            sample["pixels"] = sample["pixels"].flip(-1)
+        return sample
+
+
+def test_an_input_two_reads_disagree_on_is_never_stored_or_served() -> None:
+    """The fingerprint's two reads of a sample already show the tower's input is drawn:
+    the cache stands down at the first call, before storing anything. Before, it stored
+    the first epoch and only ``verify`` on the first reuse caught it (and a rare
+    augmentation can pass that one batch)."""
+    plain = fit(Denoiser, lambda: DataLoader(Flipped(), batch_size=6, shuffle=True), None)
+    cache = FrozenFeatureCache(modules=["encoder"])
+    with pytest.warns(UserWarning, match=r"`encoder`: its input, the batch's `pixels`, differed"):
+        cached = fit(Denoiser, lambda: DataLoader(Flipped(), batch_size=6, shuffle=True), cache)
+    assert same_losses(plain, cached, 12)
+    counts = cache.counts
+    assert (counts["stored"], counts["hits"]) == (0, 0)
+    assert "differed between two reads" in counts["stood_down"]["encoder"]
+
+
+def test_the_fields_two_reads_disagree_on_are_named() -> None:
+    drawn: set[Any] = set()
+    dataset_fingerprint(Flipped(), drawn=drawn)
+    assert drawn == {"pixels", "caption"}
+    drawn.clear()
+    dataset_fingerprint(Captioned(), drawn=drawn)
+    assert drawn == {"caption"}  # the tower's input is fixed: it may be cached
