@@ -1,10 +1,14 @@
 """``auto``'s timing: the module's own forward(+backward) against each passing backend.
 
-Each run is timed on the check's inputs, after one warm-up, as the median of a few
-repeats; the fastest passing backend is kept and its speedup over the module's own
-forward reported. The module's own forward is a candidate too: where it is clearly
-faster (:func:`own_is_faster`), ``auto`` keeps it. The clock is an argument, so a test
-passes exact times.
+The runs are timed on the check's inputs in turns (own, then each backend, round after
+round, after one warm-up each), so a busy spell of a shared machine falls on all of them
+rather than on one; each one's time is the median of its rounds. The first passing
+backend (``sdpa``: PyTorch's own choice of kernel) is kept unless another was timed
+clearly faster (:data:`SWITCH_BELOW`), so near-equal backends, whose numerics differ in
+the last bits, do not trade places from run to run. Its speedup over the module's own
+forward is reported, and the own forward is a candidate too: where it is clearly faster
+(:func:`own_is_faster`), ``auto`` keeps it. The clock is an argument, so a test passes
+exact times.
 """
 
 from __future__ import annotations
@@ -22,15 +26,33 @@ Clock = Callable[[], float]
 
 OWN_FASTER_BELOW = 0.9
 """``auto`` keeps a module's own forward when the fastest passing backend's speedup is
-below this, not merely below 1. Each time is the median of three short runs, often on a
+below this, not merely below 1. Each time is the median of a few short runs, often on a
 shared machine: ratios a few percent either side of 1 are noise, and deciding on them
 would flip a module between its own forward and a backend from run to run and from rank
 to rank. At 0.9 the own forward was measured more than 10% faster (small attention on a
 CPU, where the fused call's overhead outweighs its saving: 0.37x-0.78x measured)."""
 
 
-def median_seconds(run: Run, *, clock: Clock = time.perf_counter, repeats: int = 3) -> float:
-    """Median seconds of ``run``'s forward (+ backward), after one warm-up.
+SWITCH_BELOW = 0.9
+"""A later passing backend replaces the first (``sdpa``) only when timed in less than this
+share of its time. Backends within 10% of each other are one as far as a few short timed
+runs can tell, and picking among them by noise gave seeded runs other backends, and so
+other last bits of their losses, from one run to the next."""
+
+
+def interleaved_medians(
+    runs: Sequence[Run],
+    *,
+    clock: Clock = time.perf_counter,
+    rounds: int = 3,
+    min_seconds: float = 0.01,
+    max_rounds: int = 25,
+) -> list[float]:
+    """Median seconds of each of ``runs``' forward (+ backward), timed in turns.
+
+    One warm-up each, then rounds of one timed run of each, in order: at least ``rounds``,
+    and more until each run's timed total reaches ``min_seconds`` (a call of a few hundred
+    microseconds is timed more often), at most ``max_rounds``.
 
     Example::
 
@@ -39,39 +61,45 @@ def median_seconds(run: Run, *, clock: Clock = time.perf_counter, repeats: int =
         >>> linear = nn.Linear(2, 2)
         >>> run = Run(lambda: linear(torch.ones(1, 2)), ((), {}), linear, grad=False)
         >>> ticks = itertools.count()  # each read of the clock one second later
-        >>> median_seconds(run, clock=lambda: float(next(ticks)))
-        1.0
+        >>> interleaved_medians([run, run], clock=lambda: float(next(ticks)))
+        [1.0, 1.0]
     """
-    device = run.tensors[0].device if run.tensors else torch.device("cpu")
-    times = []
-    for i in range(repeats + 1):
-        _synchronize(device)
-        start = clock()
-        run.again()
-        _synchronize(device)
-        if i:
-            times.append(clock() - start)
-    return statistics.median(times)
+    device = next((r.tensors[0].device for r in runs if r.tensors), torch.device("cpu"))
+    times: list[list[float]] = [[] for _ in runs]
+    for round_ in range(max_rounds + 1):
+        for run, taken in zip(runs, times, strict=True):
+            _synchronize(device)
+            start = clock()
+            run.again()
+            _synchronize(device)
+            if round_:  # round 0 warms up
+                taken.append(clock() - start)
+        if round_ >= rounds and all(sum(taken) >= min_seconds for taken in times):
+            break
+    return [statistics.median(taken) for taken in times]
 
 
 def pick_fastest(
     own: Run, passing: Sequence[tuple[str, float, Run]], *, clock: Clock = time.perf_counter
 ) -> tuple[str, float, float | None]:
-    """The fastest of the passing backends, timed against the module's own forward.
+    """The passing backend to run, timed against the module's own forward.
 
     Args:
         own: the module's own forward on the check's inputs.
-        passing: ``(backend, parity error, its run)`` for each backend that passed.
+        passing: ``(backend, parity error, its run)`` for each backend that passed, in
+            :func:`~lightning_speedkit.attention.backends.auto_candidates`' order.
         clock: what times the runs.
 
     Returns:
-        The fastest backend (ties: the first by name), its parity error, and its
-        speedup (own seconds / its seconds; ``None`` when it took no time).
+        The first passing backend, or the fastest where it was timed in less than
+        :data:`SWITCH_BELOW` of the first's time; its parity error; and its speedup (own
+        seconds / its seconds; ``None`` when it took no time).
     """
-    own_time = median_seconds(own, clock=clock)
-    timed = [(median_seconds(run, clock=clock), backend, error) for backend, error, run in passing]
-    best_time, backend, error = min(timed)
-    return backend, error, (own_time / best_time if best_time > 0 else None)
+    own_time, *times = interleaved_medians([own, *(run for _, _, run in passing)], clock=clock)
+    fastest = min(range(len(passing)), key=lambda i: times[i])
+    chosen = fastest if times[fastest] < SWITCH_BELOW * times[0] else 0
+    backend, error, _ = passing[chosen]
+    return backend, error, (own_time / times[chosen] if times[chosen] > 0 else None)
 
 
 def own_is_faster(speedup: float | None) -> bool:
