@@ -182,7 +182,9 @@ class CountSchedule:
         """FLOPs the last ended step served from a store instead of running."""
 
     def watch(self, compiles: Compilations) -> None:
-        """Compiled parts: count only after a step that compiled nothing."""
+        """Compiled parts: count only after a step that compiled nothing, and tell a step
+        that compiled (:attr:`untimed`). Watched until :meth:`close`: a new shape, or a
+        guard that fails later (a hook taken off a compiled block), compiles again."""
         self._compiles, self._settled = compiles, False
 
     def stop_watch(self) -> None:
@@ -217,6 +219,16 @@ class CountSchedule:
     def counting(self) -> bool:
         """Whether the step running now is counted (and so slower: left out of timings)."""
         return self._session is not None
+
+    @property
+    def untimed(self) -> bool:
+        """Whether the step running now is slower than the training's steps: counted, or it
+        has compiled (a recompilation takes from a second to minutes: one such step in a
+        short run's timings was its whole summary)."""
+        compiled = self._compiles is not None and (
+            self._compiles.compilations != self._compiled_before
+        )
+        return self.counting or compiled
 
     def counts(self, key: str) -> bool:
         """Whether this batch's step is the one to count FLOPs on."""
@@ -255,8 +267,6 @@ class CountSchedule:
         elif self._compiles is not None:
             # Settled: a whole step ran the compiled parts and compiled nothing.
             self._settled = self._compiles.compilations == self._compiled_before
-            if self._settled:
-                self.stop_watch()
         return session is not None
 
 

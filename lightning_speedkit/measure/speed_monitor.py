@@ -248,9 +248,10 @@ class SpeedMonitor(L.Callback):
         (a new epoch, validation) has no step time, and counting its samples would
         overstate throughput by one batch per gap. Steps before the first FLOP count
         (still compiling, or profiled) are start-up too: they would add samples and no
-        FLOPs. A counted step is slower, so it is not timed either; nor is a step of a
-        ProfilerSchedule window, nor the step after one (the clock's ``untimed``)."""
-        info, counted = self._info, self._counts.counting
+        FLOPs. A counted step is slower, so it is not timed either, nor one that compiled
+        (a recompilation, at any step); nor is a step of a ProfilerSchedule window, nor
+        the step after one (the clock's ``untimed``)."""
+        info, counted = self._info, self._counts.untimed
         priced = self.flops_per_batch is not None or bool(self.flops.counted)
         keep = self._clock.batch_end(priced and not counted and self._batches > self.warmup_steps)
         if info is not None:

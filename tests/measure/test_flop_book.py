@@ -69,7 +69,25 @@ def test_compiled_parts_are_counted_only_after_a_step_that_compiled_nothing() ->
         compiles.compilations += compiled
         schedule.step_end(_info(4))
     assert counted == [False, False, False, True]
-    assert compiles.removed  # settled: the watch is no longer needed
+    assert not compiles.removed  # watched to the fit's end: a later step may compile
+    schedule.close()
+    assert compiles.removed
+
+
+def test_a_step_that_compiles_is_untimed_at_any_step() -> None:
+    """A recompilation after the first count (a new shape, a guard failing when a hook
+    comes off a compiled block) took a second in a step SpeedMonitor timed: a short run's
+    summary was that one step. The watch stayed only until the first settled step."""
+    compiles = _Compiles()
+    schedule = CountSchedule(FlopBook(), max_counts=1, profiling=lambda: False)
+    schedule.watch(compiles)
+    untimed = []
+    for compiled in (2, 0, 0, 0, 1, 0):  # step 3 counted; step 5 recompiles
+        schedule.step_start(_info(4))
+        compiles.compilations += compiled
+        untimed.append(schedule.untimed)
+        schedule.step_end(_info(4))
+    assert untimed == [True, False, True, False, True, False]
 
 
 def test_a_step_in_which_the_kit_did_one_time_work_is_counted_again() -> None:
