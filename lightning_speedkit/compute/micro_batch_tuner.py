@@ -14,7 +14,8 @@ from functools import partial
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -311,7 +312,7 @@ def _tune_in_fit(
     """
     strategy = trainer.strategy
     lockstep = trainer.world_size > 1
-    return tune_micro_batch(
+    result = tune_micro_batch(
         strategy.model if strategy.model is not None else pl_module,
         loader,
         _trial_step(strategy, pl_module),
@@ -328,6 +329,31 @@ def _tune_in_fit(
         if lockstep
         else None,
     )
+    _warn_batch_norm(pl_module, loader.batch_size, result.best["batch_size"])
+    return result
+
+
+def _warn_batch_norm(model: L.LightningModule, given: int | None, best: int) -> None:
+    """Say that a micro-batch other than the loader's changes what the model's batch norm
+    layers in training normalise by: each micro-batch's statistics (the global batch and
+    the gradient's average stay, those numerics do not)."""
+    norms = [name for name, m in model.named_modules() if _trains_batch_norm(m)]
+    if best == given or not norms:
+        return
+    shown = ", ".join(f"`{n}`" for n in norms[:3]) + (", ..." if len(norms) > 3 else "")
+    rank_zero_warn(
+        f"MicroBatchTuner trains micro-batches of {best} (the loader gives {given}): the "
+        f"batch norm layers {shown} normalise by each micro-batch's statistics, so training "
+        f"changes with it beyond speed. Keep the loader's size with "
+        f"`MicroBatchTuner(candidates=[{given}])`, or leave the tuner out."
+    )
+
+
+_BATCH_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm)
+
+
+def _trains_batch_norm(module: nn.Module) -> bool:
+    return isinstance(module, _BATCH_NORMS) and module.training
 
 
 def _chosen_by_rank_zero(result: MicroBatchResult, best: int, world_size: int) -> MicroBatchResult:

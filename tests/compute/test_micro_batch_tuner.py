@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import collections
 import random
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -882,3 +883,35 @@ def test_a_loader_without_a_batch_size_says_so_not_nonetype() -> None:
     bucketed = DataLoader(dataset(16), batch_sampler=LengthBucketBatchSampler([1] * 16, 4))
     with pytest.raises(SpeedkitConfigError, match="batches with LengthBucketBatchSampler"):
         trainer(1, [scheduler, tuner]).fit(Net(), bucketed)
+
+
+class _Normed(Net):
+    """Net with a batch norm layer trained in train mode."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(4)  # over the 4 tokens of each sample
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return F.mse_loss(self(self.norm(x)), y)
+
+
+def test_a_new_micro_batch_under_batch_norm_is_said_with_the_fix() -> None:
+    """The global batch stays, but batch norm normalises by each micro-batch: a new user's
+    BatchNorm CNN went from 16 to 8 with nothing said."""
+    scheduler = AccumulationScheduler(target_global_batch=32, micro_batch_size=4, verbose=False)
+    tuner = MicroBatchTuner(measure=fake_measure(SECONDS)[0], verbose=False)
+    said = (
+        r"micro-batches of 8 \(the loader gives 4\): the batch norm layers `norm` normalise "
+        r".* `MicroBatchTuner\(candidates=\[4\]\)`"
+    )
+    with pytest.warns(UserWarning, match=said):
+        trainer(1, [scheduler, tuner]).fit(_Normed(), DataLoader(dataset(96), batch_size=4))
+    kept = MicroBatchTuner([4], measure=fake_measure(SECONDS)[0], verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")  # the loader's own size: nothing to say
+        trainer(1, [AccumulationScheduler(target_global_batch=32, verbose=False), kept]).fit(
+            _Normed(), DataLoader(dataset(96), batch_size=4)
+        )
+    assert not [w for w in caught if "batch norm" in str(w.message)]
