@@ -1,11 +1,12 @@
 """``auto``'s timing: the module's own forward(+backward) against each passing backend.
 
 The runs are timed on the check's inputs in turns (own, then each backend, round after
-round, after one warm-up each), so a busy spell of a shared machine falls on all of them
-rather than on one; each one's time is the median of its rounds. The first passing
-backend (``sdpa``: PyTorch's own choice of kernel) is kept unless another was timed
-clearly faster (:data:`SWITCH_BELOW`), so near-equal backends, whose numerics differ in
-the last bits, do not trade places from run to run. Its speedup over the module's own
+round, after one warm-up each), and compared in pairs within a round: a busy spell of a
+shared machine slows a round's runs alike, and the median of the rounds' ratios leaves
+out a round it fell on unevenly. The first passing backend (``sdpa``: PyTorch's own
+choice of kernel) is kept unless another was clearly faster (:data:`SWITCH_BELOW`), so
+near-equal backends, whose numerics differ in the last bits, do not trade places from
+run to run. Its speedup over the module's own
 forward is reported, and the own forward is a candidate too: where it is clearly faster
 (:func:`own_is_faster`), ``auto`` keeps it. The clock is an argument, so a test passes
 exact times.
@@ -34,25 +35,28 @@ CPU, where the fused call's overhead outweighs its saving: 0.37x-0.78x measured)
 
 
 SWITCH_BELOW = 0.9
-"""A later passing backend replaces the first (``sdpa``) only when timed in less than this
-share of its time. Backends within 10% of each other are one as far as a few short timed
-runs can tell, and picking among them by noise gave seeded runs other backends, and so
-other last bits of their losses, from one run to the next."""
+"""A later passing backend replaces the first (``sdpa``) only when it ran in less than this
+share of its time, as the median over rounds of their paired times. Backends within 10%
+of each other are one as far as a few short timed runs can tell, and picking among them
+by noise gave seeded runs other backends, and so other last bits of their losses, from
+one run to the next."""
 
 
-def interleaved_medians(
+def interleaved_times(
     runs: Sequence[Run],
     *,
     clock: Clock = time.perf_counter,
-    rounds: int = 3,
+    rounds: int = 5,
     min_seconds: float = 0.01,
     max_rounds: int = 25,
-) -> list[float]:
-    """Median seconds of each of ``runs``' forward (+ backward), timed in turns.
+) -> list[list[float]]:
+    """Seconds of each of ``runs``' forward (+ backward), timed in turns: one list per run,
+    one time per round.
 
     One warm-up each, then rounds of one timed run of each, in order: at least ``rounds``,
     and more until each run's timed total reaches ``min_seconds`` (a call of a few hundred
-    microseconds is timed more often), at most ``max_rounds``.
+    microseconds is timed more often), at most ``max_rounds``. The runs of one round are
+    neighbours in time, so a machine's load changes them alike: compare them in pairs.
 
     Example::
 
@@ -61,8 +65,8 @@ def interleaved_medians(
         >>> linear = nn.Linear(2, 2)
         >>> run = Run(lambda: linear(torch.ones(1, 2)), ((), {}), linear, grad=False)
         >>> ticks = itertools.count()  # each read of the clock one second later
-        >>> interleaved_medians([run, run], clock=lambda: float(next(ticks)))
-        [1.0, 1.0]
+        >>> interleaved_times([run, run], clock=lambda: float(next(ticks)))
+        [[1.0, 1.0, 1.0, 1.0, 1.0], [1.0, 1.0, 1.0, 1.0, 1.0]]
     """
     device = next((r.tensors[0].device for r in runs if r.tensors), torch.device("cpu"))
     times: list[list[float]] = [[] for _ in runs]
@@ -76,7 +80,19 @@ def interleaved_medians(
                 taken.append(clock() - start)
         if round_ >= rounds and all(sum(taken) >= min_seconds for taken in times):
             break
-    return [statistics.median(taken) for taken in times]
+    return times
+
+
+def paired_ratio(these: Sequence[float], those: Sequence[float]) -> float | None:
+    """The median over rounds of ``these / those`` (None where ``those`` took no time).
+
+    Example::
+
+        >>> paired_ratio([2.0, 9.0, 2.2], [1.0, 4.5, 1.0])  # round 2 ran under load
+        2.0
+    """
+    ratios = [a / b for a, b in zip(these, those, strict=True) if b > 0]
+    return statistics.median(ratios) if ratios else None
 
 
 def pick_fastest(
@@ -91,15 +107,19 @@ def pick_fastest(
         clock: what times the runs.
 
     Returns:
-        The first passing backend, or the fastest where it was timed in less than
-        :data:`SWITCH_BELOW` of the first's time; its parity error; and its speedup (own
-        seconds / its seconds; ``None`` when it took no time).
+        The first passing backend, or the one that ran in the least share of its time
+        where that share (:func:`paired_ratio`) is below :data:`SWITCH_BELOW`; its parity
+        error; and its speedup (own seconds / its seconds, paired; ``None`` when it took
+        no time).
     """
-    own_time, *times = interleaved_medians([own, *(run for _, _, run in passing)], clock=clock)
-    fastest = min(range(len(passing)), key=lambda i: times[i])
-    chosen = fastest if times[fastest] < SWITCH_BELOW * times[0] else 0
+    own_times, *times = interleaved_times([own, *(run for _, _, run in passing)], clock=clock)
+    shares = [paired_ratio(t, times[0]) for t in times]
+    known = [i for i, share in enumerate(shares) if share is not None]
+    fastest = min(known, key=lambda i: shares[i] or 0.0, default=0)
+    share = shares[fastest]
+    chosen = fastest if share is not None and share < SWITCH_BELOW else 0
     backend, error, _ = passing[chosen]
-    return backend, error, (own_time / times[chosen] if times[chosen] > 0 else None)
+    return backend, error, paired_ratio(own_times, times[chosen])
 
 
 def own_is_faster(speedup: float | None) -> bool:

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_speedkit.attention._auto_timing import interleaved_medians, pick_fastest
+from lightning_speedkit.attention._auto_timing import interleaved_times, pick_fastest
 from lightning_speedkit.attention._parity import Run
 
 
@@ -39,26 +39,35 @@ def test_runs_are_timed_in_turns_after_a_warm_up_each() -> None:
 
         return Run(forward, ((), {}), nn.Identity(), grad=False)
 
-    a, b = run("a", 0.004), run("b", 0.002)
+    a, b = run("a", 0.004), run("b", 0.0015)
     order.clear()  # Run calls each once when made
-    assert interleaved_medians([a, b], clock=clock) == pytest.approx([0.004, 0.002])
-    # a warm-up round, then rounds until each has 10 ms timed: b needs 5 rounds
-    assert order == ["a", "b"] * 6
+    times = interleaved_times([a, b], clock=clock)
+    # a warm-up round, then rounds until each has 10 ms timed: b needs 7 rounds
+    assert order == ["a", "b"] * 8
+    assert times == [pytest.approx([0.004] * 7), pytest.approx([0.0015] * 7)]
 
 
-def test_a_busy_spell_on_one_round_moves_no_median() -> None:
+def test_a_busy_spell_on_one_backends_runs_moves_no_pick() -> None:
+    """Load that falls on one backend's run of a round (another process woke up) is one
+    paired ratio of five: the median leaves it out."""
     clock, module = _Clock(), nn.Identity()
-    spells = iter([0.0, 0.0, 0.05, 0.0] + [0.0] * 100)  # round 1 of `a`: 50 ms of other work
+    spells = {("flash", 1): 0.05, ("flash", 3): 0.05}  # two of flash's rounds ran under load
+    calls = {"own": 0, "sdpa": 0, "flash": 0}
 
-    def busy(seconds: float) -> Run:
+    def busy(name: str, seconds: float) -> Run:
         def forward() -> torch.Tensor:
-            clock.now += seconds + next(spells)
+            clock.now += seconds + spells.get((name, calls[name]), 0.0)
+            calls[name] += 1
             return torch.ones(1)
 
         return Run(forward, ((), {}), module, grad=False)
 
-    runs = [busy(0.004), busy(0.004)]
-    assert interleaved_medians(runs, clock=clock) == pytest.approx([0.004, 0.004])
+    own, sdpa, flash = busy("own", 0.006), busy("sdpa", 0.003), busy("flash", 0.002)
+    backend, _, speedup = pick_fastest(
+        own, [("sdpa", 0.0, sdpa), ("flash", 0.0, flash)], clock=clock
+    )
+    assert backend == "flash"
+    assert speedup == pytest.approx(3.0)
 
 
 def test_the_fastest_passing_backend_is_kept_with_its_speedup() -> None:
