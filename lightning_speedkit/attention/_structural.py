@@ -6,6 +6,14 @@ dropout: found by their names and shapes (:func:`structural_match`), run through
 chosen backend (:func:`structural_forward`). The parity check, not the structure,
 decides: a look-alike that is not equivalent (heads mixed after the softmax, another
 scale) is reverted.
+
+Causality is read off the buffer alone. A module whose forward calls
+``F.scaled_dot_product_attention`` itself and holds no such buffer (nanoGPT's flash
+path: ``is_causal=True``, its ``bias`` buffer registered only without flash) is fused
+already, and its causality is in the call, not in its structure: it is skipped, with
+that reason in the report, rather than swapped as non-causal attention and reverted by
+its check. Its SDPA calls run per document on a packed batch all the same
+(:mod:`._own_calls`).
 """
 
 from __future__ import annotations
@@ -14,9 +22,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_speedkit.attention._example_inputs import Inputs, tokens
+from lightning_speedkit.attention._own_calls import calls_sdpa
 
 if TYPE_CHECKING:
     from lightning_speedkit.attention.adapters import SwapContext
@@ -79,6 +89,17 @@ def _causal_buffer(module: nn.Module) -> tuple[bool, int | None]:
     return False, None
 
 
+def _calls_sdpa(module: nn.Module) -> bool:
+    """Whether the module's ``forward`` calls SDPA by name, or under a name its module
+    gave it (``from torch.nn.functional import scaled_dot_product_attention as sdpa``)."""
+    if calls_sdpa(module):
+        return True
+    code = getattr(type(module).forward, "__code__", None)
+    names = getattr(type(module).forward, "__globals__", {})
+    sdpa = F.scaled_dot_product_attention
+    return code is not None and any(names.get(n) is sdpa for n in code.co_names)
+
+
 def structural_match(module: nn.Module) -> Any:
     cls_module = type(module).__module__ or ""
     if cls_module.startswith(("transformers.", "timm.", "torch.")):
@@ -96,6 +117,9 @@ def structural_match(module: nn.Module) -> Any:
         return None
     # From here on the module looks like attention: a refusal says why.
     name = type(module).__name__
+    causal, max_len = _causal_buffer(module)
+    if not causal and _calls_sdpa(module):
+        return f"{name}: calls SDPA itself: fused already"
     kv_heads = _int_attr(module, _KV_HEAD_ATTRS) or heads
     if fused is not None:
         inner = lin[out].in_features
@@ -127,7 +151,6 @@ def structural_match(module: nn.Module) -> Any:
             child, (nn.Identity, nn.Softmax)
         ):
             return f"{name}: submodule {child_name!r} is not modelled by the structural adapter"
-    causal, max_len = _causal_buffer(module)
     scale = getattr(module, "scale", None)
     return Structure(
         heads=heads,
