@@ -67,19 +67,29 @@ def rescaled_counts(
             continue
         if name == "limit_train_batches" and overfit:
             continue  # the batches to overfit: the user's count, as given
-        scaled = -(-value * given // best)  # rounded up: some stay some, none stays none
+        rounded = -(-value * given // best)  # rounded up: some stay some, none stays none
+        scaled = rounded
         if name == "val_check_interval" and epoch is not None:
             scaled = min(scaled, epoch)
         if name == "limit_train_batches" and epoch is not None:
             epoch = min(epoch, scaled)
-        exact = (
-            ""
-            if scaled * best == value * given
-            else f" (not {value * given / best:g}: the batches do not divide evenly)"
-        )
-        out[name] = (
-            scaled,
-            f"MicroBatchTuner: `{name}={value}` counted batches of {given}; it is {scaled} "
-            f"micro-batches of {best} now{exact}, the same samples.",
-        )
+        out[name] = (scaled, _said(name, value, given, scaled, best, rounded))
     return out
+
+
+def _said(name: str, value: int, given: int, scaled: int, best: int, rounded: int) -> str:
+    """The line that says what ``name=value`` counted at ``given`` is at ``best``: the same
+    samples, or (rounded up, or cut to the new epoch) how many it trains now."""
+    batches = "micro-batch" if scaled == 1 else "micro-batches"
+    head = (
+        f"MicroBatchTuner: `{name}={value}` counted batches of {given} ({value * given} "
+        f"samples); it is {scaled} {batches} of {best} now"
+    )
+    if scaled * best == value * given:
+        return f"{head}, the same samples."
+    if scaled < rounded:
+        return f"{head}, the whole epoch at that size ({scaled * best} samples)."
+    return (
+        f"{head} (not {value * given / best:g}: the batches do not divide evenly), "
+        f"{scaled * best} samples."
+    )

@@ -15,9 +15,11 @@ COUNTS = {"limit_train_batches": 16, "val_check_interval": 10}
 def test_integer_counts_keep_their_samples_and_say_so() -> None:
     assert rescaled_counts(COUNTS, 4, 8, 100, overfit=False) == {
         "limit_train_batches": (8, "MicroBatchTuner: `limit_train_batches=16` counted batches "
-                                   "of 4; it is 8 micro-batches of 8 now, the same samples."),
+                                   "of 4 (64 samples); it is 8 micro-batches of 8 now, the same "
+                                   "samples."),
         "val_check_interval": (5, "MicroBatchTuner: `val_check_interval=10` counted batches of "
-                                  "4; it is 5 micro-batches of 8 now, the same samples."),
+                                  "4 (40 samples); it is 5 micro-batches of 8 now, the same "
+                                  "samples."),
     }  # fmt: skip
 
 
@@ -26,9 +28,26 @@ def test_uneven_counts_round_up_and_say_what_they_are_not() -> None:
         "limit_train_batches"
     ]
     assert scaled == 3
-    assert said is not None
-    assert said.endswith("it is 3 micro-batches of 8 now (not 2.5: the batches do not divide "
-                         "evenly), the same samples.")  # fmt: skip
+    assert said == ("MicroBatchTuner: `limit_train_batches=5` counted batches of 4 (20 samples); "
+                    "it is 3 micro-batches of 8 now (not 2.5: the batches do not divide evenly), "
+                    "24 samples.")  # fmt: skip
+
+
+def test_a_count_rounded_up_to_one_micro_batch_says_the_samples_it_trains_now() -> None:
+    """2 batches of 8 at micro-batch 32: one micro-batch, 32 samples (not the same 16)."""
+    assert rescaled_counts({"limit_train_batches": 2}, 8, 32, 16, overfit=False) == {
+        "limit_train_batches": (1, "MicroBatchTuner: `limit_train_batches=2` counted batches of "
+                                   "8 (16 samples); it is 1 micro-batch of 32 now (not 0.5: the "
+                                   "batches do not divide evenly), 32 samples."),
+    }  # fmt: skip
+
+
+def test_an_interval_cut_to_the_new_epoch_says_so() -> None:
+    out = rescaled_counts({"limit_train_batches": 4, "val_check_interval": 8}, 2, 4, 50,
+                          overfit=False)  # fmt: skip
+    assert out["val_check_interval"] == (2, (
+        "MicroBatchTuner: `val_check_interval=8` counted batches of 2 (16 samples); it is 2 "
+        "micro-batches of 4 now, the whole epoch at that size (8 samples)."))  # fmt: skip
 
 
 def test_the_validation_interval_stays_within_the_new_epoch() -> None:
