@@ -15,7 +15,6 @@ activation checkpointing replays them around its recomputation.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import itertools
 import logging
 from collections.abc import Callable, Iterator, Mapping
@@ -24,20 +23,21 @@ from functools import partial
 from typing import Any, TypeVar, cast
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
-from torch.overrides import TorchFunctionMode
 
 from lightning_speedkit import _surgery
 from lightning_speedkit.attention._mixing_advice import mixing_message
 from lightning_speedkit.data._packed_fields import (
+    HF_NAMES,
     ROW_FIELDS,
+    carries_packing,
     cu_seqlens_values,
     packing_field,
     row_shaped,
 )
 from lightning_speedkit.errors import SpeedkitConfigError
+from lightning_speedkit.measure._tensor_walk import named_fields
 
 __all__ = ["Documents", "active", "documents_of", "packed_documents", "per_document"]
 
@@ -185,18 +185,74 @@ def documents_of(batch: Any) -> Documents | None:
     transformers' ``seq_idx`` and ``cu_seq_lens_q``); None if unpacked. Lists and arrays of
     integers are read as tensors (:mod:`lightning_speedkit.data._packed_fields`), never skipped.
 
+    The fields are found wherever the batch holds them (:func:`_named_containers`): a dict
+    or ``BatchEncoding``, a dataclass, a namedtuple, or one of these inside a list, a tuple
+    or another of them. Two sets of fields that give different documents are refused.
+
     This reads the boundaries on the host: on a GPU, one device-to-host copy per batch.
     """
-    if not isinstance(batch, Mapping):
+    containers = _named_containers(batch)
+    sets: dict[tuple[int, ...], tuple[str, Mapping[Any, Any]]] = {}
+    for path, fields in containers:  # the very same fields reached twice are one set
+        if carries_packing(fields):
+            sets.setdefault(tuple(id(fields.get(k)) for k in _ALL_NAMES), (path, fields))
+    if not sets:
         return None
-    ids, cu = packing_field(batch, "document_ids"), packing_field(batch, "cu_seqlens")
-    if ids is None and cu is None:
-        return None
+    # The rows' fields where a set's own container lacks them: the outermost container's.
+    rows = {
+        f: c[f] for _, c in reversed(containers) for f in ROW_FIELDS if isinstance(c.get(f), Tensor)
+    }
+    found = [(path, _read(fields, {**rows, **fields})) for path, fields in sets.values()]
+    (first, documents), *others = found
+    for path, other in others:
+        if other != documents:
+            raise SpeedkitConfigError(
+                f"The batch holds two different sets of packing fields (`cu_seqlens`/"
+                f"`document_ids`), at `{first}` and at `{path}`, and the documents they give "
+                f"differ; keep only the set the batch's rows were packed with (drop or rename "
+                f"the other), so one set of documents is kept apart."
+            )
+    return documents
+
+
+#: Every name a packing field goes by (ours and transformers').
+_ALL_NAMES = tuple(name for pair in HF_NAMES.items() for name in pair)
+
+
+def _named_containers(batch: Any) -> list[tuple[str, Mapping[Any, Any]]]:
+    """Every container in ``batch`` that names its fields, with its path (``batch[0]``,
+    ``batch['inputs']``, ``batch.inputs``), outer ones first: through what Lightning's
+    ``apply_to_collection`` walks (mappings, lists and tuples, namedtuples, dataclass
+    instances), each read as SpeedMonitor reads a batch's fields (``named_fields``)."""
+    found: list[tuple[str, Mapping[Any, Any]]] = []
+    seen: set[int] = set()
+    todo: list[tuple[str, Any]] = [("batch", batch)]
+    while todo:
+        path, node = todo.pop()
+        if isinstance(node, Tensor) or id(node) in seen:
+            continue
+        fields = named_fields(node)
+        if fields is not None:
+            found.append((path, fields))
+            key = "{}[{!r}]" if isinstance(node, Mapping) else "{}.{}"
+            children = [(key.format(path, name), value) for name, value in fields.items()]
+        elif isinstance(node, (list, tuple)):
+            children = [(f"{path}[{i}]", value) for i, value in enumerate(node)]
+        else:
+            continue
+        seen.add(id(node))  # a container met again (or holding itself) is read once
+        todo.extend(reversed(children))
+    return found
+
+
+def _read(fields: Mapping[Any, Any], view: Mapping[Any, Any]) -> Documents:
+    """The documents of one set of packing ``fields``; ``view`` gives the rows' fields."""
+    ids, cu = packing_field(fields, "document_ids"), packing_field(fields, "cu_seqlens")
     cu_list = cu_seqlens_values(cu) if cu is not None else None
     if ids is not None:
-        return _from_document_ids(row_shaped(ids, batch), cu_list)
+        return _from_document_ids(row_shaped(ids, view), cu_list)
     assert cu_list is not None  # one of the two is there
-    rows = next((batch[f] for f in ROW_FIELDS if isinstance(batch.get(f), Tensor)), None)
+    rows = next((view[f] for f in ROW_FIELDS if isinstance(view.get(f), Tensor)), None)
     if rows is None or rows.ndim != 2:
         raise SpeedkitConfigError(
             f"`cu_seqlens` came without `document_ids` or a 2-D `input_ids`/`position_ids` "
@@ -343,60 +399,14 @@ def groups(documents: Documents) -> list[list[tuple[int, int, int]]]:
     return list(by_length.values())
 
 
-_SDPA_SIGNATURE = inspect.Signature(
-    [
-        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
-        for name, default in (
-            ("query", inspect.Parameter.empty),
-            ("key", inspect.Parameter.empty),
-            ("value", inspect.Parameter.empty),
-            ("attn_mask", None),
-            ("dropout_p", 0.0),
-            ("is_causal", False),
-            ("scale", None),
-            ("enable_gqa", False),
-        )
-    ]
-)
-
-
-class _SdpaPerDocument(TorchFunctionMode):
-    """SDPA calls on the packed rows run per document (the kit's and the model's own)."""
-
-    def __torch_function__(
-        self,
-        func: Any,
-        types: Any,
-        args: tuple[Any, ...] = (),
-        kwargs: dict[str, Any] | None = None,
-    ) -> Any:
-        kwargs = kwargs or {}
-        documents = active()
-        if func is not F.scaled_dot_product_attention or documents is None or _CUTTING[0]:
-            # A torch function that calls SDPA inside runs with this mode popped, so its SDPA
-            # call is not seen here: ``nn.MultiheadAttention`` is cut per document before.
-            return func(*args, **kwargs)
-        return _sdpa_call(func, documents, args, kwargs)
-
-
-@not_compiled
-def _sdpa_call(
-    func: Any, documents: Documents, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> Tensor:
-    bound = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
-    q, k, v = bound.pop("query"), bound.pop("key"), bound.pop("value")
-    if not documents.covers(q, k, bool(bound.get("is_causal", False))):
-        return func(q, k, v, **bound)
-    mask = bound.pop("attn_mask", None)
-    return per_document(func, documents, q, k, v, attn_mask=mask, **bound)
-
-
 @contextlib.contextmanager
 def sdpa_per_document() -> Iterator[None]:
     """Inside, SDPA on the packed rows runs per document while documents are active."""
     if active() is None or torch.compiler.is_compiling():
         yield
         return
+    from lightning_speedkit.attention._own_calls import _SdpaPerDocument  # it cuts the calls
+
     with _SdpaPerDocument():
         yield
 

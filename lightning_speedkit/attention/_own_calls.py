@@ -24,6 +24,7 @@ module call while a packed batch's documents are active (:mod:`._documents`):
 
 from __future__ import annotations
 
+import inspect
 import threading
 import weakref
 from collections.abc import Callable
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from lightning_speedkit.attention import _documents
 
@@ -215,7 +217,59 @@ def _exit_call(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
         mode.__exit__(None, None, None)
 
 
-class _OwnCalls(_documents._SdpaPerDocument):
+_SDPA_SIGNATURE = inspect.Signature(
+    [
+        inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default)
+        for name, default in (
+            ("query", inspect.Parameter.empty),
+            ("key", inspect.Parameter.empty),
+            ("value", inspect.Parameter.empty),
+            ("attn_mask", None),
+            ("dropout_p", 0.0),
+            ("is_causal", False),
+            ("scale", None),
+            ("enable_gqa", False),
+        )
+    ]
+)
+
+
+class _SdpaPerDocument(TorchFunctionMode):
+    """SDPA calls on the packed rows run per document (the kit's and the model's own)."""
+
+    def __torch_function__(
+        self,
+        func: Any,
+        types: Any,
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
+        kwargs = kwargs or {}
+        documents = _documents.active()
+        if (
+            func is not F.scaled_dot_product_attention
+            or documents is None
+            or _documents._CUTTING[0]
+        ):
+            # A torch function that calls SDPA inside runs with this mode popped, so its SDPA
+            # call is not seen here: ``nn.MultiheadAttention`` is cut per document before.
+            return func(*args, **kwargs)
+        return _sdpa_call(func, documents, args, kwargs)
+
+
+@_documents.not_compiled
+def _sdpa_call(
+    func: Any, documents: _documents.Documents, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor:
+    bound = _SDPA_SIGNATURE.bind(*args, **kwargs).arguments
+    q, k, v = bound.pop("query"), bound.pop("key"), bound.pop("value")
+    if not documents.covers(q, k, bool(bound.get("is_causal", False))):
+        return func(q, k, v, **bound)
+    mask = bound.pop("attn_mask", None)
+    return _documents.per_document(func, documents, q, k, v, attn_mask=mask, **bound)
+
+
+class _OwnCalls(_SdpaPerDocument):
     """SDPA on the packed rows per document, and absolute position tables named."""
 
     def __torch_function__(
