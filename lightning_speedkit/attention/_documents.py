@@ -27,7 +27,6 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_speedkit import _surgery
-from lightning_speedkit.attention._mixing_advice import mixing_message
 from lightning_speedkit.data._packed_fields import (
     HF_NAMES,
     ROW_FIELDS,
@@ -449,21 +448,13 @@ class StepDocuments:
         stack, self._stack = self._stack, None
         if stack is not None:
             stack.close()
-        if own.compiled_outside_modules() and self._packed and not self._warned_compiled:
-            self._warned_compiled = own.warn_compiled_outside()
-        if report is None or not self._packed or self._warned:
-            return
-        self._warned = True
-        kept_apart = own.own_sdpa_modules()
-        named = dict(model.named_modules()) if model is not None else {}
-        mixing = [
-            name
-            for name, _ in (*report.reverted, *report.skipped)
-            if not (name in named and (named[name] in kept_apart or own.calls_sdpa(named[name])))
-        ]
-        if (report.modules or kept_apart) and not mixing:
-            return
-        rank_zero_warn(mixing_message(mixing, named))  # with the fix for each case
+        compiled = own.compiled_outside_modules()  # cleared at every step
+        if compiled and self._packed and model is not None and not self._warned_compiled:
+            self._warned_compiled = True  # the model's modules are what they were: looked at once
+            own.warn_compiled_outside(report, model)
+        if report is not None and self._packed and not self._warned:
+            self._warned = True
+            own.warn_mixing(report, model)
 
 
 def per_document_rows(

@@ -37,15 +37,18 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_speedkit.attention import _documents
+from lightning_speedkit.attention._mixing_advice import mixing_message
 
 __all__ = [
     "calls_sdpa",
     "compiled_outside_modules",
     "model_hooks",
     "own_sdpa_modules",
+    "own_sdpa_outside_swap",
     "remove_model_hooks",
     "warn_compiled_outside",
     "warn_if_mixed",
+    "warn_mixing",
     "warn_own_attention",
 ]
 
@@ -124,17 +127,49 @@ def compiled_outside_modules() -> bool:
     return seen
 
 
-def warn_compiled_outside() -> bool:
-    """Say that :func:`compiled_outside_modules` saw a packed batch (True: said)."""
+def own_sdpa_outside_swap(report: Any, model: nn.Module) -> list[str]:
+    """The modules of ``model`` whose forward calls SDPA itself (:func:`calls_sdpa`) and
+    still runs: none the swap replaced (``report.swapped``), nor a module inside one."""
+    swapped = [] if report is None else report.swapped
+    return [
+        name or type(module).__name__
+        for name, module in model.named_modules()
+        if calls_sdpa(module) and not any(name == s or name.startswith(f"{s}.") for s in swapped)
+    ]
+
+
+def warn_compiled_outside(report: Any, model: nn.Module) -> None:
+    """Say that :func:`compiled_outside_modules` saw a packed batch, naming the modules of
+    ``model`` whose own SDPA calls attended across its documents; silent when there are
+    none (the swapped attention's calls are graph breaks that ran per document)."""
+    names = own_sdpa_outside_swap(report, model)
+    if not names:
+        return
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    shown = ", ".join(map(repr, names[:4])) + more
     rank_zero_warn(
         "A packed batch ran through a model that torch.compile traced from outside any "
         "module call (`trainer.fit(torch.compile(task))`, a compiled `training_step`): the "
-        "SDPA calls the model makes itself (Hugging Face's, timm's, one calling "
-        "`F.scaled_dot_product_attention`) attend across the documents of a row there. "
+        f"SDPA calls that {shown} {'makes itself' if len(names) == 1 else 'make themselves'} "
+        "(the swap does not replace them) attend across the documents of a row there. "
         "Compile the model instead (`self.model = torch.compile(self.model)`) or its blocks "
         "(`RegionalCompile`)."
     )
-    return True
+
+
+def warn_mixing(report: Any, model: nn.Module | None) -> None:
+    """Say which attention modules ran their own forward (reverted, skipped, or none found)
+    on a packed step without calling SDPA on the packed rows: those mixed its documents."""
+    kept_apart = own_sdpa_modules()
+    named = dict(model.named_modules()) if model is not None else {}
+    mixing = [
+        name
+        for name, _ in (*report.reverted, *report.skipped)
+        if not (name in named and (named[name] in kept_apart or calls_sdpa(named[name])))
+    ]
+    if (report.modules or kept_apart) and not mixing:
+        return
+    rank_zero_warn(mixing_message(mixing, named))  # with the fix for each case
 
 
 def warn_own_attention(name: str) -> None:
