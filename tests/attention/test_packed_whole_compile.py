@@ -121,8 +121,7 @@ def test_a_compiled_training_step_on_packed_batches_is_named_once() -> None:
     assert named == [
         "A packed batch ran through a model that torch.compile traced from outside any module "
         "call (`trainer.fit(torch.compile(task))`, a compiled `training_step`): the SDPA calls "
-        "the model makes itself (Hugging Face's, timm's, one calling "
-        "`F.scaled_dot_product_attention`) attend across the documents of a row there. Compile "
-        "the model instead (`self.model = torch.compile(self.model)`) or its blocks "
-        "(`RegionalCompile`)."
+        "that 'model.h.0.rope_attn', 'model.h.1.rope_attn' make themselves (the swap does not "
+        "replace them) attend across the documents of a row there. Compile the model instead "
+        "(`self.model = torch.compile(self.model)`) or its blocks (`RegionalCompile`)."
     ]
