@@ -36,7 +36,7 @@ from lightning_speedkit.data._packed_fields import (
     row_shaped,
 )
 from lightning_speedkit.errors import SpeedkitConfigError
-from lightning_speedkit.measure._tensor_walk import named_fields
+from lightning_speedkit.measure._tensor_walk import named_containers
 
 __all__ = ["Documents", "active", "documents_of", "packed_documents", "per_document"]
 
@@ -184,13 +184,13 @@ def documents_of(batch: Any) -> Documents | None:
     transformers' ``seq_idx`` and ``cu_seq_lens_q``); None if unpacked. Lists and arrays of
     integers are read as tensors (:mod:`lightning_speedkit.data._packed_fields`), never skipped.
 
-    The fields are found wherever the batch holds them (:func:`_named_containers`): a dict
-    or ``BatchEncoding``, a dataclass, a namedtuple, or one of these inside a list, a tuple
-    or another of them. Two sets of fields that give different documents are refused.
+    The fields are found wherever the batch holds them (``named_containers``): a dict or
+    ``BatchEncoding``, a dataclass, a namedtuple, or one of these inside a list, a tuple or
+    another of them. Two sets of fields that give different documents are refused.
 
     This reads the boundaries on the host: on a GPU, one device-to-host copy per batch.
     """
-    containers = _named_containers(batch)
+    containers = named_containers(batch)
     sets: dict[tuple[int, ...], tuple[str, Mapping[Any, Any]]] = {}
     for path, fields in containers:  # the very same fields reached twice are one set
         if carries_packing(fields):
@@ -216,32 +216,6 @@ def documents_of(batch: Any) -> Documents | None:
 
 #: Every name a packing field goes by (ours and transformers').
 _ALL_NAMES = tuple(name for pair in HF_NAMES.items() for name in pair)
-
-
-def _named_containers(batch: Any) -> list[tuple[str, Mapping[Any, Any]]]:
-    """Every container in ``batch`` that names its fields, with its path (``batch[0]``,
-    ``batch['inputs']``, ``batch.inputs``), outer ones first: through what Lightning's
-    ``apply_to_collection`` walks (mappings, lists and tuples, namedtuples, dataclass
-    instances), each read as SpeedMonitor reads a batch's fields (``named_fields``)."""
-    found: list[tuple[str, Mapping[Any, Any]]] = []
-    seen: set[int] = set()
-    todo: list[tuple[str, Any]] = [("batch", batch)]
-    while todo:
-        path, node = todo.pop()
-        if isinstance(node, Tensor) or id(node) in seen:
-            continue
-        fields = named_fields(node)
-        if fields is not None:
-            found.append((path, fields))
-            key = "{}[{!r}]" if isinstance(node, Mapping) else "{}.{}"
-            children = [(key.format(path, name), value) for name, value in fields.items()]
-        elif isinstance(node, (list, tuple)):
-            children = [(f"{path}[{i}]", value) for i, value in enumerate(node)]
-        else:
-            continue
-        seen.add(id(node))  # a container met again (or holding itself) is read once
-        todo.extend(reversed(children))
-    return found
 
 
 def _read(fields: Mapping[Any, Any], view: Mapping[Any, Any]) -> Documents:

@@ -145,7 +145,7 @@ def real_tokens(batch: Any, tensors: list[torch.Tensor]) -> int | torch.Tensor |
         5
     """
     ids = _ids(tensors)
-    fields = _tensor_walk.named_fields(batch)  # a dict, a namedtuple, a dataclass
+    fields = _fields(batch)
     if fields is not None:
         documents, cu = packing_field(fields, "document_ids"), _offsets(fields)
         mask = fields.get("attention_mask")
@@ -160,8 +160,17 @@ def real_tokens(batch: Any, tensors: list[torch.Tensor]) -> int | torch.Tensor |
 
 def _packed(batch: Any) -> bool:
     """Whether one loader's batch carries packing fields (its keys looked at, no value read)."""
-    fields = _tensor_walk.named_fields(batch)  # a dict, a namedtuple, a dataclass
+    fields = _fields(batch)
     return fields is not None and carries_packing(fields)
+
+
+def _fields(batch: Any) -> Mapping[Any, Any] | None:
+    """One loader's batch's fields by name (a dict, a namedtuple, a dataclass): the first
+    container in it that carries packing fields, at any depth (``(ids, labels, {"cu_seqlens":
+    ...})``, ``{"inputs": packed}``), as AttentionSwap finds them; else its own, or None."""
+    containers = _tensor_walk.named_containers(batch)
+    packed = next((fields for _, fields in containers if carries_packing(fields)), None)
+    return packed if packed is not None else _tensor_walk.named_fields(batch)
 
 
 class BatchReader:
@@ -235,7 +244,7 @@ class BatchReader:
         """Samples of one loader's batch: a packed batch's documents (its ``cu_seqlens``
         has one entry more; else :func:`_counted_documents`), else the first dimension of its
         first tensor."""
-        fields = _tensor_walk.named_fields(batch)  # a dict, a namedtuple, a dataclass
+        fields = _fields(batch)
         if fields is not None:
             cu = _offsets(fields)
             if cu is not None:

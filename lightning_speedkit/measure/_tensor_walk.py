@@ -54,3 +54,36 @@ def named_fields(value: Any) -> Mapping[Any, Any] | None:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {each.name: getattr(value, each.name, None) for each in dataclasses.fields(value)}
     return None
+
+
+def named_containers(batch: Any) -> list[tuple[str, Mapping[Any, Any]]]:
+    """Every container in ``batch`` that names its fields, with its path (``batch[0]``,
+    ``batch['inputs']``, ``batch.inputs``), outer ones first: through what Lightning's
+    ``apply_to_collection`` walks (mappings, lists and tuples, namedtuples, dataclass
+    instances), each read as :func:`named_fields` reads it.
+
+    Example::
+
+        >>> batch = ([1, 2], {"inputs": {"cu_seqlens": 3}})
+        >>> [path for path, _ in named_containers(batch)]
+        ['batch[1]', "batch[1]['inputs']"]
+    """
+    found: list[tuple[str, Mapping[Any, Any]]] = []
+    seen: set[int] = set()
+    todo: list[tuple[str, Any]] = [("batch", batch)]
+    while todo:
+        path, node = todo.pop()
+        if isinstance(node, torch.Tensor) or id(node) in seen:
+            continue
+        fields = named_fields(node)
+        if fields is not None:
+            found.append((path, fields))
+            key = "{}[{!r}]" if isinstance(node, Mapping) else "{}.{}"
+            children = [(key.format(path, name), value) for name, value in fields.items()]
+        elif isinstance(node, (list, tuple)):
+            children = [(f"{path}[{i}]", value) for i, value in enumerate(node)]
+        else:
+            continue
+        seen.add(id(node))  # a container met again (or holding itself) is read once
+        todo.extend(reversed(children))
+    return found

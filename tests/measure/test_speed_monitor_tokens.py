@@ -44,6 +44,24 @@ def test_a_packed_batch_counts_documents_and_the_tokens_they_hold() -> None:
     assert int(BatchReader().read(batch, [batch]).real_tokens) == 27
 
 
+@pytest.mark.parametrize(
+    "wrap",
+    [
+        lambda b: (b["input_ids"], b["labels"], {k: b[k] for k in ("cu_seqlens", "document_ids")}),
+        lambda b: {"inputs": b},
+        lambda b: [b],
+    ],
+    ids=["tuple-with-dict", "nested-dict", "list"],
+)
+def test_packing_fields_held_deeper_in_the_batch_count_as_at_its_top(wrap: Any) -> None:
+    """AttentionSwap keeps such a batch's documents apart; SpeedMonitor read only the top
+    level and counted it as unpacked: rows as samples, padding as tokens."""
+    batch = _packed()
+    info = BatchReader().read(wrap(batch), [wrap(batch)])
+    assert (info.samples, int(info.real_tokens)) == (6, 27)
+    assert info.first_packed
+
+
 def test_an_attention_mask_gives_the_real_tokens_and_labels_are_not_read() -> None:
     ids = torch.tensor([[5, 6, 7, 0], [8, 9, 0, 0]])
     mask = (ids > 0).long()
