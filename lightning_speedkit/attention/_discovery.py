@@ -13,6 +13,18 @@ module that owns it is the innermost module call holding both products
 (:mod:`._attention_pattern`).
 Names play no part: diffusers' old ``CrossAttention``, vit-pytorch's and
 imagen-pytorch's ``Attention`` are found like any other.
+
+A first call on a packed batch (its documents active, :mod:`._documents`) is traced
+*ahead* of itself: the module's forward runs once on copies of the call's inputs,
+without gradients, its random draws put back, its FLOPs not counted, its batch norms
+in eval mode, and what it finds is swapped and checked before the call itself runs,
+swapped, with each document apart. Traced as it ran, the call would have computed
+the module's own attention over whole packed rows, across the documents of a row,
+for the model's first step. The module's forward thus runs twice on that call: what
+it changes besides its output (a buffer updated in place, said once; a Python
+counter) changes twice. Where the forward cannot run ahead (a module holding FSDP2
+units, whose parameters its own call gathers; a forward that raises on the copies),
+the call is traced as it runs, and what it finds is named in a warning with the fix.
 """
 
 from __future__ import annotations
@@ -21,15 +33,20 @@ import contextlib
 import copy
 import logging
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from lightning_speedkit import _compat, _surgery
+from lightning_speedkit._random import random_state_kept
+from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._attention_pattern import Found, find_attention
+from lightning_speedkit.attention._op_vocabulary import _tensor_args
+from lightning_speedkit.attention._parity import copy_inputs
 from lightning_speedkit.attention._trace_record import _ById, _Recorder, _Trace  # pickles: _ById
+from lightning_speedkit.measure.flops import not_counted
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +101,8 @@ class Discovery:
         self.trace: _Trace | None = None
         self.contexts: contextlib.ExitStack | None = None
         """While a trace runs: its recorder, the eager stance, forwards changing."""
+        self.packed = False
+        """The trace running now is of a packed batch's call, as it runs (not ahead)."""
         self.probes: set[_ById] = set()
         self.hook_id: int | None = None
         for module, _ in candidates:
@@ -115,6 +134,7 @@ class Discovery:
         }
         copied.installer = copy.deepcopy(self.installer, memo)
         copied.trace = copied.contexts = None  # a trace runs in the original
+        copied.packed = False
         copied.hook_id = self.hook_id  # the key under which the copied hooks sit
         for key in copied.probes:
             _PROBED[id(key.module)] = copied
@@ -123,6 +143,7 @@ class Discovery:
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
         state["trace"] = state["contexts"] = None  # a trace runs in the original
+        state["packed"] = False
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -158,25 +179,113 @@ class Discovery:
         if self.trace is None:
             if torch.compiler.is_compiling() or _ById(module) not in self.probes:
                 return
-            self.trace = _Trace(module)
-            self.contexts = contextlib.ExitStack()
-            self.contexts.enter_context(_force_eager())
-            # Swaps installed at the trace's end must not be what a checkpoint taken in it
-            # recomputes: the kit's checkpoints run their blocks as they are meanwhile.
-            self.contexts.enter_context(_surgery.forwards_changing())
-            self.contexts.enter_context(_Recorder(self.trace))
+            documents = _documents.active()
+            if documents is not None and self._trace_ahead(module, args, kwargs, documents):
+                return  # decided: the call runs what was swapped
+            self.packed = documents is not None
+            self._start(module)
+        assert self.trace is not None
         self.trace.enter(module, args, kwargs)
+
+    def _start(self, module: nn.Module, grad: bool | None = None) -> _Trace:
+        trace = self.trace = _Trace(module, grad)
+        self.contexts = contextlib.ExitStack()
+        self.contexts.enter_context(_force_eager())
+        # Swaps installed at the trace's end must not be what a checkpoint taken in it
+        # recomputes: the kit's checkpoints run their blocks as they are meanwhile.
+        self.contexts.enter_context(_surgery.forwards_changing())
+        self.contexts.enter_context(_Recorder(trace))
+        return trace
+
+    def _stop(self) -> None:
+        assert self.contexts is not None
+        self.contexts.close()
+        self.trace = self.contexts = None
 
     def _exit(self, module: nn.Module, args: Any, output: Any) -> None:
         trace = self.trace
         if trace is None or not trace.exit(module):
             return
-        assert self.contexts is not None
-        self.contexts.close()
-        self.trace = self.contexts = None
-        self._finish(trace)
+        self._stop()
+        packed, self.packed = self.packed, False
+        found = self._finish(trace)
+        if packed and found:
+            self._warn_traced_as_it_ran(found)
 
-    def _finish(self, trace: _Trace) -> None:
+    def _trace_ahead(
+        self,
+        module: nn.Module,
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        documents: _documents.Documents,
+    ) -> bool:
+        """Trace a packed batch's first call before it runs (see the module docstring).
+
+        Returns whether it was traced (its modules decided); ``False`` leaves the call to be
+        traced as it runs.
+        """
+        if _holds_fsdp2(module):
+            return False  # its parameters are gathered by its own call's hooks, after this
+        grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        copies = copy_inputs(args, kwargs, requires_grad=False)  # safe from in-place changes
+        buffers = [
+            (n, b, _compat.tensor_version(b))
+            for n, b in module.named_buffers()
+            if not b.is_inference()
+        ]
+        mixed = "mixed" in documents.seen
+        trace = self._start(module, grad)
+        ran = False
+        try:
+            with (
+                torch.no_grad(),
+                random_state_kept(),  # the call draws what it would have
+                not_counted(),
+                _surgery.side_run(),
+                _norms_in_eval(module),
+            ):
+                trace.enter(module, *copies)
+                module.forward(*copies[0], **copies[1])
+            ran = True
+        except Exception:
+            log.debug("tracing ahead of the first call failed", exc_info=True)
+        finally:
+            if not mixed:  # the run ahead mixed the rows, not the call: it runs swapped
+                documents.seen.pop("mixed", None)
+            if not ran:
+                self._stop()  # the call is traced as it runs
+        if not ran:
+            return False
+        trace.exit(module)
+        self._stop()
+        changed = [name for name, b, v in buffers if _compat.tensor_version(b) != v]
+        forward = module.forward  # what this call runs (``__call__`` read it before its hooks)
+        self._finish(trace)  # its checks may put buffers back: compared before
+        if module.forward != forward and _surgery.replaced_forward(module) is not None:
+            _replace_output(module, args, kwargs, mixed)  # the call itself was swapped
+        if changed:
+            _documents.warn_once(
+                f"The first call of {self._name(module)!r}, a packed batch's, was traced by "
+                "running its forward once ahead of it: buffers it changes in place "
+                f"({', '.join(changed)}) changed twice on that step. Call "
+                "`swap_attention(model, sample=...)` before fit to trace it there."
+            )
+        return True
+
+    def _name(self, module: nn.Module) -> str:
+        return self.candidates.get(_ById(module), type(module).__name__) or "(root)"
+
+    def _warn_traced_as_it_ran(self, found: list[Found]) -> None:
+        names = ", ".join(repr(self._name(item.owner)) for item in found)
+        _documents.warn_once(
+            f"Tracing found attention in {names} on its first call, a packed batch's, which "
+            "could not be traced ahead of itself: that call ran the module's own attention "
+            "over whole rows, across the documents of a row (later calls keep them apart). "
+            "Call `swap_attention(model, sample=...)` on an unpacked sample before fit, or "
+            "make the first batch unpacked."
+        )
+
+    def _finish(self, trace: _Trace) -> list[Found]:
         found: list[Found] = []
         if not trace.broken and all(call.exit is not None for call in trace.calls):
             try:
@@ -191,6 +300,7 @@ class Discovery:
         if not found:
             name = self.candidates.get(_ById(trace.root), type(trace.root).__name__)
             self.installer.nothing_found(name)
+        return found
 
 
 def _force_eager() -> contextlib.AbstractContextManager[Any]:
@@ -203,6 +313,57 @@ def _force_eager() -> contextlib.AbstractContextManager[Any]:
         return torch.compiler.set_stance("force_eager")
     except RuntimeError:  # refused before changing anything
         return contextlib.nullcontext()
+
+
+def _replace_output(
+    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], mixed: bool
+) -> None:
+    """The call now running took the module's own forward before its pre-hooks swapped it
+    (``nn.Module.__call__`` reads ``forward`` first): its output is replaced by the swap's,
+    run on the same inputs from the same random state (a hook of this call only)."""
+    devices = {t.device for t in _tensor_args(args, kwargs) if t.device.type == "cuda"}
+    states = [(d, torch.cuda.get_rng_state(d)) for d in devices]
+    cpu = torch.get_rng_state()
+    handles: list[Any] = []
+
+    def swapped(module: nn.Module, args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+        handles.pop().remove()
+        if output is None:
+            return None  # the call raised: nothing to replace
+        documents = _documents.active()
+        if documents is not None and not mixed:
+            documents.seen.pop("mixed", None)
+        torch.set_rng_state(cpu)
+        for device, state in states:
+            torch.cuda.set_rng_state(state, device)
+        with not_counted(), _documents.sdpa_per_document():
+            return module.forward(*args, **kwargs)
+
+    handles.append(module.register_forward_hook(swapped, with_kwargs=True, always_call=True))
+
+
+@contextlib.contextmanager
+def _norms_in_eval(module: nn.Module) -> Iterator[None]:
+    """Norms that keep running statistics (batch norms; instance norms asked to) in eval
+    mode inside: a run ahead updates none (nor syncs them across ranks)."""
+    norms = [m for m in module.modules() if getattr(m, "track_running_stats", None) is True]
+    norms = [m for m in norms if m.training]
+    for norm in norms:
+        norm.training = False
+    try:
+        yield
+    finally:
+        for norm in norms:
+            norm.training = True
+
+
+def _holds_fsdp2(module: nn.Module) -> bool:
+    """Whether ``module`` is or holds an FSDP2 unit (``fully_shard``)."""
+    if not torch.distributed.is_available():
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 #: id(module) -> the discovery probing it (a module is probed once). Weak: a discovery

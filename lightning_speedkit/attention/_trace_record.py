@@ -55,10 +55,15 @@ class _Call:
 
 
 class _Trace:
-    """The record of one first call, from ``root``'s entry to its exit."""
+    """The record of one first call, from ``root``'s entry to its exit.
 
-    def __init__(self, root: nn.Module) -> None:
+    ``grad``: the call's gradient mode, where the trace runs without gradients ahead of
+    the call (a packed batch's, see :mod:`._discovery`); else each call's own.
+    """
+
+    def __init__(self, root: nn.Module, grad: bool | None = None) -> None:
         self.root = root
+        self.grad = grad
         self.nodes: list[_Node] = []
         self.producer: WeakTensorKeyDictionary = WeakTensorKeyDictionary()
         self.calls: list[_Call] = []
@@ -72,7 +77,9 @@ class _Trace:
                 if tensor not in self.producer:
                     self.producer[tensor] = len(self.nodes)
                     self.nodes.append(_Node("input", (), tuple(tensor.shape)))
-        grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
+        grad = self.grad
+        if grad is None:
+            grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
         call = _Call(module, len(self.nodes), (args, kwargs), grad)
         self.calls.append(call)
         self.open.append(call)
