@@ -19,7 +19,8 @@ A mask built from the module's buffers alone (not from its inputs, its
 parameters or other attributes) that is lower-triangular becomes
 ``is_causal=True``, so flash kernels can run; it is checked once per recipe
 and shape (a host-device sync).
-Under ``torch.compile`` the module's own forward is traced instead.
+Under ``torch.compile`` the module's own forward is traced instead, but on a packed
+batch, whose call leaves the graph and runs here eagerly, each document apart.
 
 The parts live apart: the torch calls known by name (:mod:`._op_vocabulary`), the
 placeholder and the replay of the module's own code (:mod:`._deferred_scores`), the
@@ -40,6 +41,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from lightning_speedkit import _compat
+from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._deferred_scores import (
     _SELF,
     Op,
@@ -452,9 +454,20 @@ class _Fuse(TorchFunctionMode):
 
 
 def traced_forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
-    """The ``traced`` family's forward: the module's own, its attention through ``ctx.attend``."""
+    """The ``traced`` family's forward: the module's own, its attention through ``ctx.attend``.
+
+    Compiled code traces the module's own forward (a torch-function mode cannot run under
+    dynamo), except on a packed batch: only the swap keeps its documents apart, so that
+    call leaves the graph and runs here eagerly.
+    """
     if torch.compiler.is_compiling():
-        return NotImplemented  # compiled code traces the module's own forward
+        if _documents.active() is None:
+            return NotImplemented
+        return _eager_traced_forward(ctx, *args, **kwargs)
+    return _traced_forward(ctx, *args, **kwargs)
+
+
+def _traced_forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
     fuse = _Fuse(ctx.attend, ctx.binding, ctx.module)
     with fuse:
         out = ctx.original(*args, **kwargs)
@@ -468,3 +481,6 @@ def traced_forward(ctx: Any, *args: Any, **kwargs: Any) -> Any:
         if not fuse.fused:
             raise SwapRefusedError("no attention ran fused on these inputs")
     return out
+
+
+_eager_traced_forward = torch.compiler.disable(_traced_forward)

@@ -9,6 +9,7 @@ structural family) and one that calls SDPA itself with rotary positions (its own
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -92,13 +93,15 @@ class _Task(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _fit(compiled: bool) -> _Task:
+def _fit(
+    compiled: bool, make: Callable[[], nn.Module] = Decoder, backend: str = "inductor"
+) -> _Task:
     torch.manual_seed(0)
-    task = _Task(Decoder())
+    task = _Task(make())
     loader = DataLoader(_samples(), batch_size=6, collate_fn=PackingCollate(MAX_TOKENS))
     callbacks: list[L.Callback] = [AttentionSwap(backend="sdpa", verbose=False)]
     if compiled:
-        callbacks.append(RegionalCompile(backend="inductor"))
+        callbacks.append(RegionalCompile(backend=backend))
     trainer = L.Trainer(max_steps=len(BATCHES), logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks)  # fmt: skip
