@@ -49,8 +49,24 @@ class FlopBook:
     def __init__(self) -> None:
         self.counted: dict[str, Counted] = {}
         self._estimates: dict[str, tuple[float, float] | None] = {}
+        self.unchecked: set[str] = set()
+        """Counts from before this fit (a checkpoint's, an earlier fit's) that no count of
+        this fit has confirmed: its callbacks or model may differ (activation
+        checkpointing added changes the hardware FLOPs)."""
+
+    def recheck(self) -> None:
+        """A fit starts: every count so far is to be confirmed by one of this fit's."""
+        self.unchecked = set(self.counted)
 
     def add(self, key: str, counted: Counted) -> None:
+        """Book ``counted`` for ``key``. A count of a shape counted before this fit
+        confirms those earlier counts where it equals that shape's, and drops them where
+        it does not (the model runs otherwise now)."""
+        if key in self.unchecked:
+            if counted != self.counted[key]:
+                for stale in self.unchecked:
+                    del self.counted[stale]
+            self.unchecked = set()
         self.counted[key] = counted
         self._estimates.clear()  # a new point changes the fit
 
@@ -64,6 +80,7 @@ class FlopBook:
         self._estimates.clear()
         for key, counted in state_dict.items():
             self.counted[key] = Counted(**counted)
+        self.recheck()
 
     def for_batch(self, info: BatchInfo) -> tuple[float, float] | None:
         """(model, hardware) FLOPs of a batch: counted, or estimated once per shape."""
@@ -168,6 +185,7 @@ class CountSchedule:
         profiling: Callable[[], bool] = _compat.torch_profiler_enabled,
     ) -> None:
         self.book = book
+        book.recheck()  # one fit's schedule: earlier counts are confirmed by this fit's
         self.max_counts = max_counts
         self._profiling = profiling
         self._session: FlopSession | None = None
@@ -231,8 +249,12 @@ class CountSchedule:
         return self.counting or compiled
 
     def counts(self, key: str) -> bool:
-        """Whether this batch's step is the one to count FLOPs on."""
-        if key in self.book.counted or len(self.book.counted) >= self.max_counts:
+        """Whether this batch's step is the one to count FLOPs on: a shape not counted yet,
+        within ``max_counts``, or one counted before this fit, to confirm that count."""
+        book = self.book
+        known = key in book.counted and key not in book.unchecked
+        full = key not in book.counted and len(book.counted) >= self.max_counts
+        if not self.max_counts or known or full:
             return False
         if not self._settled:
             # Under the count, compiled blocks run eagerly: a step that would compile them

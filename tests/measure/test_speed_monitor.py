@@ -13,6 +13,7 @@ import lightning as L
 import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
+from torch import nn
 
 from lightning_speedkit import SpeedkitConfigError, SpeedMonitor
 from lightning_speedkit.measure import _clock, _cpu_bf16, _flop_book
@@ -205,17 +206,49 @@ def test_resume_continues_the_run_and_reuses_counts(tmp_path: Path) -> None:
     assert any("SpeedMonitor" in key for key in state)
 
     resumed = SpeedMonitor(peak_flops=None)
+    sessions: list[Any] = []
+    real = _flop_book.FlopSession
 
-    class NoCounting:
-        def __init__(self) -> None:
-            raise AssertionError("FLOPs counted again after a resume")
+    def counting() -> Any:
+        sessions.append(real())
+        return sessions[-1]
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(_flop_book, "FlopSession", NoCounting)  # the restored counts must be used
+        patch.setattr(_flop_book, "FlopSession", counting)
         trainer(32, resumed).fit(MLP(), loader(n=64), ckpt_path=tmp_path / "last.ckpt")
     assert sum(r[3] for r in resumed._throughput.run) > steps_first  # the summary spans both parts
-    assert resumed.flops.counted.keys() == first.flops.counted.keys()
+    # One count confirms the checkpoint's (the run may have changed); the same model: kept
+    assert len(sessions) == 1
+    assert resumed.flops.counted == first.flops.counted
     assert resumed.summary["flops_per_sample"] == first.summary["flops_per_sample"]
+
+
+def test_a_resumed_run_that_runs_otherwise_drops_the_checkpoints_counts(tmp_path: Path) -> None:
+    """Resumed with activation checkpointing added, the checkpoint's counts (no
+    recomputation) priced every step: HFU stayed what it was. A new user's run logged
+    1.0 where a fresh run with the checkpointing logged 1.3."""
+    from lightning_speedkit import ActivationCheckpointing
+
+    def trainer(steps: int, *callbacks: Any) -> L.Trainer:
+        return L.Trainer(
+            accelerator="cpu", max_steps=steps, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, default_root_dir=tmp_path,
+            callbacks=[*callbacks, ModelCheckpoint(dirpath=tmp_path, save_last=True)],
+        )  # fmt: skip
+
+    first = SpeedMonitor(peak_flops=None, warmup_steps=0)
+    trainer(4, first).fit(MLP(), loader(n=64))
+    resumed = SpeedMonitor(peak_flops=None, warmup_steps=0)
+    checkpointing = ActivationCheckpointing(blocks=[nn.Sequential], verbose=False)
+    trainer(8, resumed, checkpointing).fit(MLP(), loader(n=64), ckpt_path=tmp_path / "last.ckpt")
+    fresh = SpeedMonitor(peak_flops=None, warmup_steps=0)
+    trainer(4, fresh, ActivationCheckpointing(blocks=[nn.Sequential], verbose=False)).fit(
+        MLP(), loader(n=64)
+    )
+    (before,), (after,), (alone,) = (m.flops.counted.values() for m in (first, resumed, fresh))
+    assert after == alone  # the recomputation counted, as a fresh run counts it
+    assert after.hardware > before.hardware
+    assert after.model == before.model
 
 
 @pytest.mark.multiprocess
