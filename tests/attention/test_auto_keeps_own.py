@@ -15,8 +15,7 @@ from torch import Tensor, nn
 
 from lightning_speedkit import swap_attention
 from lightning_speedkit._surgery import replaced_forward
-from lightning_speedkit.attention import _swapped_forward, packed_documents
-from lightning_speedkit.attention import _auto_timing
+from lightning_speedkit.attention import _auto_timing, _swapped_forward, packed_documents
 from lightning_speedkit.attention._parity import Run
 from lightning_speedkit.attention.backends import BACKENDS
 from lightning_speedkit.data import PackingCollate
