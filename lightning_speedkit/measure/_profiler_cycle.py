@@ -7,7 +7,8 @@ this module adds, as arithmetic on the step number:
   the whole schedule later;
 - the next window: the first step from a given one at which a profiler must exist (no
   walk: ``skip_first`` may be 10**9);
-- how many steps the first window needed, for a run that ended before it.
+- why a run recorded nothing, in batches: the first window's arithmetic, the batches
+  a resumed run's next window needed, or its windows all behind the resume point.
 """
 
 from __future__ import annotations
@@ -110,18 +111,65 @@ class ProfilerCycle:
         return saved_at + 1 - start
 
     def nothing_recorded(self, *, ran: int, start_step: int, held: int, start_delay: int) -> str:
-        """Why a run that trained ``ran`` steps from ``start_step`` (0, or where it resumed)
-        recorded nothing: the steps its first window needed, ``held`` of them waiting for
-        torch.compile; ``start_delay`` is the delay the run started with."""
-        needed = self.steps_to_save(start_step - start_delay) + held
+        """Why a run that trained ``ran`` batches from ``start_step`` (0, or the batches
+        trained before it resumed) recorded nothing, in batches, and what would help:
+
+        - a new run ended before its first window: the arithmetic of that window;
+        - a resumed run ended before its next window: the batches that window needed
+          from the resume point;
+        - a resumed run whose windows all fall before the resume point (its schedule
+          changed, or its windows were lost): where they end, and the settings that put
+          a window after the resume point.
+
+        ``held``: batches this run's window waited for torch.compile; ``start_delay``:
+        those held before the run (they shift the schedule later).
+
+        Example::
+
+            >>> cycle = ProfilerCycle(skip_first=0, wait=1, warmup=1, active=1, repeat=3)
+            >>> print(cycle.nothing_recorded(ran=12, start_step=24, held=0, start_delay=0))
+            ProfilerSchedule recorded nothing: this run resumed after 24 batches and trained 12 more, but the schedule's 3 windows (`repeat=3`) all fall in the first skip_first + repeat x (wait + warmup + active) = 0 + 3 x (1 + 1 + 1) = 9 batches: a resumed run counts batches from the start of training. Set `repeat=0` (a window every cycle until training ends) or `repeat=9` or more, or `skip_first=24` to begin the cycles where this run resumed.
+        """  # noqa: E501
+        position = start_step - start_delay  # where the run starts, in the schedule's terms
+        if start_step and math.isinf(self.next_window(start_step, start_delay)):
+            return self._windows_behind(ran=ran, start_step=start_step, position=position,
+                                        start_delay=start_delay)  # fmt: skip
+        needed = self.steps_to_save(position) + held
+        compiled = f" + {held} held while torch.compile compiled" if held else ""
         if start_step == 0:
-            arithmetic = (f"skip_first + wait + warmup + active = {self.skip_first} + "
-                          f"{self.wait} + {self.warmup} + {self.active}"
-                          + (f" + {held} held while torch.compile compiled"
-                             if held else "") + f" = {needed}")  # fmt: skip
-        else:
-            arithmetic = f"{needed} more, resuming at step {start_step}"
+            return (
+                f"ProfilerSchedule recorded nothing: training ran {ran} batches, and its first "
+                f"window needed skip_first + wait + warmup + active = {self.skip_first} + "
+                f"{self.wait} + {self.warmup} + {self.active}{compiled} = {needed} batches. "
+                f"Lower `skip_first` or `wait`, or train longer."
+            )
+        arithmetic = f" ({needed - held}{compiled})" if held else ""
         return (
-            f"ProfilerSchedule recorded nothing: training ran {ran} steps, and its first "
-            f"window needed {arithmetic} steps. Lower `skip_first` or `wait`, or train longer."
+            f"ProfilerSchedule recorded nothing: this run resumed after {start_step} batches "
+            f"and trained {ran} more, and its next window needed {needed}{arithmetic} from "
+            f"there. Train at least {needed} batches after resuming, or lower `skip_first` "
+            f"or `wait` (a resumed run counts batches from the start of training)."
+        )
+
+    def _windows_behind(self, *, ran: int, start_step: int, position: int,
+                        start_delay: int) -> str:  # fmt: skip
+        """``nothing_recorded`` for a resumed run whose ``repeat`` windows all end before
+        ``position``, the resume point in the schedule's terms (less the held batches)."""
+        held = f" + {start_delay} held while torch.compile compiled" if start_delay else ""
+        end = self.skip_first + self.repeat * self.length + start_delay
+        # The first cycle whose window (warm-up included) begins after the resume point,
+        # and the batches after resuming that its save and a cycle from there need.
+        first = max(0, -(-(position - self.skip_first - self.wait) // self.length))
+        needed = min(self.skip_first + (first + 1) * self.length, position + self.length)
+        longer = (f", and train at least {needed - position} batches after resuming"
+                  if ran < needed - position else "")  # fmt: skip
+        return (
+            f"ProfilerSchedule recorded nothing: this run resumed after {start_step} batches "
+            f"and trained {ran} more, but the schedule's {self.repeat} windows (`repeat="
+            f"{self.repeat}`) all fall in the first skip_first + repeat x (wait + warmup + "
+            f"active) = {self.skip_first} + {self.repeat} x "
+            f"({self.wait} + {self.warmup} + {self.active}){held} = {end} batches: a resumed "
+            f"run counts batches from the start of training. Set `repeat=0` (a window every "
+            f"cycle until training ends) or `repeat={first + 1}` or more, or `skip_first="
+            f"{position}` to begin the cycles where this run resumed{longer}."
         )

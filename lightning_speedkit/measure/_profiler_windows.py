@@ -105,7 +105,7 @@ class WindowRunner:
         self._analyse: Callable[[Path, Path], None] = lambda raw, path: None
         # The first step of the next window (its warm-up): until then, no profiler exists.
         self._next_window: float = float("inf")
-        self._start_step = self._start_delay = 0
+        self._start_step = self._start_delay = self._start_windows = 0
         # Steps the open window has recorded (not warmed up): a window that training ends
         # before its first recorded step is dropped, not written empty.
         self._window_recorded = 0
@@ -119,6 +119,7 @@ class WindowRunner:
         resumed run goes on with its schedule: the windows it took are not taken again)."""
         self.steps, self.windows, self.delay = resumed or (0, 0, 0)
         self._start_step, self._start_delay = self.steps, self.delay
+        self._start_windows = self.windows
         self.failure, self.disabled, self.written = None, False, 0
         self._window_recorded = 0
         self._warned.clear()  # a new fit says its own troubles
@@ -145,16 +146,19 @@ class WindowRunner:
         self.end_window()
         if self.failure is not None:
             self._raise_pending()
-        elif (
-            running
-            and not self.written
-            and not (
-                self.cycle.repeat and self.windows >= self.cycle.repeat  # all taken before a resume
-            )
-        ):
+        elif running and self.windows == self._start_windows and not self._all_taken():
             rank_zero_warn(self.cycle.nothing_recorded(
                 ran=self.steps - self._start_step, start_step=self._start_step,
                 held=self.delay - self._start_delay, start_delay=self._start_delay))  # fmt: skip
+
+    def _all_taken(self) -> bool:
+        """A resumed run whose schedule's windows were all taken by the runs before it:
+        none is left for it to record, and it says nothing. (One whose windows all fall
+        before the resume point though the runs before took fewer, because its schedule
+        changed, is told so by ``nothing_recorded``.)"""
+        repeat = self.cycle.repeat
+        behind = self.cycle.next_window(self._start_step, self._start_delay) == float("inf")
+        return bool(repeat) and self._start_windows >= repeat and behind
 
     def end_window(self) -> None:
         """Training ends (or fails) with a window open: write it as it stands, unless it

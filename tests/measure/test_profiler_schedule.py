@@ -635,7 +635,7 @@ def test_a_run_that_ends_before_its_window_says_so_with_the_arithmetic(tmp_path:
     with pytest.warns(UserWarning, match="recorded nothing") as record:
         fit(callback, steps=8)
     (message,) = [str(w.message) for w in record if "recorded nothing" in str(w.message)]
-    assert "training ran 8 steps" in message
+    assert "training ran 8 batches" in message
     assert "skip_first + wait + warmup + active = 10 + 1 + 1 + 3 = 15" in message
     assert callback.traces == []
 
@@ -716,8 +716,8 @@ def test_a_recompile_inside_a_window_is_named(tmp_path: Path) -> None:
 
 def test_a_held_window_counts_in_the_nothing_recorded_arithmetic(tmp_path: Path) -> None:
     callback = ProfilerSchedule(skip_first=0, wait=0, warmup=1, active=2, dirpath=tmp_path)
-    with pytest.warns(UserWarning, match=r"ran 1 steps.* = 0 \+ 0 \+ 1 \+ 2 \+ 2 held while "
-                      r"torch.compile compiled = 5 steps"):  # fmt: skip
+    with pytest.warns(UserWarning, match=r"ran 1 batches.* = 0 \+ 0 \+ 1 \+ 2 \+ 2 held while "
+                      r"torch.compile compiled = 5 batches"):  # fmt: skip
         _fit_compiled(callback, steps=1)
     assert callback.traces == []
 
@@ -725,7 +725,7 @@ def test_a_held_window_counts_in_the_nothing_recorded_arithmetic(tmp_path: Path)
 def test_a_window_far_away_is_said_at_once(tmp_path: Path) -> None:
     # the arithmetic, not a walk over a billion steps (which took minutes)
     callback = ProfilerSchedule(skip_first=10**9, dirpath=tmp_path)
-    with pytest.warns(UserWarning, match=r"= 1000000000 \+ 5 \+ 1 \+ 3 = 1000000009 steps"):
+    with pytest.warns(UserWarning, match=r"= 1000000000 \+ 5 \+ 1 \+ 3 = 1000000009 batches"):
         fit(callback, steps=2)
 
 

@@ -89,8 +89,50 @@ def test_a_run_that_ends_before_its_window_says_so(tmp_path: Path) -> None:
     run = runner(ProfilerCycle(skip_first=10, wait=1, warmup=1, active=3, repeat=1))
     start(run, tmp_path)
     train(run, 8)
-    with pytest.warns(UserWarning, match=r"ran 8 steps.* = 10 \+ 1 \+ 1 \+ 3 = 15 steps"):
+    with pytest.warns(UserWarning, match=r"ran 8 batches.* = 10 \+ 1 \+ 1 \+ 3 = 15 batches"):
         run.finish()
+
+
+def test_a_resume_whose_windows_are_all_behind_it_says_so(tmp_path: Path) -> None:
+    """The checkpoint of a run that took 1 window (skip_first=2, wait=1, active=2) by
+    batch 24, resumed with 3 cycles of 3 batches: all end by batch 9."""
+    run = runner(ProfilerCycle(skip_first=0, wait=1, warmup=1, active=1, repeat=3))
+    run.reset((24, 1, 0))
+    run.start(TraceStore(tmp_path, rank=0, max_trace_mb=100.0, keep=5),
+              analyse=lambda raw, path: None, compiled_parts=False)  # fmt: skip
+    assert train(run, 12) == []
+    with pytest.warns(UserWarning, match="recorded nothing") as record:
+        run.finish()
+    (message,) = [str(w.message) for w in record]
+    assert message.startswith(
+        "ProfilerSchedule recorded nothing: this run resumed after 24 batches and trained "
+        "12 more, but the schedule's 3 windows (`repeat=3`) all fall in the first "
+    )
+    assert "Set `repeat=0` (a window every cycle until training ends) or `repeat=9`" in message
+
+
+def test_a_resume_whose_windows_the_run_before_took_says_nothing(tmp_path: Path) -> None:
+    run = runner(ProfilerCycle(skip_first=0, wait=1, warmup=1, active=1, repeat=3))
+    run.reset((24, 3, 0))
+    run.start(TraceStore(tmp_path, rank=0, max_trace_mb=100.0, keep=5),
+              analyse=lambda raw, path: None, compiled_parts=False)  # fmt: skip
+    assert train(run, 12) == []
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run.finish()
+
+
+def test_a_window_over_the_cap_is_not_said_to_be_recorded_nothing(tmp_path: Path) -> None:
+    run = runner(ProfilerCycle(skip_first=0, wait=0, warmup=0, active=1, repeat=0))
+    run.reset(None)
+    run.start(TraceStore(tmp_path, rank=0, max_trace_mb=1e-9, keep=5),
+              analyse=lambda raw, path: None, compiled_parts=False)  # fmt: skip
+    with pytest.warns(UserWarning, match="over max_trace_mb"):
+        train(run, 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run.finish()  # the cap was said; "training ran 2 batches, ... needed 1" is false
+    assert (run.windows, run.written) == (2, 0)
 
 
 def test_a_window_cut_short_in_its_warm_up_is_not_written(tmp_path: Path) -> None:
