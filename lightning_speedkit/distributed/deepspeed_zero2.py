@@ -58,9 +58,9 @@ class DeepSpeedZeRO2Strategy(DeepSpeedStrategy):
     DeepSpeed's ``DeepSpeedCPUAdam`` makes that step fast; other optimizers are
     allowed (they run in plain torch on the CPU) with a warning.
 
-    Lightning's DeepSpeedStrategy refuses ``accelerator="cpu"``; this one runs there
-    on gloo (DeepSpeed compiles a small shared-memory op with g++ on first CPU use,
-    cached under ``TORCH_EXTENSIONS_DIR``).
+    Lightning's DeepSpeedStrategy refuses ``accelerator="cpu"``; this one fits, validates,
+    tests and predicts there on gloo (DeepSpeed compiles a small shared-memory op with
+    g++ on first CPU use, cached under ``TORCH_EXTENSIONS_DIR``).
 
     Args:
         offload_optimizer: optimizer state and step on the host.
@@ -163,6 +163,37 @@ class DeepSpeedZeRO2Strategy(DeepSpeedStrategy):
         if trainer is not None and trainer.accumulate_grad_batches > 1:
             kwargs.setdefault("scale_wrt_gas", False)
         return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def init_deepspeed(self) -> None:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if not self._on_cpu or (trainer is not None and trainer.training):
+            super().init_deepspeed()
+            return
+        # validate, test, predict on CPU: Lightning's inference set-up passes the CUDA
+        # index (None on CPU) as DeepSpeed's device rank, which DeepSpeed compares to 0.
+        self._initialize_cpu_inference()
+
+    def _initialize_cpu_inference(self) -> None:
+        """Lightning's inference engine (no optimizer; ZeRO-2 shards nothing without one)."""
+        import deepspeed
+        from lightning.pytorch.strategies.deepspeed import remove_module_hooks
+
+        config: dict[str, Any] = self.config if self.config is not None else {}
+        # DeepSpeed's throughput timers want a micro-batch size, as in Lightning's.
+        inference_config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 1}
+        inference_config.update({k: config[k] for k in ("fp16", "bf16") if k in config})
+        assert self.model is not None  # setup() wraps the LightningModule before this
+        remove_module_hooks(self.model)
+        engine, _, _, _ = deepspeed.initialize(
+            args=argparse.Namespace(device_rank=0),
+            config=inference_config,
+            model=self.model,
+            optimizer=None,
+            lr_scheduler=None,
+            model_parameters=[],
+            dist_init_required=False,
+        )
+        self.model = engine
 
     def _setup_model_and_optimizer(
         self, model: nn.Module, optimizer: Any, lr_scheduler: Any = None
