@@ -550,6 +550,25 @@ def test_an_output_that_fails_to_write_after_the_checks_is_one_line(
     )
 
 
+def test_lightning_profiler_traces_of_one_run_get_a_report_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Lightning's PyTorchProfiler traces share their name up to its first dot: each
+    report overwrote the one before."""
+    _trace_files(tmp_path)
+    good = (tmp_path / "good.json").read_text()
+    stems = [f"fit-[Strategy]SingleDeviceStrategy.{hook}.1764429000123"
+             for hook in ("training_step", "validation_step")]  # fmt: skip
+    for stem in stems:
+        (tmp_path / f"{stem}.pt.trace.json").write_text(good)
+        assert main(["report", str(tmp_path / f"{stem}.pt.trace.json"), "--json"]) == 0
+    capsys.readouterr()
+    for stem in stems:
+        for ending in ("md", "json", "png"):
+            assert (tmp_path / f"{stem}.report.{ending}").is_file()
+    assert not list(tmp_path.glob("fit-*Strategy.report.*"))  # the old, shared name
+
+
 def test_plan_builds_the_example_model_its_help_names(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 

@@ -22,6 +22,31 @@ NAME = "report"
 #: analyze_trace's and Report.write's argument names, as this command's flags.
 FLAGS = {"unprofiled_step_ms": "--step-ms", "directory": "--out"}
 
+#: Trace file endings taken off to name the report, longest first.
+_TRACE_SUFFIXES = (".pt.trace.json.gz", ".pt.trace.json", ".trace.json.gz", ".trace.json",
+                  ".json.gz", ".json", ".gz")  # fmt: skip
+
+
+def _report_name(trace: Path) -> str:
+    """The report's file name stem: the trace's name less a known trace ending.
+
+    Only the ending goes: Lightning's PyTorchProfiler names its traces
+    ``fit-[Strategy]SingleDeviceStrategy.validation_step.<timestamp>.pt.trace.json``, so
+    the name up to its first dot would be the same for all of them.
+
+    Example::
+
+        >>> _report_name(Path("rank0-window0.pt.trace.json.gz"))
+        'rank0-window0.report'
+        >>> _report_name(Path("fit-[Strategy]DDPStrategy.training_step.1714.pt.trace.json"))
+        'fit-[Strategy]DDPStrategy.training_step.1714.report'
+    """
+    name = trace.name
+    for suffix in _TRACE_SUFFIXES:
+        if name.endswith(suffix) and len(name) > len(suffix):
+            return f"{name.removesuffix(suffix)}.report"
+    return f"{name}.report"
+
 
 def add_parser(subparsers: Subparsers) -> None:
     """The ``report`` subcommand and its flags."""
@@ -40,8 +65,8 @@ def add_parser(subparsers: Subparsers) -> None:
         "--out",
         default=None,
         help=(
-            "directory for <trace name>.report.{md,json,png}, the trace's name up to its "
-            "first dot (default: beside the trace)"
+            "directory for <trace name>.report.{md,json,png}, the trace's file name less "
+            "its .pt.trace.json, .json or .gz ending (default: beside the trace)"
         ),
     )
     report.add_argument("--json", action="store_true", help="print JSON instead of markdown")
@@ -68,9 +93,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out or trace.is_file():  # a missing trace: analyze_trace says so first
         output_dir(out, flag)
     report = analyze_trace(trace, unprofiled_step_ms=args.step_ms)
-    name = trace.name.split(".")[0]
     try:
-        files = report.write(out, f"{name}.report")
+        files = report.write(out, _report_name(trace))
     except OSError as exc:
         raise cannot_write(flag, out, exc) from exc
     print(json.dumps(report.to_dict(), indent=2) if args.json else report.to_markdown())
