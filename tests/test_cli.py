@@ -569,6 +569,24 @@ def test_lightning_profiler_traces_of_one_run_get_a_report_each(
     assert not list(tmp_path.glob("fit-*Strategy.report.*"))  # the old, shared name
 
 
+def test_a_gzip_trace_under_a_plain_json_name_is_read(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import gzip
+
+    _trace_files(tmp_path)
+    download = tmp_path / "trace_download.json"
+    download.write_bytes(gzip.compress((tmp_path / "good.json").read_bytes()))
+    assert main(["report", str(download), "--json"]) == 0
+    read = json.loads(capsys.readouterr().out)
+    assert main(["report", str(tmp_path / "good.json"), "--json"]) == 0
+    expected = json.loads(capsys.readouterr().out)
+    assert read.pop("source") == str(download)
+    expected.pop("source")
+    assert read == expected  # the same trace, the same report
+    assert (tmp_path / "trace_download.report.md").is_file()
+
+
 def test_plan_builds_the_example_model_its_help_names(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 

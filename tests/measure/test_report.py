@@ -512,6 +512,13 @@ def test_plain_torch_profiler_trace_gz_or_not(tmp_path: Path) -> None:
     zipped = tmp_path / "plain.json.gz"
     zipped.write_bytes(gzip.compress(path.read_bytes()))
     assert analyze_trace(zipped).breakdown == pytest.approx(report.breakdown)
+    # gzip is told by its first bytes, not the name: renamed either way, still read
+    renamed = tmp_path / "trace_download.json"
+    renamed.write_bytes(zipped.read_bytes())
+    assert analyze_trace(renamed).breakdown == pytest.approx(report.breakdown)
+    unzipped = tmp_path / "unzipped.json.gz"
+    unzipped.write_bytes(path.read_bytes())
+    assert analyze_trace(unzipped).breakdown == pytest.approx(report.breakdown)
 
 
 def test_bad_traces_are_refused_clearly(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -523,6 +530,12 @@ def test_bad_traces_are_refused_clearly(tmp_path: Path, capsys: pytest.CaptureFi
     (tmp_path / "broken.json.gz").write_bytes(b"not gzip")
     with pytest.raises(SpeedkitConfigError, match="not a chrome trace"):
         analyze_trace(tmp_path / "broken.json.gz")
+    (tmp_path / "cut.json").write_bytes(gzip.compress(b'{"traceEvents": []}' * 50)[:30])
+    with pytest.raises(SpeedkitConfigError, match="not a chrome trace"):  # gzip, cut short
+        analyze_trace(tmp_path / "cut.json")
+    (tmp_path / "garbled.json").write_bytes(b"\x1f\x8b\x08\x00" + b"\xff" * 40)
+    with pytest.raises(SpeedkitConfigError, match="not a chrome trace"):  # bad deflate data
+        analyze_trace(tmp_path / "garbled.json")
     assert main(["report", str(tmp_path / "missing.json")]) == 2
     assert "speedkit report: error: No trace at" in capsys.readouterr().err
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import gzip
 import json
 import logging
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,9 +25,15 @@ from lightning_speedkit.errors import SpeedkitConfigError
 
 log = logging.getLogger(__name__)
 
+_GZIP_MAGIC = b"\x1f\x8b"
+
 
 def load_trace(trace: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-    """A chrome trace as a dict (a path to ``.json`` or ``.json.gz``, or the dict itself)."""
+    """A chrome trace as a dict (a path to ``.json`` or ``.json.gz``, or the dict itself).
+
+    Gzip is told by the file's first bytes, not its name: a compressed trace saved as
+    ``.json`` is read too.
+    """
     if isinstance(trace, Mapping):
         given = dict(trace)
         if isinstance(given.get("traceEvents"), list):
@@ -39,11 +46,12 @@ def load_trace(trace: str | Path | Mapping[str, Any]) -> dict[str, Any]:
         )
     if not path.is_file():
         raise SpeedkitConfigError(f"No trace at {path}.")
-    opener: Any = gzip.open if path.suffix == ".gz" else open
     try:
-        with opener(path, "rb") as handle:
-            data = json.loads(_decoded(handle.read(), path), strict=False)
-    except (OSError, ValueError, EOFError) as error:
+        raw = path.read_bytes()
+        if raw[:2] == _GZIP_MAGIC:  # by content, not name: a gzip trace saved as .json
+            raw = gzip.decompress(raw)
+        data = json.loads(_decoded(raw, path), strict=False)
+    except (OSError, ValueError, EOFError, zlib.error) as error:
         raise SpeedkitConfigError(
             f"{path} is not a chrome trace (JSON, optionally gzip): {error}"
         ) from error
