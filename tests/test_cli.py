@@ -550,6 +550,26 @@ def test_an_output_that_fails_to_write_after_the_checks_is_one_line(
     )
 
 
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+@pytest.mark.parametrize(
+    "command",
+    ["demo --output-dir /proc/speedkit-x", "report {tmp}/good.json --out /proc/speedkit-x"],
+)
+def test_an_output_directory_nothing_can_be_made_in_is_one_line_also_for_root(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Root passes every permission check, and under /proc nothing can be made: demo
+    ended in CSVLogger's FileNotFoundError traceback after the check had passed."""
+    _trace_files(tmp_path)
+    argv = [arg.format(tmp=tmp_path) for arg in command.split()]
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.startswith(f"speedkit {argv[0]}: error: argument {argv[-2]}: cannot write "
+                          "'/proc/speedkit-x': "), err  # fmt: skip
+    assert len(err.splitlines()) == 1, err
+
+
 def test_lightning_profiler_traces_of_one_run_get_a_report_each(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -2,12 +2,15 @@
 
 A subcommand checks where it will write before it trains or times anything, so a bad
 ``--out`` costs a second, not the whole run; each refusal names the flag, the path and
-what to give instead.
+what to give instead. The check makes the directory and a file in it, and removes what
+it made: permission bits alone say yes to root where nothing can be written.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
 from pathlib import Path
 
 from lightning_speedkit.cli._parser import CommandLineError
@@ -53,6 +56,29 @@ def _check_writable_under(target: Path, directory: Path, flag: str) -> None:
             f"argument {flag}: cannot write {str(target)!r}: {str(existing)!r} is not writable "
             "(permission denied or a read-only file system); give a writable directory"
         )
+    _try_writing(target, directory, flag)
+
+
+def _try_writing(target: Path, directory: Path, flag: str) -> None:
+    """Make ``directory`` and a file in it, then remove what was made.
+
+    ``os.access`` says yes to root everywhere, also where nothing can be made (under
+    ``/proc``): only trying tells.
+    """
+    missing = [p for p in (directory, *directory.parents) if not p.exists()]  # deepest first
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        raise CommandLineError(
+            f"argument {flag}: cannot write {str(target)!r}: {exc.strerror or exc}; "
+            "give a writable directory"
+        ) from exc
+    finally:
+        for made in missing:
+            with contextlib.suppress(OSError):
+                made.rmdir()
 
 
 def cannot_write(flag: str, path: Path, error: OSError) -> CommandLineError:

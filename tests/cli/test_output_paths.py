@@ -68,3 +68,24 @@ def test_a_write_that_fails_after_the_checks_names_the_file_it_failed_on() -> No
     assert str(cannot_write("--out", Path("/out"), nameless)) == (
         "argument --out: cannot write '/out': the disk went away"
     )
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux's /proc")
+def test_a_place_permission_bits_allow_but_nothing_can_be_made_in_is_refused(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """os.access says yes to root everywhere (here, to everyone): making it tells."""
+    monkeypatch.setattr(os, "access", lambda *args, **kwargs: True)
+    target = Path("/proc/speedkit-probe/runs")
+    for check, path in ((output_dir, target), (output_file, target / "rows.json")):
+        refusal = _refusal(check, path, "--out")
+        assert refusal.startswith(f"argument --out: cannot write {str(path)!r}: "), refusal
+        assert refusal.endswith("; give a writable directory"), refusal
+        assert len(refusal.splitlines()) == 1
+
+
+def test_the_check_leaves_an_existing_directory_as_it_was(tmp_path: Path) -> None:
+    (tmp_path / "kept.txt").write_text("x")
+    assert output_dir(tmp_path, "--out") == tmp_path
+    assert output_file(tmp_path / "new" / "rows.json", "--json") == tmp_path / "new" / "rows.json"
+    assert [p.name for p in tmp_path.iterdir()] == ["kept.txt"]  # no probe file, no new/
