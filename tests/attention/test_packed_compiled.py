@@ -46,10 +46,10 @@ class Block(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self, dim: int = 32, layers: int = 2) -> None:
+    def __init__(self, dim: int = 32, layers: int = 2, block: type[nn.Module] = Block) -> None:
         super().__init__()
         self.wte = nn.Embedding(VOCAB, dim)
-        self.h = nn.ModuleList(Block(dim) for _ in range(layers))
+        self.h = nn.ModuleList(block(dim) for _ in range(layers))
         self.lm_head = nn.Linear(dim, VOCAB)
 
     def forward(self, input_ids: Tensor) -> Tensor:

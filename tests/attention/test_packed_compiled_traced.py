@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
-from .test_packed_compiled import BATCHES, MAX_TOKENS, VOCAB, _fit, _samples
+from .test_packed_compiled import BATCHES, MAX_TOKENS, Decoder, _fit, _samples
 
 
 class InlineBlock(nn.Module):
@@ -41,18 +41,8 @@ class InlineBlock(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class Decoder(nn.Module):
-    def __init__(self, dim: int = 32, layers: int = 2) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(VOCAB, dim)
-        self.h = nn.ModuleList(InlineBlock(dim) for _ in range(layers))
-        self.lm_head = nn.Linear(dim, VOCAB)
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        x = self.wte(input_ids)
-        for block in self.h:
-            x = block(x)
-        return self.lm_head(x)
+def _decoder() -> nn.Module:
+    return Decoder(block=InlineBlock)
 
 
 def test_inline_attention_in_compiled_blocks_keeps_packed_documents_apart(
@@ -60,11 +50,11 @@ def test_inline_attention_in_compiled_blocks_keeps_packed_documents_apart(
 ) -> None:
     torch._dynamo.reset()
     counters.clear()
-    compiled = _fit(compiled=True, make=Decoder, backend="aot_eager")  # AttentionSwap too
-    eager = _fit(compiled=False, make=Decoder)
+    compiled = _fit(compiled=True, make=_decoder, backend="aot_eager")  # AttentionSwap too
+    eager = _fit(compiled=False, make=_decoder)
     for c, e in zip(compiled.losses, eager.losses, strict=True):
         assert (c - e).abs().max().item() <= 1e-5
-    model = Decoder()
+    model = _decoder()
     model.load_state_dict(compiled.initial)
     alone = torch.cat([F.cross_entropy(model(s["input_ids"][None])[0], s["labels"],
                                        reduction="none") for s in _samples()[:6]])  # fmt: skip
