@@ -4,12 +4,18 @@ from __future__ import annotations
 
 import lightning as L
 
+from lightning_speedkit import _compat
+
 
 def log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
-    """Hand ``metrics`` to every logger of the Trainer at its global step.
+    """Hand ``metrics`` to every logger of the Trainer at the step Lightning's own rows
+    carry (:func:`~lightning_speedkit._compat.logged_step`), so that a CSV or TensorBoard
+    row holds both; ``global_step`` is one ahead at a batch's end, and counts each
+    optimizer of a manual step.
 
     The tuners and schedulers log from hooks where ``self.log`` is not allowed (setup,
     fit start, teardown) or at steps of their own choosing.
     """
+    step = _compat.logged_step(trainer)
     for logger in trainer.loggers:
-        logger.log_metrics(metrics, step=trainer.global_step)
+        logger.log_metrics(metrics, step=step)

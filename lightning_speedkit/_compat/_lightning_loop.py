@@ -10,6 +10,20 @@ import lightning as L
 import torch
 
 
+def logged_step(trainer: L.Trainer) -> int:
+    """The step Lightning's rows of a training batch carry (its loop's batches that stepped
+    the optimizers, before this batch's: one per batch, whatever the optimizers)."""
+    return int(trainer.fit_loop.epoch_loop._batches_that_stepped)
+
+
+def lightning_logs_now(trainer: L.Trainer) -> bool:
+    """Whether Lightning writes its logged metrics at the end of this training batch (its
+    ``log_every_n_steps`` cadence, in batches that step), and this batch steps the
+    optimizers (the last of an accumulation window: where it writes its last row)."""
+    due = bool(trainer._logger_connector.should_update_logs)
+    return due and not trainer.fit_loop.epoch_loop._should_accumulate()
+
+
 def log_every_n_steps(trainer: L.Trainer) -> int:
     """The Trainer's ``log_every_n_steps`` (set at runtime by its logger connector)."""
     value = getattr(trainer, "log_every_n_steps", 50)

@@ -36,7 +36,8 @@ How each figure is obtained, and what it costs:
   median). Nothing else crosses ranks, and per-step hooks never synchronise the
   device.
 
-Logged every ``log_every_n_steps`` batches (the Trainer's value by default)
+Logged where Lightning writes its own rows (the Trainer's ``log_every_n_steps``, in
+optimizer steps), at their step, or every ``log_every_n_steps`` batches given here,
 through the Trainer's loggers, under ``speed/``: ``samples_per_sec``,
 ``tokens_per_sec``, ``tflops_per_device``, ``mfu``, ``hfu``, ``step_ms_p50``,
 ``step_ms_p90``, ``step_ms_p99``, ``data_wait_frac``, ``mem_peak_gib``,
@@ -64,6 +65,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 
 from lightning_speedkit import _combined, _compat, _validation
 from lightning_speedkit._imports import NVML_AVAILABLE
+from lightning_speedkit._loggers import log_metrics
 from lightning_speedkit.measure import _cpu_bf16
 from lightning_speedkit.measure import peak as _peak
 from lightning_speedkit.measure._batch_info import BatchInfo, BatchReader
@@ -103,8 +105,9 @@ class SpeedMonitor(L.Callback):
     """Logs throughput, MFU, step-time percentiles, data wait and memory; needs no user input.
 
     Args:
-        log_every_n_steps: log every this many training batches; defaults to the
-            Trainer's ``log_every_n_steps``. Each log costs one small all-gather
+        log_every_n_steps: log every this many training batches; by default with
+            Lightning's own rows (every ``log_every_n_steps`` optimizer steps of the
+            Trainer's, at the batch that steps). Each log costs one small all-gather
             under DDP and, on CUDA, one wait for the device.
         window: step-time percentiles in the logs cover the last ``window`` steps
             (the summary covers the whole run).
@@ -261,8 +264,8 @@ class SpeedMonitor(L.Callback):
             flops = step_flops(info, batch, self.flops, self.flops_per_batch, self._counts.served)
             real = info.throughput_tokens  # padding left out where the batch marks it
             self._throughput.update(samples=info.samples, tokens=real, flops=flops)
-        every = self.log_every_n_steps or _compat.log_every_n_steps(trainer)
-        if self._batches % every == 0:
+        every = self.log_every_n_steps  # else at Lightning's rows, with them
+        if (self._batches % every == 0) if every else _compat.lightning_logs_now(trainer):
             self._flush(trainer)
 
     def on_exception(
@@ -289,9 +292,8 @@ class SpeedMonitor(L.Callback):
         metrics = self._throughput.compute(rows, self._peak, lambda: _gpu_util(self._device))
         if metrics:
             self.last_metrics = metrics
-            logged = {f"speed/{k}": v for k, v in metrics.items() if k != "flops_per_sample"}
-            for logger in trainer.loggers:
-                logger.log_metrics(logged, step=trainer.global_step)
+            log_metrics(trainer, {f"speed/{k}": v for k, v in metrics.items()
+                                  if k != "flops_per_sample"})  # fmt: skip
 
     @property
     def summary(self) -> dict[str, float | None]:

@@ -44,7 +44,7 @@ def _fit(model: L.LightningModule, monitor: SpeedMonitor, steps: int, **loader_k
 def test_logs_every_figure_with_the_speed_prefix() -> None:
     recorder = _fit(MLP(), SpeedMonitor(peak_flops=1e12), steps=20, n=160)
     steps = [step for step, _ in recorder.rows]
-    assert steps[:3] == [5, 10, 15]
+    assert steps[:3] == [4, 9, 14]  # where Lightning writes its rows (`self.log`'s)
     _, last = recorder.rows[-1]
     expected = {
         "samples_per_sec",
@@ -541,3 +541,28 @@ def test_a_second_fit_reports_its_own_cuda_memory_peak() -> None:
     trainer.fit(MLP().cuda(), loader(n=64))
     assert monitor.summary["mem_peak_gib"] is not None
     assert monitor.summary["mem_peak_gib"] < 0.5  # the MLP's, not the 1 GiB before it
+
+
+class _LoggingMLP(MLP):
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = super().training_step(batch, batch_idx)
+        self.log("train_loss", loss)
+        return loss
+
+
+@pytest.mark.parametrize("accumulate", [1, 2])
+def test_its_rows_are_lightnings_rows_at_the_trainers_cadence(accumulate: int) -> None:
+    """A new user's CSV had `train_loss` at steps 2, 5, 8 and `speed/*` at 3, 6, 9: every
+    row split in two. Under accumulation `speed/*` came twice as often, irregularly."""
+    recorder = Recorder()
+    trainer = L.Trainer(
+        accelerator="cpu", max_steps=12, logger=recorder, log_every_n_steps=3,
+        accumulate_grad_batches=accumulate, enable_progress_bar=False,
+        enable_model_summary=False, enable_checkpointing=False,
+        callbacks=[SpeedMonitor(peak_flops=None, warmup_steps=0)],
+    )  # fmt: skip
+    trainer.fit(_LoggingMLP(), loader(n=12 * 8 * accumulate))
+    loss_steps = [step for step, row in recorder.rows if "train_loss" in row]
+    speed_steps = [step for step, row in recorder.rows if "speed/samples_per_sec" in row]
+    assert sorted(set(loss_steps)) == [2, 5, 8, 11]
+    assert speed_steps == [2, 5, 8, 11], speed_steps
