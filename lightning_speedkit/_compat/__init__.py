@@ -25,7 +25,6 @@ from lightning_speedkit._compat._lightning_loop import (
 )
 from lightning_speedkit._compat._lightning_loop import has_compiled_parts as has_compiled_parts
 from lightning_speedkit._compat._lightning_loop import lightning_logs_now as lightning_logs_now
-from lightning_speedkit._compat._lightning_loop import log_every_n_steps as log_every_n_steps
 from lightning_speedkit._compat._lightning_loop import logged_step as logged_step
 from lightning_speedkit._compat._lightning_loop import metric_state as metric_state
 from lightning_speedkit._compat._lightning_loop import (

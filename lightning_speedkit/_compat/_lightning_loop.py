@@ -24,12 +24,6 @@ def lightning_logs_now(trainer: L.Trainer) -> bool:
     return due and not trainer.fit_loop.epoch_loop._should_accumulate()
 
 
-def log_every_n_steps(trainer: L.Trainer) -> int:
-    """The Trainer's ``log_every_n_steps`` (set at runtime by its logger connector)."""
-    value = getattr(trainer, "log_every_n_steps", 50)
-    return int(value)
-
-
 def train_loader_source(trainer: L.Trainer) -> Any:
     """Where the fit loop will request its train loader (Lightning's ``_DataLoaderSource``).
 

@@ -14,6 +14,7 @@ exact times.
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -114,10 +115,9 @@ def pick_fastest(
     """
     own_times, *times = interleaved_times([own, *(run for _, _, run in passing)], clock=clock)
     shares = [paired_ratio(t, times[0]) for t in times]
-    known = [i for i, share in enumerate(shares) if share is not None]
-    fastest = min(known, key=lambda i: shares[i] or 0.0, default=0)
-    share = shares[fastest]
-    chosen = fastest if share is not None and share < SWITCH_BELOW else 0
+    known = [math.inf if share is None else share for share in shares]  # the first took none
+    fastest = min(range(len(known)), key=known.__getitem__)
+    chosen = fastest if known[fastest] < SWITCH_BELOW else 0
     backend, error, _ = passing[chosen]
     return backend, error, paired_ratio(own_times, times[chosen])
 

@@ -44,7 +44,7 @@ from lightning_speedkit._random import random_state_kept
 from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._attention_pattern import Found, find_attention
 from lightning_speedkit.attention._op_vocabulary import _tensor_args
-from lightning_speedkit.attention._parity import copy_inputs
+from lightning_speedkit.attention._parity import copy_inputs, fsdp2_units
 from lightning_speedkit.attention._trace_record import _ById, _Recorder, _Trace  # pickles: _ById
 from lightning_speedkit.measure.flops import not_counted
 
@@ -224,7 +224,7 @@ class Discovery:
         Returns whether it was traced (its modules decided); ``False`` leaves the call to be
         traced as it runs.
         """
-        if _holds_fsdp2(module):
+        if fsdp2_units(module):
             return False  # its parameters are gathered by its own call's hooks, after this
         grad = torch.is_grad_enabled() and not torch.is_inference_mode_enabled()
         copies = copy_inputs(args, kwargs, requires_grad=False)  # safe from in-place changes
@@ -355,15 +355,6 @@ def _norms_in_eval(module: nn.Module) -> Iterator[None]:
     finally:
         for norm in norms:
             norm.training = True
-
-
-def _holds_fsdp2(module: nn.Module) -> bool:
-    """Whether ``module`` is or holds an FSDP2 unit (``fully_shard``)."""
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in module.modules())
 
 
 #: id(module) -> the discovery probing it (a module is probed once). Weak: a discovery

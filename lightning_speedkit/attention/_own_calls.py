@@ -109,13 +109,21 @@ def own_sdpa_modules() -> set[nn.Module]:
 
 
 def calls_sdpa(module: nn.Module) -> bool:
-    """Whether the module's ``forward`` calls ``scaled_dot_product_attention`` by name.
+    """Whether the module's ``forward`` calls ``scaled_dot_product_attention`` by name, or
+    under a name its module gave it (``from torch.nn.functional import
+    scaled_dot_product_attention as sdpa``).
 
     Taken at its word: a forward that calls SDPA on one branch only (nanoGPT's
     ``if self.flash``) counts as calling it.
     """
-    code = getattr(type(module).forward, "__code__", None)
-    return code is not None and "scaled_dot_product_attention" in code.co_names
+    forward = type(module).forward
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return False
+    names = getattr(forward, "__globals__", {})
+    return "scaled_dot_product_attention" in code.co_names or any(
+        names.get(name) is F.scaled_dot_product_attention for name in code.co_names
+    )
 
 
 def compiled_outside_modules() -> bool:

@@ -100,6 +100,16 @@ def copy_inputs(
     return copy(args), copy(kwargs)
 
 
+def fsdp2_units(module: nn.Module) -> list[nn.Module]:
+    """``module``'s FSDP2 units (``fully_shard``), itself included: a run of it on copies
+    of its inputs meets their hooks (their gathers, and in backward their reshards)."""
+    if not torch.distributed.is_available():
+        return []
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
 def tensors(value: Any) -> list[Tensor]:
     """The tensors in ``value`` (nested tuples, lists and mappings), in order."""
     if isinstance(value, Tensor):

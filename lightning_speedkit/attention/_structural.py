@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_speedkit.attention._example_inputs import Inputs, tokens
@@ -89,17 +88,6 @@ def _causal_buffer(module: nn.Module) -> tuple[bool, int | None]:
     return False, None
 
 
-def _calls_sdpa(module: nn.Module) -> bool:
-    """Whether the module's ``forward`` calls SDPA by name, or under a name its module
-    gave it (``from torch.nn.functional import scaled_dot_product_attention as sdpa``)."""
-    if calls_sdpa(module):
-        return True
-    code = getattr(type(module).forward, "__code__", None)
-    names = getattr(type(module).forward, "__globals__", {})
-    sdpa = F.scaled_dot_product_attention
-    return code is not None and any(names.get(n) is sdpa for n in code.co_names)
-
-
 def structural_match(module: nn.Module) -> Any:
     cls_module = type(module).__module__ or ""
     if cls_module.startswith(("transformers.", "timm.", "torch.")):
@@ -118,7 +106,7 @@ def structural_match(module: nn.Module) -> Any:
     # From here on the module looks like attention: a refusal says why.
     name = type(module).__name__
     causal, max_len = _causal_buffer(module)
-    if not causal and _calls_sdpa(module):
+    if not causal and calls_sdpa(module):
         return f"{name}: calls SDPA itself: fused already"
     kv_heads = _int_attr(module, _KV_HEAD_ATTRS) or heads
     if fused is not None:

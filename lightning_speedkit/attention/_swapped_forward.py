@@ -41,6 +41,7 @@ from lightning_speedkit.attention._parity import (
     Run,
     copy_inputs,
     eval_mode,
+    fsdp2_units,
     is_half,
     tensors,
     tolerance_for,
@@ -468,11 +469,7 @@ def _holds_fsdp2_unit(module: nn.Module) -> bool:
     attention module sharded on its own) is checked as usual: the check calls its forward
     function, which runs none of FSDP2's hooks.
     """
-    if not torch.distributed.is_available():
-        return False
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in module.modules() if m is not module)
+    return any(unit is not module for unit in fsdp2_units(module))
 
 
 def _keep_saved_tensors() -> Any:

@@ -35,8 +35,6 @@ from lightning_speedkit.compute._frozen_modules import (
 from lightning_speedkit.compute._frozen_rows import (
     batch_field,
     cut_rows,
-    dim_order,
-    empty_in_order,
     first_row,
     numerics,
     same_tensor,
@@ -58,7 +56,7 @@ _DRAWN = (
 #: the leaves, the leaf count, and each tensor's dtype, device and order of dimensions in
 #: memory (a transformers hidden state may be a transposed view: a reduction over it
 #: adds in that order, so a served copy is laid out the same).
-Layout = tuple[Any, list[int], int, list[torch.dtype], list[torch.device], list[list[int]]]
+Layout = tuple[Any, list[int], int, list[torch.dtype], list[torch.device], list[tuple[int, ...]]]
 
 
 @dataclass
@@ -411,7 +409,7 @@ class CachedModule:
         places = [i for i, t in enumerate(leaves) if t is not None]
         dtypes, devices = [t.dtype for t in tensors], [t.device for t in tensors]
         slot.layouts[signature] = (spec, places, len(leaves), dtypes, devices,
-                                   [dim_order(t) for t in tensors])  # fmt: skip
+                                   [t.dim_order() for t in tensors])  # fmt: skip
         return tensors, spec
 
     def _keep(
@@ -480,11 +478,12 @@ class CachedModule:
             served = torch.stack([found[i][j] for i in hit]).to(
                 device=device, dtype=dtype, non_blocking=True
             )
-            in_order = orders[j] == sorted(orders[j])  # stacked rows lie as computed
-            if fresh is None and in_order:
+            if fresh is None and served.dim_order() == orders[j]:  # stacked rows lie as computed
                 leaves.append(served)
                 continue
-            whole = empty_in_order((rows, *served.shape[1:]), orders[j], served)
+            whole = torch.empty_permuted(
+                (rows, *served.shape[1:]), orders[j], dtype=dtype, device=device
+            )
             if fresh is None:
                 leaves.append(whole.copy_(served))
                 continue

@@ -1,5 +1,5 @@
 """Which rows and batch fields a cached module's call holds, cutting rows out of it, and
-what else its output's numbers and memory layout depend on."""
+what else its output's numbers depend on."""
 
 from __future__ import annotations
 
@@ -13,8 +13,6 @@ from lightning_speedkit import _compat
 __all__ = [
     "batch_field",
     "cut_rows",
-    "dim_order",
-    "empty_in_order",
     "first_row",
     "numerics",
     "same_tensor",
@@ -62,18 +60,6 @@ def cut_rows(values: Any, rows: list[int], total: int) -> Any:
     if isinstance(values, dict):
         return {name: cut(value) for name, value in values.items()}
     return tuple(cut(value) for value in values)
-
-
-def dim_order(t: torch.Tensor) -> list[int]:
-    """``t``'s dimensions from the outermost in memory to the innermost."""
-    strides = t.stride()
-    return sorted(range(t.ndim), key=lambda d: (-strides[d], d))
-
-
-def empty_in_order(shape: tuple[int, ...], order: list[int], like: torch.Tensor) -> torch.Tensor:
-    """An empty tensor of ``shape`` whose dimensions lie in memory in ``order``."""
-    laid = like.new_empty([shape[d] for d in order])
-    return laid.permute([order.index(d) for d in range(len(order))])
 
 
 def numerics(device: str) -> tuple[Hashable, ...]:

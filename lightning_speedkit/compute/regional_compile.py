@@ -223,7 +223,7 @@ class RegionalCompile(L.Callback):
             self._warned = True
             rank_zero_warn(self._recompile_warning(pl_module))
         now = watch.snapshot()
-        if now != self._logged and (trainer.global_step % _compat.log_every_n_steps(trainer) == 0):
+        if now != self._logged and _compat.lightning_logs_now(trainer):
             self._log(trainer)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

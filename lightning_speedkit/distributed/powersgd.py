@@ -73,6 +73,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDSt
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_speedkit import _compat, _validation
+from lightning_speedkit._loggers import log_metrics
 from lightning_speedkit.distributed._kit_ddp import (
     _KitDDPStrategy,
     check_ddp_kwargs,
@@ -165,12 +166,11 @@ class _PowerSGDCheckpoint(L.Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         state = self.strategy.powersgd_state
-        every = _compat.log_every_n_steps(trainer)
-        if state is None or trainer.global_step % every or not state.total_numel_after_compression:
+        if state is None or not state.total_numel_after_compression:
             return
-        ratio = state.total_numel_before_compression / state.total_numel_after_compression
-        for logger in trainer.loggers:  # Python ints: no device sync
-            logger.log_metrics({"powersgd/compression_ratio": ratio}, step=trainer.global_step)
+        if _compat.lightning_logs_now(trainer):  # with Lightning's rows
+            ratio = state.total_numel_before_compression / state.total_numel_after_compression
+            log_metrics(trainer, {"powersgd/compression_ratio": ratio})  # Python ints: no sync
 
 
 class DDPPowerSGDStrategy(_KitDDPStrategy):

@@ -144,8 +144,14 @@ def real_tokens(batch: Any, tensors: list[torch.Tensor]) -> int | torch.Tensor |
         >>> int(real_tokens({"input_ids": ids, "attention_mask": (ids > 0).long()}, [ids]))
         5
     """
+    return _real_tokens(_fields(batch), tensors)
+
+
+def _real_tokens(
+    fields: Mapping[Any, Any] | None, tensors: list[torch.Tensor]
+) -> int | torch.Tensor | None:
+    """:func:`real_tokens` of a batch whose fields (:func:`_fields`) are read already."""
     ids = _ids(tensors)
-    fields = _fields(batch)
     if fields is not None:
         documents, cu = packing_field(fields, "document_ids"), _offsets(fields)
         mask = fields.get("attention_mask")
@@ -156,12 +162,6 @@ def real_tokens(batch: Any, tensors: list[torch.Tensor]) -> int | torch.Tensor |
         if isinstance(mask, torch.Tensor) and ids is not None and mask.shape == ids.shape:
             return (mask != 0).sum()
     return None if ids is None else ids.numel()
-
-
-def _packed(batch: Any) -> bool:
-    """Whether one loader's batch carries packing fields (its keys looked at, no value read)."""
-    fields = _fields(batch)
-    return fields is not None and carries_packing(fields)
 
 
 def _fields(batch: Any) -> Mapping[Any, Any] | None:
@@ -216,14 +216,17 @@ class BatchReader:
     def read(self, batch: Any, parts: Sequence[Any]) -> BatchInfo:
         """``batch``'s info; ``parts`` are its loaders' batches (``[batch]`` for one loader)."""
         tensors = [list(_tensor_walk.tensors(part)) for part in parts]
+        named = [_fields(part) for part in parts]  # one walk of each part
         signature = tuple((tuple(t.shape), str(t.dtype)) for each in tensors for t in each)
-        first_packed = not self._seen_packed and any(map(_packed, parts))
+        packed = any(fields is not None and carries_packing(fields) for fields in named)
+        first_packed = not self._seen_packed and packed
         self._seen_packed = self._seen_packed or first_packed
         if self.samples_per_batch is not None:
             samples = int(number(self.samples_per_batch(batch), "samples_per_batch"))
         else:
             samples = sum(
-                self._samples(part, found) for part, found in zip(parts, tensors, strict=True)
+                self._samples(part, found, fields)
+                for part, found, fields in zip(parts, tensors, named, strict=True)
             )
         if self.tokens_per_batch is not None:
             count = int(number(self.tokens_per_batch(batch), "tokens_per_batch"))
@@ -231,8 +234,8 @@ class BatchReader:
         counts = [n for found in tensors if (n := tokens(found)) is not None]
         reals = [
             r
-            for part, found in zip(parts, tensors, strict=True)
-            if (r := real_tokens(part, found)) is not None
+            for found, fields in zip(tensors, named, strict=True)
+            if (r := _real_tokens(fields, found)) is not None
         ]
         real: int | torch.Tensor | None = None
         for each in reals:
@@ -240,11 +243,12 @@ class BatchReader:
         positions = sum(counts) if counts else None
         return BatchInfo(signature, samples, positions, real, first_packed=first_packed)
 
-    def _samples(self, batch: Any, tensors: list[torch.Tensor]) -> int:
-        """Samples of one loader's batch: a packed batch's documents (its ``cu_seqlens``
-        has one entry more; else :func:`_counted_documents`), else the first dimension of its
-        first tensor."""
-        fields = _fields(batch)
+    def _samples(
+        self, batch: Any, tensors: list[torch.Tensor], fields: Mapping[Any, Any] | None
+    ) -> int:
+        """Samples of one loader's batch (its :func:`_fields`): a packed batch's documents
+        (its ``cu_seqlens`` has one entry more; else :func:`_counted_documents`), else the
+        first dimension of its first tensor."""
         if fields is not None:
             cu = _offsets(fields)
             if cu is not None:

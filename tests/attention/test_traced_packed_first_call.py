@@ -260,7 +260,7 @@ def test_a_call_that_cannot_be_traced_ahead_is_named_with_the_fix(
     """Under FSDP2 the call gathers its own parameters, and a forward may refuse the run
     ahead: the call is traced as it runs, and said."""
     if why == "fsdp2":
-        monkeypatch.setattr(_discovery, "_holds_fsdp2", lambda module: True)
+        monkeypatch.setattr(_discovery, "fsdp2_units", lambda module: [module])
     monkeypatch.setattr(_documents, "_WARNED", set())  # said once per process: afresh here
     torch.manual_seed(0)
     model = InlineGPT() if why == "fsdp2" else _NeedsGradients()
