@@ -9,16 +9,23 @@ gathers each rank's :meth:`~Throughput.close` row and hands the rows back
 step's tokens may be a 0-d tensor on the device (real tokens counted from a batch's
 padding mask): they are summed and read once, when the interval closes.
 
+The run's step-time percentiles come from :class:`StepTimes`: exact for the first
+65,536 steps, then from log-spaced buckets (each value within 0.5% of the time it
+stands for, DDSketch's scheme: Masson et al. 2019), so a million-step run keeps a few
+hundred counts in memory and in its checkpoints, not a million floats.
+
 MFU is model FLOPs per second over the device's peak FLOP/s, HFU the same with
 hardware FLOPs (recomputation included): PaLM (Chowdhery et al. 2022), appendix B.
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import math
 import statistics
-from collections import deque
-from collections.abc import Callable
+from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -39,9 +46,69 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
+class StepTimes:
+    """Step times (s) for nearest-rank percentiles, in bounded memory: kept exactly up to
+    ``exact`` values, then counted in log-spaced buckets whose every value is within
+    ``relative`` of the times it counts (DDSketch: Masson et al. 2019).
+
+    Example::
+
+        >>> times = StepTimes([0.5, 0.25], exact=2)
+        >>> times.percentiles((50,))  # exact
+        {50: 0.25}
+        >>> times.extend([0.75])  # a third value: counted in buckets from here on
+        >>> {q: round(v, 3) for q, v in times.percentiles((50, 99)).items()}
+        {50: 0.499, 99: 0.752}
+    """
+
+    def __init__(
+        self, values: Iterable[float] = (), exact: int = 1 << 16, relative: float = 0.005
+    ) -> None:
+        self.exact = exact
+        self.values: list[float] = []
+        self.buckets: Counter[int] = Counter()
+        self._log_gamma = math.log((1 + relative) / (1 - relative))
+        self.extend(values)
+
+    def __len__(self) -> int:
+        return len(self.values) + self.buckets.total()
+
+    def extend(self, values: Iterable[float]) -> None:
+        if not self.buckets:
+            self.values.extend(values)
+            if len(self.values) <= self.exact:
+                return
+            values, self.values = self.values, []
+        # a time of 0 (a coarse clock) counts at 1 ns: no bucket stands for zero
+        self.buckets.update(math.ceil(math.log(max(v, 1e-9)) / self._log_gamma) for v in values)
+
+    def percentiles(self, qs: Iterable[float]) -> dict[float, float]:
+        """The nearest-rank ``q``-th percentile for each ``q`` (empty with no values)."""
+        if self.values or not self.buckets:
+            ordered = sorted(self.values)
+            return {q: percentile(ordered, q) for q in qs} if ordered else {}
+        keys, gamma = sorted(self.buckets), math.exp(self._log_gamma)
+        seen = list(itertools.accumulate(self.buckets[k] for k in keys))
+        out: dict[float, float] = {}
+        for q in qs:
+            index = keys[bisect.bisect_left(seen, max(1, math.ceil(q / 100 * seen[-1])))]
+            # the bucket's middle: (gamma^(i-1), gamma^i] stands for 2 gamma^i / (gamma + 1)
+            out[q] = 2 * gamma**index / (gamma + 1)
+        return out
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"values": list(self.values), "buckets": sorted(self.buckets.items())}
+
+    def load_state_dict(self, state: dict[str, Any] | list[float]) -> None:
+        if isinstance(state, list):  # checkpoints before buckets: every step time
+            state = {"values": state, "buckets": []}
+        self.values, self.buckets = [], Counter(dict(state["buckets"]))
+        self.extend(state["values"])
+
+
 def figures(
     rows: list[list[float]],
-    step_times: list[float],
+    step_times: Iterable[float] | StepTimes,
     peak: float | None,
     gpu_util: Callable[[], float | None] = lambda: None,
 ) -> dict[str, float]:
@@ -80,9 +147,9 @@ def figures(
             out["hfu"] = hw_rate / peak
         if sum(col["samples"]):
             out["flops_per_sample"] = sum(col["model_flops"]) / sum(col["samples"])
-    if step_times:
-        for q in (50, 90, 99):
-            out[f"step_ms_p{q}"] = 1e3 * percentile(step_times, q)
+    times = step_times if isinstance(step_times, StepTimes) else StepTimes(step_times)
+    for q, value in times.percentiles((50, 90, 99)).items():
+        out[f"step_ms_p{q}"] = 1e3 * value
     if any(col["mem_gib"]):
         out["mem_peak_gib"] = max(col["mem_gib"])
     util = gpu_util()
@@ -114,7 +181,7 @@ class Throughput:
 
     def __init__(self, window: int) -> None:
         self.run: list[list[float]] = []  # per rank, FIELDS sums over the whole run
-        self.run_steps: list[float] = []  # this rank's step times (s), whole run
+        self.run_steps = StepTimes()  # this rank's step times (s), whole run
         self.recent: deque[float] = deque(maxlen=window)
         self.interval = dict.fromkeys(FIELDS, 0.0)
         self._device_tokens: list[torch.Tensor] = []  # the interval's, read at close
@@ -122,7 +189,7 @@ class Throughput:
     def reset(self) -> None:
         """Forget the run (a new fit; a checkpoint's state may follow), and the interval a
         fit that raised left unlogged: its step times are gone with its clock."""
-        self.run, self.run_steps = [], []
+        self.run, self.run_steps = [], StepTimes()
         self.recent.clear()
         self.interval = dict.fromkeys(FIELDS, 0.0)
         self._device_tokens = []
@@ -185,8 +252,9 @@ class Throughput:
         return figures(self.run, self.run_steps, peak, gpu_util) if self.run else {}
 
     def state_dict(self) -> dict[str, Any]:
-        return {"run": [list(r) for r in self.run], "run_steps": list(self.run_steps)}
+        return {"run": [list(r) for r in self.run], "run_steps": self.run_steps.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.run = [list(r) for r in state_dict.get("run", [])]
-        self.run_steps = list(state_dict.get("run_steps", []))
+        self.run_steps = StepTimes()
+        self.run_steps.load_state_dict(state_dict.get("run_steps", []))

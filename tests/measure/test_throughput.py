@@ -2,9 +2,17 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
-from lightning_speedkit.measure._throughput import FIELDS, Throughput, figures, percentile
+from lightning_speedkit.measure._throughput import (
+    FIELDS,
+    StepTimes,
+    Throughput,
+    figures,
+    percentile,
+)
 
 
 def _row(**fields: float) -> list[float]:
@@ -86,3 +94,34 @@ def test_a_new_fit_forgets_the_interval_a_fit_that_raised_left_unlogged() -> Non
     throughput.update(samples=4, tokens=None, flops=(1.0, 1.0))
     row = throughput.close(step_times=[0.5], waits=[0.0], mem_gib=0.0)
     assert row == pytest.approx(_row(samples=4, time=0.5, steps=1, model_flops=1.0, hw_flops=1.0))
+
+
+def test_a_long_run_keeps_bounded_step_times_with_percentiles_within_half_a_percent() -> None:
+    rng = random.Random(0)
+    steps = [rng.lognormvariate(-2.0, 0.3) for _ in range(200_000)]  # ~135 ms, long tail
+    throughput = Throughput(window=100)
+    for start in range(0, len(steps), 50):  # log intervals of 50 steps
+        throughput.update(samples=1, tokens=None, flops=None)
+        throughput.add([throughput.close(step_times=steps[start : start + 50], waits=[0.0],
+                                         mem_gib=0.0)])  # fmt: skip
+    state = throughput.state_dict()["run_steps"]
+    assert state["values"] == []
+    assert len(state["buckets"]) < 1_000  # not 200,000 floats
+    summary = throughput.summary(peak=None)
+    for q in (50, 90, 99):
+        exact = 1e3 * percentile(steps, q)
+        assert abs(summary[f"step_ms_p{q}"] - exact) <= 0.005 * exact
+
+    restored = Throughput(window=100)
+    restored.load_state_dict(throughput.state_dict())
+    assert restored.summary(peak=None) == summary
+    assert len(restored.run_steps) == len(steps)
+
+
+def test_step_times_stay_exact_up_to_the_limit_and_older_checkpoints_load() -> None:
+    times = StepTimes([0.3, 0.1, 0.2], exact=3)
+    assert times.percentiles((50, 100)) == {50: 0.2, 100: 0.3}  # exact at the limit
+    assert not times.buckets
+    older = Throughput(window=4)  # a checkpoint that kept every step time as a list
+    older.load_state_dict({"run": [[4, 0, 0.6, 3, 0, 0, 0, 0]], "run_steps": [0.3, 0.1, 0.2]})
+    assert older.summary(peak=None)["step_ms_p50"] == pytest.approx(200.0)
