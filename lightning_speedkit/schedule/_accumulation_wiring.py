@@ -60,6 +60,21 @@ def micro_batch(loaders: _combined.TrainLoaders) -> int | None:
     return sum(size or 0 for size in sizes)
 
 
+def counted_micro(given: int | None, loader_micro: int | None) -> int | None:
+    """The micro-batch to count as training starts: the loader's, said when it is not the
+    ``micro_batch_size`` given (or set by MicroBatchTuner, which rebuilt the loader)."""
+    if given is None or loader_micro in (None, given):
+        return given or loader_micro
+    rank_zero_warn(
+        f"AccumulationScheduler(micro_batch_size={given}), but the train loader gives "
+        f"micro-batches of {loader_micro} samples: counting {loader_micro}, so the global "
+        f"batch is what the callback says. `trainer.estimated_stepping_batches`, if read in "
+        f"`configure_optimizers`, was counted with {given}; pass "
+        f"`micro_batch_size={loader_micro}` (or leave it out)."
+    )
+    return loader_micro
+
+
 def refuse_shrinking_batches(loaders: _combined.TrainLoaders) -> None:
     """Refuse a CombinedLoader whose steps lose a loader's batch when it runs out."""
     if loaders.mode != "max_size" or len(loaders.flat()) < 2:

@@ -189,9 +189,8 @@ class AccumulationScheduler(L.Callback):
         windows.world = trainer.world_size
         self._engine = wiring.deepspeed_engine(trainer)
         self._loaders, micro = wiring.train_loaders(trainer)
-        if windows.micro is None:
-            windows.micro = micro
-        elif self._micro_changed and self._engine is None:
+        given, windows.micro = windows.micro, wiring.counted_micro(windows.micro, micro)
+        if (self._micro_changed or given not in (None, windows.micro)) and self._engine is None:
             trainer.accumulate_grad_batches = _first_accumulation(
                 self, windows.micro, windows.world
             )

@@ -249,6 +249,15 @@ def test_estimated_stepping_batches_counts_the_accumulation(micro_batch_size: in
     assert model.estimated == 4
 
 
+def test_a_micro_batch_size_the_loader_does_not_give_is_said_and_the_loader_counted() -> None:
+    callback = AccumulationScheduler(target_global_batch=32, micro_batch_size=16)
+    with pytest.warns(UserWarning, match=r"micro_batch_size=16\), but the train loader gives "
+                      r"micro-batches of 8 samples: counting 8"):  # fmt: skip
+        model, _ = fit(callback, max_steps=1)
+    assert_same(model, reference([[0, 1, 2, 3]]))  # 4 batches of 8, not 2: the global batch 32
+    assert [(c.accumulation, c.global_batch) for c in callback.history] == [(4, 32)]
+
+
 def test_fit_leaves_lightning_as_it_was() -> None:
     callback = AccumulationScheduler(target_global_batch=16)
     _, trainer = fit(callback, max_steps=2)
