@@ -190,9 +190,9 @@ class AccumulationScheduler(L.Callback):
         self._engine = wiring.deepspeed_engine(trainer)
         self._loaders, micro = wiring.train_loaders(trainer)
         given, windows.micro = windows.micro, wiring.counted_micro(windows.micro, micro)
-        if (self._micro_changed or given not in (None, windows.micro)) and self._engine is None:
+        if given and (self._micro_changed or given != windows.micro) and self._engine is None:
             trainer.accumulate_grad_batches = _first_accumulation(
-                self, windows.micro, windows.world
+                self, windows.micro or given, windows.world
             )
         windows.lr.hook(trainer.optimizers, self.lr_scaling)
         windows.timer.clock = Stamps(trainer.strategy.root_device)
