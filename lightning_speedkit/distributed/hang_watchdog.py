@@ -82,6 +82,40 @@ log = logging.getLogger(__name__)
 Action = Literal["dump", "abort"]
 
 
+class WatchThread:
+    """The watchdog's thread and its stop flag. A copy of the callback (``ddp_spawn``
+    pickles the Trainer before it starts the ranks; ``copy.deepcopy``) gets a new one,
+    not started: a thread belongs to its process."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+
+    def __reduce__(self) -> tuple[type[WatchThread], tuple[()]]:
+        return WatchThread, ()
+
+    def start(self, run: Callable[[], None]) -> None:
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=run, name="speedkit-hang-watchdog", daemon=True)
+        self._thread.start()
+
+    def stopped(self, timeout: float) -> bool:
+        """Wait up to ``timeout`` seconds; whether the thread was told to stop."""
+        return self._stop.wait(timeout)
+
+    def halt(self, wait: float) -> bool:
+        """Tell the thread to stop and wait up to ``wait`` seconds for it; whether one ran."""
+        self._stop.set()
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join(timeout=wait)
+        return thread is not None
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+
 class HangWatchdog(L.Callback):
     """Dump every rank's stacks when a training step runs too long, and name the late ranks.
 
@@ -162,8 +196,7 @@ class HangWatchdog(L.Callback):
         self._answer_wait = ANSWER_WAIT
         self._rank, self._world_size = 0, 1
         self._dir = Path(self.dirpath) if self.dirpath is not None else Path.cwd()
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._thread = WatchThread()
         self._store = None
         self._reset()
 
@@ -209,11 +242,7 @@ class HangWatchdog(L.Callback):
         # Lightning's strategy.setup, after every rank's callback setup, broadcasts the
         # model: no rank trains (and raises an alarm) before every rank has read them.
         self._link.catch_up()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="speedkit-hang-watchdog", daemon=True
-        )
-        self._thread.start()
+        self._thread.start(self._run)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage == "fit":
@@ -223,10 +252,7 @@ class HangWatchdog(L.Callback):
         self._stop_thread()
 
     def _stop_thread(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(timeout=self._answer_wait + 10)
-            self._thread = None
+        if self._thread.halt(wait=self._answer_wait + 10):
             # a slow step that ended after the thread's last look
             self._response.recovered(self._watch, self._rank)
         self._store = None  # the connection closes with the last reference
@@ -234,7 +260,7 @@ class HangWatchdog(L.Callback):
     @property
     def running(self) -> bool:
         """Whether the watchdog thread is alive (between a ``fit``'s setup and its end)."""
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread.alive
 
     # -- the step's hot path: a timestamp, nothing else --------------------------------------------
 
@@ -280,7 +306,7 @@ class HangWatchdog(L.Callback):
     # -- the thread --------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while not self._stop.wait(poll_interval(self.timeout, self.min_timeout)):
+        while not self._thread.stopped(poll_interval(self.timeout, self.min_timeout)):
             try:
                 self._tick(self._clock())
             except Exception:  # the watchdog must never take training down by itself

@@ -83,6 +83,11 @@ class ProfilerCycle:
             active=self.active, repeat=self.repeat)  # fmt: skip
         object.__setattr__(self, "_torch", schedule)
 
+    def __reduce__(self) -> tuple[type[ProfilerCycle], tuple[int, ...]]:
+        """A copy is made from the five numbers (``ddp_spawn`` pickles the callbacks, and
+        torch's schedule is a closure)."""
+        return ProfilerCycle, (self.skip_first, self.wait, self.warmup, self.active, self.repeat)
+
     @property
     def length(self) -> int:
         """Steps in one cycle: ``wait + warmup + active``."""

@@ -53,6 +53,10 @@ class ProfilerOptions(TypedDict):
     profile_memory: bool
 
 
+def _no_analysis(raw: Path, path: Path) -> None:
+    """No trace analysed yet (a module function: ``ddp_spawn`` pickles the callbacks)."""
+
+
 class WindowRunner:
     """The profiler's life over one fit: when it exists, what it writes, how it gives up.
 
@@ -102,7 +106,7 @@ class WindowRunner:
         self.failure: tuple[str, str] | None = None
         self._activities: list[ProfilerActivity] = []
         self._store: TraceStore | None = None
-        self._analyse: Callable[[Path, Path], None] = lambda raw, path: None
+        self._analyse: Callable[[Path, Path], None] = _no_analysis
         # The first step of the next window (its warm-up): until then, no profiler exists.
         self._next_window: float = float("inf")
         self._start_step = self._start_delay = self._start_windows = 0

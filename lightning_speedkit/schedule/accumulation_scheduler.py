@@ -153,7 +153,7 @@ class AccumulationScheduler(L.Callback):
         self._windows = _new_windows(self)
         self._micro_changed = False  # by set_micro_batch_size, since setup
         self._engine: Any = None
-        self._restore_loop: Callable[[], None] = lambda: None  # puts Lightning's own back
+        self._restore_loop: Callable[[], None] = _nothing  # puts Lightning's own back
         self._loaders: _combined.TrainLoaders | None = None
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
@@ -253,7 +253,7 @@ class AccumulationScheduler(L.Callback):
         if stage != "fit":
             return
         self._restore_loop()
-        self._restore_loop = lambda: None
+        self._restore_loop = _nothing
         self._windows.lr.remove()
         trainer.accumulate_grad_batches = 1
 
@@ -278,6 +278,10 @@ class AccumulationScheduler(L.Callback):
         self._loaded = dict(state_dict)
         self.history = [AccumulationChange(**c) for c in state_dict.get("history", [])]
         self.measurements = [CommShare(**m) for m in state_dict.get("measurements", [])]
+
+
+def _nothing() -> None:
+    """Nothing to put back (a module function: ``ddp_spawn`` pickles the callbacks)."""
 
 
 def _policy_arguments(scheduler: AccumulationScheduler, adaptive: bool) -> dict[str, Any]:
