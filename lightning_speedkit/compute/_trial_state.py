@@ -40,6 +40,9 @@ def preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
     # and torchmetrics' states (not buffers): a trial's would show in the first epoch's.
     scalars = [(m, {k: v for k, v in vars(m).items() if type(v) in (int, float, bool)})
                for m in model.modules()]  # fmt: skip
+    # A counter whose default is on the class (``seen = 0`` there, or ``getattr(self,
+    # "seen", 0) + n``) is first set on the module by a trial: it goes again.
+    names = [(m, set(vars(m))) for m in model.modules()]
     collections = [(m, k, v, _contents(v)) for m in model.modules() for k, v in vars(m).items()
                    if not k.startswith("_") and isinstance(v, _COLLECTIONS)]  # fmt: skip
     metrics = [(m, copy.deepcopy(_compat.metric_state(m))) for m in model.modules()
@@ -61,6 +64,9 @@ def preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
             m.training = training
         for m, values in scalars:
             vars(m).update(values)
+        for m, before in names:
+            for name in [k for k, v in vars(m).items() if k not in before and _counted(v)]:
+                delattr(m, name)
         for m, name, collected, before in collections:  # in place: the step may hold it
             _refill(collected, before)
             setattr(m, name, collected)  # and by name, should the step have bound another
@@ -70,6 +76,11 @@ def preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
 
 
 _COLLECTIONS = (list, dict, set)
+
+
+def _counted(value: Any) -> bool:
+    """A value a step keeps outside tensors: a plain number or a collection."""
+    return type(value) in (int, float, bool) or isinstance(value, _COLLECTIONS)
 
 
 def _contents(value: Any) -> Any:

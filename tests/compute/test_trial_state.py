@@ -61,3 +61,24 @@ def test_self_log_does_nothing_in_a_trial_and_is_the_modules_own_after() -> None
         assert "log" in module.__dict__
     assert "log" not in module.__dict__
     assert "log_dict" not in module.__dict__
+
+
+class ClassDefaults(nn.Module):
+    seen = 0  # the default on the class: the first `+=` sets it on the module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.seen += len(x)
+        self.lazily = [*getattr(self, "lazily", []), len(x)]  # made by the first call
+        self._cache = torch.ones(1)  # not a counter: a trial may leave it
+        return x
+
+
+def test_a_counter_a_trial_first_set_on_the_module_goes_again() -> None:
+    model = ClassDefaults()
+    with preserved(model, DataLoader(TensorDataset(torch.ones(4, 3)), batch_size=2)):
+        model(torch.ones(2, 3))
+        assert vars(model)["seen"] == 2
+    assert "seen" not in vars(model)
+    assert model.seen == 0  # the class's again: the trial's samples are not counted
+    assert not hasattr(model, "lazily")
+    assert torch.equal(model._cache, torch.ones(1))
