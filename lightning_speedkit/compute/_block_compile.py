@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any, Literal
 
 import torch
@@ -254,8 +255,40 @@ def compile_blocks(
     return [name for name, _ in instances]
 
 
+def _traced_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+    """A block's own class forward, called from a frame that dynamo compiles.
+
+    ``module.compile()`` compiles ``Module._call_impl``, and dynamo compiles no frame
+    whose code is torch's own: it skips ``_call_impl`` (which runs the hooks, eagerly)
+    and, as a rule, compiles the first frame below it, the block's ``forward``. When that
+    forward is torch's too (``nn.TransformerEncoderLayer``, ``nn.TransformerDecoderLayer``,
+    or a subclass that keeps their forward), it skips that as well, and nothing is
+    compiled: pytorch/pytorch#150915. ``torch.compile(module)`` avoids this by calling
+    such a module from a frame of its own; this function is that frame for a block
+    compiled in place. The module comes as an argument, not in a closure: dynamo guards
+    on its class and attributes, not on which instance it is, so every block of the
+    class shares one graph.
+    """
+    return type(module).forward(module, *args, **kwargs)
+
+
+def _runs_torch_forward(module: nn.Module) -> bool:
+    """Whether ``module(...)`` runs a forward from torch's own code (see
+    :func:`_traced_forward`): its class's, with no forward put on the instance (the
+    kit's wrappers and swaps put theirs, whose frames dynamo compiles)."""
+    forward = getattr(type(module), "forward", None)
+    home = str(getattr(forward, "__module__", ""))
+    return "forward" not in vars(module) and home.partition(".")[0] == "torch"
+
+
 def _compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:
     """``module.compile(**options)``, with the block run eagerly under a dispatch mode.
+
+    A block that runs torch's own forward gets ``partial(_traced_forward, module)`` as its
+    ``forward`` first, on the instance (see :func:`_traced_forward`): it calls the same
+    class forward, so outputs, gradients, parameters and ``state_dict`` keys are those of
+    the uncompiled block, and its hooks still run eagerly around it. A copy of the block
+    (``copy.deepcopy``, pickle) keeps that forward, bound to the copy, and runs eagerly.
 
     A TorchDispatchMode (the kit's FLOP count) sees every operator only if the block
     runs eagerly: compiled kernels hide the operators they fuse, and dynamo does not
@@ -264,6 +297,8 @@ def _compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:
     call that carries a KV cache is noted (:data:`CACHE_CALLED`), to name the cause
     should the block recompile; the calls after it are not looked at (a per-step cost).
     """
+    if _runs_torch_forward(module):
+        vars(module)["forward"] = partial(_traced_forward, module)
     module.compile(**options)
     compiled, eager = _compat.compiled_and_eager_calls(module)
     ref = weakref.ref(module)  # the module holds this call: no cycle through it

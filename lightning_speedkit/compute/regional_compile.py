@@ -29,6 +29,7 @@ from typing import Any
 
 import lightning as L
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from torch import nn
 
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit._blocks import CacheOff
@@ -44,6 +45,7 @@ from lightning_speedkit.compute._block_compile import (
     compiled_blocks,
     cpu_compiler_missing,
 )
+from lightning_speedkit.compute._compile_report import first_step_report, no_blocks_message
 from lightning_speedkit.compute._recompile_advice import recompile_advice
 
 # CompileWatch is a measurement and lives in measure/; importable from here as it always was.
@@ -130,7 +132,7 @@ class RegionalCompile(L.Callback):
         self._warned = False
         self._classes = 1
         self._cache_off = CacheOff()
-        self._compiled_before = False  # an earlier fit with this callback compiled graphs
+        self._kinds: list[type[nn.Module]] = []  # the compiled blocks' classes
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":  # validate, test, predict: blocks a fit compiled stay compiled
@@ -158,19 +160,19 @@ class RegionalCompile(L.Callback):
         )  # fmt: skip
         self._turn_cache_off(pl_module, self.compiled, "fit")
         self.watch.install()
-        kinds = sorted({type(pl_module.get_submodule(n)).__name__ for n in self.compiled})
+        found = {type(pl_module.get_submodule(name)) for name in self.compiled}
+        self._kinds = sorted(found, key=lambda kind: kind.__name__)
+        kinds = [kind.__name__ for kind in self._kinds]
         # Blocks whose forward the kit replaced (activation checkpointing) all run through
         # one function: dynamo compiles that frame once per block class, not a shape problem.
         self._classes = max(1, len(kinds))
-        if not self.verbose:
-            return
-        if self.compiled:
+        if not self.compiled:
+            rank_zero_warn(no_blocks_message(pl_module, self.blocks))  # say what to name
+        elif self.verbose:
             rank_zero_info(
                 f"RegionalCompile: {len(self.compiled)} blocks ({', '.join(kinds)}) compile "
                 f"in place at their first call (backend={self.backend!r})"
             )
-        else:
-            rank_zero_info("RegionalCompile: no repeated blocks found; nothing compiled")
 
     def _turn_cache_off(self, pl_module: L.LightningModule, names: list[str], stage: str) -> None:
         """``config.use_cache = False`` around the compiled blocks ``names`` for this stage
@@ -208,16 +210,13 @@ class RegionalCompile(L.Callback):
         watch = self.watch
         if not self._reported:
             self._reported = True
-            if self.verbose:
-                reused = " (the blocks' code, compiled in an earlier fit, is reused)"
-                rank_zero_info(
-                    f"RegionalCompile: compiled {watch.graphs} graph(s) in {watch.seconds:.1f} s "
-                    f"during the first step"
-                    if watch.graphs
-                    else "RegionalCompile: nothing compiled during the first step"
-                    + (reused if self._compiled_before else "")
-                )
-            self._compiled_before = self._compiled_before or watch.graphs > 0
+            warn, said = first_step_report(
+                watch.graphs, watch.seconds, self._kinds, len(self.compiled)
+            )
+            if warn:  # compiled nothing, now or in an earlier fit: the blocks run eagerly
+                rank_zero_warn(said)
+            elif self.verbose:
+                rank_zero_info(said)
         allowed = self.recompile_warning + self._classes - 1
         if not self._warned and watch.most_recompiled >= allowed:
             self._warned = True
