@@ -142,7 +142,7 @@ class PackingCollate:
         if not isinstance(first_fit, bool):
             raise SpeedkitConfigError(f"`first_fit` must be True or False, got {first_fit!r}.")
         self.first_fit = first_fit
-        self._warned_cut = False
+        self._warned_cut = self._warned_padded = False
         self._checked_labels = False
 
     def __call__(self, samples: Sequence[dict[str, Any]]) -> dict[str, Any]:
@@ -157,6 +157,7 @@ class PackingCollate:
                     f"({found}); samples must be dicts, and `key` the field holding the tokens."
                 )
             tokens.append(self._sequence(len(tokens), sample[self.key]))
+        samples, tokens = self._unpadded(samples, tokens)
         if self.first_fit:
             lengths = [min(len(seq), self.max_tokens) for seq in tokens]
             order = first_fit_decreasing(lengths, self.max_tokens)
@@ -220,6 +221,33 @@ class PackingCollate:
         if self.separate_documents:
             self._separate(batch, places)
         return batch
+
+    def _unpadded(
+        self, samples: Sequence[dict[str, Any]], tokens: list[Tensor]
+    ) -> tuple[Sequence[dict[str, Any]], list[Tensor]]:
+        """The samples without the padding their ``attention_mask`` marks (a tokenizer
+        called with ``padding="max_length"``), per-token fields cut alike: packing is what
+        removes padding, and a pad inside a row would be trained on as a token."""
+        if "attention_mask" not in self.token_fields:
+            return samples, tokens
+        out_samples, out_tokens, dropped = list(samples), list(tokens), 0
+        for i, (sample, seq) in enumerate(zip(samples, tokens, strict=True)):
+            mask = sample.get("attention_mask")
+            keep = torch.as_tensor(mask).reshape(-1) != 0 if mask is not None else None
+            if keep is None or keep.shape != seq.shape or bool(keep.all()):
+                continue
+            fields = [f for f in self.token_fields if sample.get(f) is not None]
+            cut = {f: self._per_token(f, [sample[f]], [seq])[0][keep] for f in fields}
+            out_samples[i], out_tokens[i] = {**sample, self.key: seq[keep], **cut}, seq[keep]
+            dropped += int((~keep).sum())
+        if dropped and not self._warned_padded:
+            self._warned_padded = True
+            rank_zero_warn(
+                f"PackingCollate: samples came padded ({dropped} tokens of this batch have "
+                f"attention_mask 0); their padding is left out of the packed rows. Tokenize "
+                f"without padding (`padding=False`) before packing."
+            )
+        return out_samples, out_tokens
 
     def _separate(self, batch: dict[str, Any], places: list[tuple[int, int, int]]) -> None:
         labels = batch.get("labels")

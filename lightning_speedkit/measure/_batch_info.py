@@ -131,7 +131,9 @@ def real_tokens(batch: Any, tensors: list[torch.Tensor]) -> int | torch.Tensor |
     """Tokens of one loader's batch that are not padding, where the batch says which are.
 
     In this order: a packed batch's ``document_ids`` (tokens of document 0 or more: -1
-    is PackingCollate's padding), its ``cu_seqlens`` (the tokens its documents cover),
+    is PackingCollate's padding; with an ``attention_mask`` of the same shape, only its
+    nonzero entries: samples packed with their own padding), its ``cu_seqlens`` (the
+    tokens its documents cover),
     each also under transformers' name (``seq_idx``, ``cu_seq_lens_q``), an
     ``attention_mask`` shaped as the tokens (its nonzero entries); else every token
     position (a flattened row with ``position_ids`` only has no padding). Labels are not
@@ -156,6 +158,8 @@ def _real_tokens(
         documents, cu = packing_field(fields, "document_ids"), _offsets(fields)
         mask = fields.get("attention_mask")
         if documents is not None and documents.ndim in (1, 2):
+            if isinstance(mask, torch.Tensor) and mask.shape == documents.shape:
+                return ((documents >= 0) & (mask != 0)).sum()  # samples packed with their pads
             return (documents >= 0).sum()
         if cu is not None:
             return cu[-1] - cu[0]

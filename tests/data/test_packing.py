@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from lightning_speedkit import SpeedkitConfigError
 from lightning_speedkit.data import PackingCollate, document_mask
+from lightning_speedkit.measure._batch_info import real_tokens
 
 
 def _docs(lengths: list[int], seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -89,13 +91,13 @@ def test_a_tokenizers_fields_are_packed_with_the_tokens_and_nothing_is_dropped()
          "label": 1, "source": "a", "image": torch.zeros(2)},
         {"input_ids": [8, 9], "attention_mask": [1, 1], "labels": [8, 9],
          "label": 0, "source": "b", "image": torch.ones(2)},
-        {"input_ids": [4, 3, 2, 1], "attention_mask": [1, 1, 1, 0], "labels": [4, 3, 2, -100],
+        {"input_ids": [4, 3, 2, 1], "attention_mask": [1, 1, 1, 1], "labels": [4, 3, 2, -100],
          "label": 1, "source": "c", "image": torch.ones(2)},
     ]  # fmt: skip
     batch = PackingCollate(max_tokens=6, pad_values={"attention_mask": 0})(samples)
     assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9, 0], [4, 3, 2, 1, 0, 0]]
     assert batch["labels"].tolist() == [[5, 6, 7, 8, 9, -100], [4, 3, 2, -100, -100, -100]]
-    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 0, 0, 0]]
+    assert batch["attention_mask"].tolist() == [[1, 1, 1, 1, 1, 0], [1, 1, 1, 1, 0, 0]]
     assert batch["label"].tolist() == [1, 0, 1]
     assert batch["source"] == ["a", "b", "c"]
     assert batch["image"].shape == (3, 2)
@@ -184,3 +186,26 @@ def test_first_fit_packs_longest_first_into_the_first_row_with_room() -> None:
 def test_first_fit_must_be_a_bool() -> None:
     with pytest.raises(SpeedkitConfigError, match="`first_fit` must be True or False"):
         PackingCollate(max_tokens=4, first_fit="yes")  # type: ignore[arg-type]
+
+
+def test_samples_tokenized_with_padding_are_packed_without_it() -> None:
+    """A tokenizer called with ``padding="max_length"``: its pads would be trained on as
+    tokens of a document, and counted as tokens."""
+    plain = [{"input_ids": [5, 6, 7], "attention_mask": [1, 1, 1], "labels": [5, 6, 7]},
+             {"input_ids": [8, 9], "attention_mask": [1, 1], "labels": [8, 9]}]  # fmt: skip
+    padded = [
+        {"input_ids": [5, 6, 7, 0], "attention_mask": [1, 1, 1, 0], "labels": [5, 6, 7, -100]},
+        {"input_ids": [0, 0, 8, 9], "attention_mask": [0, 0, 1, 1], "labels": [-100, -100, 8, 9]},
+    ]  # right and left padding
+    collate = PackingCollate(max_tokens=6)
+    with pytest.warns(UserWarning, match=r"samples came padded \(3 tokens of this batch"):
+        got = collate(padded)
+    want = PackingCollate(max_tokens=6)(plain)
+    assert got.keys() == want.keys()
+    for field in ("input_ids", "attention_mask", "labels", "document_ids", "position_ids"):
+        assert torch.equal(got[field], want[field]), field
+    assert got["cu_seqlens"].tolist() == [0, 3, 5]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        collate(padded)
+    assert int(real_tokens(got, [got["input_ids"]])) == 5

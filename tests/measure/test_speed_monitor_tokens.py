@@ -72,6 +72,16 @@ def test_an_attention_mask_gives_the_real_tokens_and_labels_are_not_read() -> No
     assert real_tokens(ids, [ids]) == 8  # no mapping, nothing marks padding: every position
 
 
+def test_pads_a_packed_batch_kept_inside_its_documents_are_not_counted() -> None:
+    """Samples packed by hand with their own padding: ``document_ids`` covers the pads,
+    the ``attention_mask`` says which they are."""
+    documents = torch.tensor([[0, 0, 0, 1, 1, -1]])
+    mask = torch.tensor([[1, 1, 0, 1, 1, 0]])
+    ids = torch.tensor([[5, 6, 0, 8, 9, 0]])
+    batch = {"input_ids": ids, "document_ids": documents, "attention_mask": mask}
+    assert int(real_tokens(batch, [ids])) == 4
+
+
 def test_loaders_of_a_step_add_their_real_tokens() -> None:
     packed = _packed()
     ids = torch.zeros(2, 5, dtype=torch.long)
