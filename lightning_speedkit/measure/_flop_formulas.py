@@ -1,15 +1,22 @@
-"""FLOP formulas for operators torch's ``flop_counter`` does not price, and the
-recomputation inside fused attention backward kernels.
+"""FLOP formulas for operators torch's ``flop_counter`` does not price or prices wrong,
+and the recomputation inside fused attention backward kernels.
 
 torch prices matrix products and its own attention kernels; this adds its CPU
 flash-attention kernel (which torch counts as 0), flash-attn's kernels (fixed and
-variable length) and xformers' cutlass kernels, each in the layout its kernel takes.
-:func:`formula_for` looks an operator up in torch's registry, then here.
+variable length), xformers' cutlass kernels, each in the layout its kernel takes, and
+the fused recurrent kernels (oneDNN's on CPU, cuDNN's and MIOpen's on GPUs) that
+``nn.LSTM`` runs as. It corrects torch's ``convolution_backward``, which prices a
+grouped convolution's weight gradient ``groups`` times too high. :func:`formula_for`
+looks an operator up in the corrections, then in torch's registry, then here;
+:func:`looks_costly` tells an unpriced operator worth a warning from element-wise work.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
+import math
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -143,6 +150,76 @@ def _xformers_rescore(grad: Any, q: Any, k: Any, *rest: Any, **kwargs: Any) -> i
     return 2 * heads * pairs * d
 
 
+# --- recurrent layers: fused kernels --------------------------------------------------
+#
+# A fused RNN kernel multiplies every token by each weight matrix of each layer and
+# direction once (W_ih, W_hh, and W_hr with ``proj_size``): 2 FLOPs a MAC, so
+# 2 x gates x hidden x (input + hidden) per token per layer per direction for an LSTM
+# (4 gates), the GRU's 3, a plain RNN's 1. Its backward is one pass for the data
+# gradients (input, states: the recurrence needs them whatever autograd asks) and one for
+# the weights: each the forward's products again, as torch prices a matmul's backward.
+# Biases and gate non-linearities are element-wise: free.
+
+
+def _rnn_flops(input: Any, weights: Iterable[Any]) -> int:
+    tokens = input.numel() // _shape(input)[-1]  # (seq, batch, in), (batch, seq, in), packed
+    return 2 * tokens * sum(w.numel() for w in weights if w.ndim == 2)  # 1-D ones: biases
+
+
+def _mkldnn_rnn_layer(input: Any, w_ih: Any, w_hh: Any, *args: Any, **kwargs: Any) -> int:
+    # One layer, one direction. oneDNN has no projections: torch runs an LSTM with
+    # ``proj_size`` as matmuls. Without biases the bias slots repeat the weights: not read.
+    return _rnn_flops(input, (w_ih, w_hh))
+
+
+def _mkldnn_rnn_layer_backward(input: Any, w_ih: Any, w_hh: Any, *args: Any, **kwargs: Any) -> int:
+    # oneDNN computes every gradient, frozen weights' and the first layer's input's too.
+    return 2 * _rnn_flops(input, (w_ih, w_hh))
+
+
+def _fused_rnn(input: Any, weight: list[Any], *args: Any, **kwargs: Any) -> int:
+    # cuDNN and MIOpen: every layer and direction in one call; ``weight`` holds each
+    # one's [w_ih, w_hh, (b_ih, b_hh), (w_hr)] in turn. Every layer sees every token.
+    return _rnn_flops(input, weight)
+
+
+def _fused_rnn_backward(
+    input: Any, weight: list[Any], stride0: Any, buf: Any, hx: Any, cx: Any, output: Any,
+    grad_output: Any, grad_hy: Any, grad_cy: Any, *rest: Any, **kwargs: Any,
+) -> int:  # fmt: skip
+    if grad_output is None and grad_hy is None and grad_cy is None:
+        return 0  # torch returns at once: nothing to propagate
+    # The data gradients always run ("it mutates reserve", aten/src/ATen/native/cudnn/RNN.cpp);
+    # the weights' only when ``output_mask[3]`` (the schema's last argument) asks.
+    output_mask = kwargs.get("output_mask", rest[-1] if rest else (True,) * 4)
+    return (1 + bool(output_mask[3])) * _rnn_flops(input, weight)
+
+
+# --- convolutions: torch's backward formula, with groups ----------------------------------
+
+
+def _convolution_backward(
+    grad_out: Any, input: Any, weight: Any, bias_sizes: Any, stride: Any, padding: Any,
+    dilation: Any, transposed: bool, output_padding: Any, groups: int, output_mask: Any,
+    **kwargs: Any,
+) -> int:  # fmt: skip
+    """Each gradient asked for (``output_mask``: input, weight, bias) costs what the
+    forward does: every weight tap meets each position of the smaller map (the output's,
+    or a transposed convolution's input's), per sample. The weight's shape already holds
+    the groups (``in_channels // groups``). torch prices the weight gradient as a
+    convolution of ``groups=1``, ``groups`` times too high (a depthwise layer of 32
+    channels: 11x its training FLOPs). The bias gradient is a sum: free."""
+    positions = math.prod(_shape(input if transposed else grad_out)[2:])
+    forward = 2 * _shape(input)[0] * positions * weight.numel()
+    return forward * (bool(output_mask[0]) + bool(output_mask[1]))
+
+
+#: Formulas by operator name, used instead of torch's for operators it prices wrong.
+CORRECTED_FORMULAS: dict[str, _Formula] = {
+    "aten::convolution_backward": _convolution_backward,
+}
+
+
 #: Formulas by operator name, for operators torch does not price.
 EXTRA_FORMULAS: dict[str, _Formula] = {
     "aten::_scaled_dot_product_flash_attention_for_cpu": _cpu_flash_forward,
@@ -153,6 +230,12 @@ EXTRA_FORMULAS: dict[str, _Formula] = {
     "flash_attn::_flash_attn_varlen_backward": _flash_attn_varlen_backward,
     "xformers::efficient_attention_forward_cutlass": _xformers_forward,
     "xformers::efficient_attention_backward_cutlass": _xformers_backward,
+    "aten::mkldnn_rnn_layer": _mkldnn_rnn_layer,
+    "aten::mkldnn_rnn_layer_backward": _mkldnn_rnn_layer_backward,
+    "aten::_cudnn_rnn": _fused_rnn,
+    "aten::_cudnn_rnn_backward": _fused_rnn_backward,
+    "aten::miopen_rnn": _fused_rnn,
+    "aten::miopen_rnn_backward": _fused_rnn_backward,
 }
 
 
@@ -228,9 +311,37 @@ def attention_flops(
 
 
 def formula_for(func: OpOverload) -> _Formula | None:
-    """torch's formula for ``func``, else this module's; None for an unpriced operator."""
+    """This module's correction of torch's formula for ``func``, else torch's formula, else
+    this module's; None for an unpriced operator."""
     packet = func.overloadpacket
-    formula = _torch_flops.flop_registry.get(packet)
+    name = _compat.qualified_op_name(packet)
+    formula = CORRECTED_FORMULAS.get(name) or _torch_flops.flop_registry.get(packet)
     if formula is not None:
         return formula
-    return EXTRA_FORMULAS.get(_compat.qualified_op_name(packet))
+    return EXTRA_FORMULAS.get(name)
+
+
+# --- unpriced operators worth a word ------------------------------------------------------
+
+#: Operator names (after ``namespace::``) of the kinds that carry a model's FLOPs: matrix
+#: products, convolutions, recurrent layers, attention, FFTs. A stem counts as a word of
+#: the name (``_fft_r2c``, ``slow_conv3d``, ``_grouped_mm``), not inside another word.
+_COSTLY = re.compile(
+    r"(?:^|_)(?:mm|bmm|addmm|addbmm|baddbmm|addmv|mv|dot|vdot|matmul|linear|gemm|cdist"
+    r"|conv|convolution|rnn|lstm|gru|attention|attn|fft)(?=$|_|\d)"
+)
+#: ...less the bookkeeping and element-wise operators those names also start: weight
+#: packing, plan caches, FFT frequencies, interpolation, and the fused LSTM/GRU cells'
+#: gate arithmetic (their matmuls run, and are priced, before them).
+_CHEAP = re.compile(
+    r"prepack|unpack|pack_gemm|quantize_weight|reorder|flatten_weight|plan_cache|^_use_"
+    r"|upsample|fftfreq|fftshift|^_thnn_(?:fused|differentiable)_"
+)
+
+
+@functools.cache
+def looks_costly(name: str) -> bool:
+    """Whether an operator named ``name`` (``"aten._fft_r2c"`` or ``"aten::_fft_r2c"``) is
+    of a kind that carries a model's FLOPs, so that counting it as 0 leaves the count low."""
+    bare = name.replace("::", ".").rpartition(".")[2]
+    return bool(_COSTLY.search(bare)) and not _CHEAP.search(bare)

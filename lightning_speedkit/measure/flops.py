@@ -3,8 +3,12 @@
 ``count_flops(fn, *args)`` runs ``fn`` once under a dispatch mode that prices
 every ATen operator with torch's own formulas (``torch.utils.flop_counter``),
 plus formulas torch lacks: its CPU flash-attention kernel (which torch counts as
-0) and flash-attn's kernels. Only matrix products and attention are priced, as
-in torch and in the MFU literature; element-wise work is free.
+0), flash-attn's kernels and the fused recurrent kernels ``nn.LSTM`` runs as, and
+with torch's convolution backward corrected for groups. Only matrix products,
+convolutions, recurrent layers and attention are priced, as in torch and in the MFU
+literature; element-wise work is free. An operator that ran unpriced although it
+looks costly (a matrix product, convolution, FFT, recurrent or attention kernel with
+no formula) is named in ``FlopCount.unpriced`` and in a warning, once per operator.
 
 Two totals come back:
 
@@ -28,12 +32,13 @@ those gradients: the counter prices what runs, not a formula.
 from __future__ import annotations
 
 import contextlib
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
 from lightning_speedkit import _compat, _validation
@@ -43,6 +48,7 @@ from lightning_speedkit.measure._flop_formulas import (
     RECOMPUTED_IN_BACKWARD,
     KernelFlops,
     formula_for,
+    looks_costly,
 )
 from lightning_speedkit.measure._flop_owners import Owners, top_level
 
@@ -67,6 +73,9 @@ class FlopCount:
             VLM gives e.g. ``{"vision": ..., "projector": ..., "language_model": ...}``.
         by_operator: hardware FLOPs per ATen operator.
         by_path: model FLOPs per module path at every depth (``"VLM.vision.blocks.0"``).
+        unpriced: operators that ran and count 0 FLOPs, for want of a formula, though
+            they look costly (matrix products, convolutions, FFTs, recurrent or attention
+            kernels), with how many calls: the count leaves their work out.
     """
 
     total: int
@@ -74,6 +83,7 @@ class FlopCount:
     by_module: dict[str, int] = field(default_factory=dict)
     by_operator: dict[str, int] = field(default_factory=dict)
     by_path: dict[str, int] = field(default_factory=dict)
+    unpriced: dict[str, int] = field(default_factory=dict)
 
     @property
     def recomputed(self) -> int:
@@ -121,6 +131,7 @@ class _Counter(TorchDispatchMode):
             super().__exit__(*exc)
         finally:
             _ACTIVE.remove(self)
+        _warn_unpriced(self.unpriced)
 
     def __init__(self, tracker: Owners) -> None:
         super().__init__()
@@ -129,6 +140,7 @@ class _Counter(TorchDispatchMode):
         self.recomputed = 0
         self.by_operator: dict[str, int] = defaultdict(int)
         self.by_path: dict[str, int] = defaultdict(int)
+        self.unpriced: Counter[str] = Counter()
 
     def __torch_dispatch__(
         self,
@@ -141,6 +153,8 @@ class _Counter(TorchDispatchMode):
         out = func(*args, **kwargs)
         formula = formula_for(func)
         if formula is None or _PAUSED:
+            if formula is None and not _PAUSED and looks_costly(str(func.overloadpacket)):
+                self.unpriced[str(func.overloadpacket)] += 1  # as by_operator names it
             return out
         flops = int(formula(*args, **kwargs, out_val=out))
         if flops:
@@ -163,6 +177,27 @@ class _Counter(TorchDispatchMode):
         self.recomputed += recomputed
         for path in self.tracker.paths():
             self.by_path[path] += flops - recomputed
+
+
+#: Unpriced operators already warned about: each is said once per process.
+_WARNED: set[str] = set()
+
+
+def _warn_unpriced(unpriced: Counter[str]) -> None:
+    new = {name: calls for name, calls in unpriced.items() if name not in _WARNED}
+    if not new:
+        return
+    _WARNED.update(new)
+    listed = ", ".join(f"{name} ({calls} call{'s' * (calls != 1)})" for name, calls in new.items())
+    rank_zero_warn(
+        f"The FLOP count has no formula for {listed}, so counts 0 FLOPs for "
+        f"{'it, though by name it is' if len(new) == 1 else 'each, though by name each is'} "
+        f"a matrix product, convolution, FFT, recurrent or attention kernel. Where such "
+        f"operators carry much of the model's work, count_flops (and SpeedMonitor's FLOPs "
+        f"per sample, MFU and HFU) is that much too low. Register a formula with "
+        f"`torch.utils.flop_counter.register_flop_formula` (the count reads torch's registry), "
+        f"or give SpeedMonitor your own figure with `flops_per_batch=`."
+    )
 
 
 def run_unseen(call: Callable[[], Tensor], flops: Callable[[], KernelFlops]) -> Tensor:
@@ -234,4 +269,5 @@ def count_flops(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> FlopCount:
         by_module=top_level(by_path),
         by_operator=dict(sorted(counter.by_operator.items(), key=lambda kv: -kv[1])),
         by_path=by_path,
+        unpriced=dict(counter.unpriced),
     )
