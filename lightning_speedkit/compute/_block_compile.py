@@ -189,7 +189,11 @@ def compile_blocks(
     module): parameters, buffers and ``state_dict`` keys stay as they were. Instances
     of one class share their compiled code, so the compile time is about one block's
     per class. Compilation itself happens at each block's first call. A block that
-    is already compiled is left as it is, so calling this twice is harmless.
+    is already compiled is left as it is, so calling this twice is harmless. A block
+    whose forward is torch's own (``nn.TransformerEncoderLayer``,
+    ``nn.TransformerDecoderLayer``), which ``module.compile()`` alone leaves uncompiled,
+    gets a ``forward`` of the kit's on the instance that calls it from a frame dynamo
+    compiles (:func:`_traced_forward`).
 
     Other kit techniques that change a block's forward (activation checkpointing,
     attention swap) may run before or after: the compiled call runs whatever forward

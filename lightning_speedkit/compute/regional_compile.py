@@ -7,7 +7,9 @@ whatever the depth. Each block is compiled with ``nn.Module.compile()``, which
 compiles the module's call in place rather than wrapping it, so parameter names,
 ``state_dict`` keys, the optimizer's parameters and checkpoints are exactly those of
 the uncompiled model (no ``_orig_mod.`` prefix), and a checkpoint loads into a model
-that was never compiled.
+that was never compiled. torch's own layers (``nn.TransformerEncoderLayer``), whose
+frames dynamo never compiles, are called from a frame of the kit's so that they compile
+too (see :func:`compile_blocks`).
 
 Compilation happens lazily, at a block's first call. :class:`CompileWatch` counts
 what dynamo compiles (graphs, recompilations, seconds) from torch's compile
@@ -73,6 +75,12 @@ class RegionalCompile(L.Callback):
     the fit, and for a later validate, test or predict of the compiled model (one info
     line says so), and restores it when that ends: a loss uses no cache, and
     ``generate`` takes its own setting from the generation config.
+
+    When nothing is compiled it warns: ``"auto"`` found no repeated block (a layer
+    called several times, as ALBERT's, is one instance: the warning names the classes
+    to pass as ``blocks=[...]``), or the first training step compiled no graph for
+    block classes no earlier fit in the process compiled (the warning names them and
+    how to find why).
 
     What compilation cost is logged every ``log_every_n_steps`` while it changes:
     ``compile/seconds``, ``compile/graphs`` and ``compile/recompiles`` (everything
