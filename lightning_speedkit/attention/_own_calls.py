@@ -38,6 +38,7 @@ from torch.overrides import TorchFunctionMode
 
 from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._mixing_advice import mixing_message
+from lightning_speedkit.measure._packed_check import may_attend, warn_if_state_carried
 
 __all__ = [
     "calls_sdpa",
@@ -175,7 +176,11 @@ def warn_mixing(report: Any, model: nn.Module | None) -> None:
         for name, _ in (*report.reverted, *report.skipped)
         if not (name in named and (named[name] in kept_apart or calls_sdpa(named[name])))
     ]
-    if (report.modules or kept_apart) and not mixing:
+    if model is not None:
+        warn_if_state_carried(model)  # recurrent layers and token convolutions: no swap helps
+    if (
+        report.modules or kept_apart or (model is not None and not may_attend(model))
+    ) and not mixing:
         return
     rank_zero_warn(mixing_message(mixing, named))  # with the fix for each case
 

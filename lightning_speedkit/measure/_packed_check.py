@@ -9,11 +9,13 @@ loss, and the throughput SpeedMonitor logs, are not those of the documents train
 The check runs once per fit, at the end of the first packed batch (a module only a trace
 finds is swapped during that batch's forward), and reads no tensor: the Trainer's
 callbacks and the model's modules, each looked at once. A model with nothing that looks
-like attention (:func:`may_attend`: an MLP or convolutional token model) mixes nothing
-through attention, and is not warned about. A swapped module is marked where
-the kit's module surgery puts it (:func:`lightning_speedkit._surgery.replaced_forward`:
-the kit's forward that replaces a module's computation, which only an attention swap
-installs; activation checkpointing wraps, it does not replace). AttentionSwap is found
+like attention (:func:`may_attend`: an MLP token model) mixes nothing through attention,
+and is not warned about that; recurrent layers and token convolutions mix documents
+without attention, and are said once per model (:func:`warn_if_state_carried`). A
+swapped module is marked where the kit's module surgery puts it
+(:func:`lightning_speedkit._surgery.replaced_forward`: the kit's forward that replaces a
+module's computation, which only an attention swap installs; activation checkpointing
+wraps, it does not replace). AttentionSwap is found
 among the callbacks without importing it here (measure does not import attention, which
 imports measure): a callback of that class exists only once its module has been imported.
 """
@@ -21,6 +23,7 @@ imports measure): a callback of that class exists only once its module has been 
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Iterable
 from types import CodeType
 from typing import Any
@@ -38,7 +41,9 @@ __all__ = [
     "VarlenWatch",
     "documents_kept_apart",
     "may_attend",
+    "state_carriers",
     "warn_if_documents_mix",
+    "warn_if_state_carried",
 ]
 
 MIXED_DOCUMENTS = (
@@ -49,6 +54,7 @@ MIXED_DOCUMENTS = (
     "`swap_attention(model)` and run each step inside `packed_documents(batch)`."
 )
 _ATTENTION_SWAP = "lightning_speedkit.attention.attention_swap"
+_TOLD_CARRIED: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the models said of, once each
 
 
 #: Names whose call in a module's ``forward`` (or a function defined in it) computes or
@@ -88,6 +94,36 @@ def may_attend(model: nn.Module) -> bool:
         if code is not None and _ATTENDING_NAMES & _names(code):
             return True
     return False
+
+
+def state_carriers(model: nn.Module) -> list[str]:
+    """The modules of ``model`` that carry state along a row of tokens, which no attention
+    swap keeps apart: recurrent layers and cells, and 1-D convolutions wider than a token."""
+    return [
+        name or type(module).__name__
+        for name, module in model.named_modules()
+        if isinstance(module, (nn.RNNBase, nn.RNNCellBase))
+        or (isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1)
+    ]
+
+
+def warn_if_state_carried(model: nn.Module) -> None:
+    """Say once per model, on its first packed batch, which of its modules carry state from
+    each document of a packed row into the next (:func:`state_carriers`)."""
+    names = [] if model in _TOLD_CARRIED else state_carriers(model)
+    if not names:
+        return
+    _TOLD_CARRIED.add(model)
+    more = f" and {len(names) - 4} more" if len(names) > 4 else ""
+    rank_zero_warn(
+        f"A packed batch (`cu_seqlens`/`document_ids`) reached "
+        f"{', '.join(map(repr, names[:4]))}{more}: a recurrent layer or a 1-D convolution "
+        f"carries state along the row, from each document into the next, and no attention "
+        f"swap keeps the documents apart there (the loss is not the documents' own). Pad "
+        f"instead of packing (`LengthBucketBatchSampler` keeps the padding small), or run "
+        f"those modules per document (the batch's `cu_seqlens` says where each starts); a "
+        f"module that does so already can ignore this."
+    )
 
 
 def _names(code: CodeType) -> set[str]:
@@ -158,6 +194,7 @@ def warn_if_documents_mix(
     ``varlen_taken``: what that step's :class:`VarlenWatch` saw."""
     if info is None or not info.first_packed:
         return
+    warn_if_state_carried(model)
     callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
     if not documents_kept_apart(callbacks, model, varlen_taken) and may_attend(model):
         rank_zero_warn(MIXED_DOCUMENTS)

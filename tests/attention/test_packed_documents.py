@@ -391,12 +391,20 @@ def test_every_attention_swapped_or_no_packing_warns_nothing(
     assert not [w for w in recwarn if "packed batch" in str(w.message)]
 
 
-def test_attention_swap_on_a_model_without_attention_warns_once_per_fit() -> None:
+class RunningMeanAttention(nn.Module):
+    """Attention of its own that the kit cannot find (no softmax): a running mean over the
+    row's tokens, which mixes its documents."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x.cumsum(1) / torch.arange(1, x.shape[1] + 1)[:, None]
+
+
+def test_attention_swap_on_a_model_whose_attention_it_cannot_find_warns_once_per_fit() -> None:
     class Plain(_Task):
         def training_step(self, batch: dict[str, Any], batch_idx: int) -> Tensor:
             return self.model(batch["input_ids"]).sum()
 
-    task = Plain(nn.Sequential(nn.Embedding(VOCAB, 8), nn.Linear(8, 4)))
+    task = Plain(nn.Sequential(nn.Embedding(VOCAB, 8), RunningMeanAttention(), nn.Linear(8, 4)))
     loader = DataLoader(_samples() * 2, batch_size=6, collate_fn=PackingCollate(MAX_TOKENS))
     trainer = L.Trainer(max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False,

@@ -21,6 +21,7 @@ from lightning_speedkit import AttentionSwap, SpeedMonitor, packed_documents, sw
 from lightning_speedkit.attention._own_calls import own_sdpa_modules
 from lightning_speedkit.measure._packed_check import MIXED_DOCUMENTS
 
+from ..attention.test_packed_documents import RunningMeanAttention
 from .test_speed_monitor_tokens import TinyGPT, _packed
 
 STEPS = 3
@@ -152,7 +153,7 @@ def test_attention_swap_that_found_nothing_says_so_itself() -> None:
     """No module swapped, but AttentionSwap is there and names what mixes: its warning,
     not a second one telling the user to add it."""
     own_sdpa_modules()  # the process-wide record of SDPA calls kept apart: not earlier tests'
-    model = nn.Sequential(nn.Embedding(50, 8), nn.Linear(8, 50))
+    model = nn.Sequential(nn.Embedding(50, 8), RunningMeanAttention(), nn.Linear(8, 50))
     swap = AttentionSwap("sdpa", measure=False, verbose=False)
     said = _fit(Task(model), _packed(), _monitor(), swap)
     assert not [m for m in said if m.startswith("SpeedMonitor: the")]
