@@ -102,6 +102,15 @@ def demo_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(autouse=True)
+def _peaks_found_anew() -> None:
+    """SpeedMonitor keeps the peak it found for the rest of the process; a test that
+    patches how it is found must not hand its figure to the tests after it."""
+    from lightning_speedkit.measure.speed_monitor import RESOLVED_PEAKS
+
+    RESOLVED_PEAKS.clear()
+
+
+@pytest.fixture(autouse=True)
 def _no_packed_hooks_left() -> Iterator[None]:
     """A test that packs without a Trainer (``packed_documents``) leaves the packed
     batches' global module hooks registered; the next test in this process starts

@@ -566,3 +566,16 @@ def test_its_rows_are_lightnings_rows_at_the_trainers_cadence(accumulate: int) -
     speed_steps = [step for step, row in recorder.rows if "speed/samples_per_sec" in row]
     assert sorted(set(loss_steps)) == [2, 5, 8, 11]
     assert speed_steps == [2, 5, 8, 11], speed_steps
+
+
+def test_fits_in_one_process_divide_by_the_peak_timed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU's peak is a timed matmul: timed anew per fit, it moved 2x between fits on a
+    busy machine, and the MFU of two runs could not be compared."""
+    timed = iter([4e10, 9e10])
+    monkeypatch.setattr(sm._peak, "measure_matmul_peak", lambda device, dtype: next(timed))
+    monitors = [SpeedMonitor(peak_flops="auto"), SpeedMonitor(peak_flops="measure")]
+    for monitor in [monitors[0], SpeedMonitor(peak_flops="auto"), monitors[1]]:
+        _fit(MLP(), monitor, steps=6)
+    first, second = (m.summary for m in monitors)
+    assert first["mfu"] == pytest.approx(first["tflops_per_device"] * 1e12 / 4e10)
+    assert second["mfu"] == pytest.approx(second["tflops_per_device"] * 1e12 / 9e10)  # its own
