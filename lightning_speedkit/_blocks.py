@@ -21,7 +21,7 @@ def _has_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
-def repeated_block_types(model: nn.Module) -> list[type[nn.Module]]:
+def repeated_block_types(model: nn.Module, *, shared: bool = False) -> list[type[nn.Module]]:
     """Classes of the model's repeated blocks, outermost first found.
 
     A block class has child modules (not a single layer), holds parameters, and
@@ -30,6 +30,11 @@ def repeated_block_types(model: nn.Module) -> list[type[nn.Module]]:
     containers themselves (``Sequential``, ``ModuleList``, ``ModuleDict``; not a class
     derived from one) are never block classes. A class whose every instance sits inside
     a block of another found class is left out: wrapping the outer block covers it.
+
+    With ``shared``, one instance held several times by one container counts each time
+    (ALBERT's ``nn.ModuleList([layer] * n)``: one layer, its parameters shared): what
+    activation checkpointing may wrap (each call of the instance is checkpointed), not
+    what FSDP shards or regional compilation compiles, which leave it out.
 
     Example::
 
@@ -46,9 +51,10 @@ def repeated_block_types(model: nn.Module) -> list[type[nn.Module]]:
     for container in model.modules():
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
+        held = iter(container) if shared else container.children()  # children(): once each
         kinds = Counter(
             type(child)
-            for child in container.children()
+            for child in held
             if type(child) not in _CONTAINERS
             and next(child.children(), None) is not None
             and _has_parameters(child)

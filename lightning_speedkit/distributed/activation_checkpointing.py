@@ -11,13 +11,14 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities import rank_zero_info
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_speedkit import _compat, _surgery, _validation
 from lightning_speedkit._blocks import CacheOff, block_instances, repeated_block_types
 from lightning_speedkit._model_ready import forget_pending, when_model_ready
+from lightning_speedkit.distributed._replayed_state import CallState
 
 __all__ = [
     "ActivationCheckpointing",
@@ -50,14 +51,14 @@ def _checkpointed(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         # forward, and buffer updates are applied once, after the graph (dynamo takes no
         # context managers of ours here).
         return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    stats = _running_stats(module)
-    # An enclosing swap's setting for its call (a Hugging Face model's attention
-    # implementation): gone when backward recomputes, so replayed around it.
-    settings = _surgery.call_settings()
-    if not (stats or settings):
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-    contexts = partial(_contexts, stats, settings)
-    return checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    # What the recomputation must see: the block's buffers and counters as this forward
+    # finds them. An enclosing swap's setting for its call (a Hugging Face model's
+    # attention implementation) is gone when backward recomputes: replayed around it.
+    state = CallState(module)
+    contexts = partial(_contexts, state, _surgery.call_settings())
+    output = checkpoint(forward, *args, use_reentrant=False, context_fn=contexts, **kwargs)
+    state.learn()
+    return output
 
 
 def _gradient_passes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
@@ -70,52 +71,19 @@ def _gradient_passes(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str,
     return any(isinstance(v, torch.Tensor) and v.requires_grad for v in given)
 
 
-def _running_stats(module: nn.Module) -> list[nn.Module]:
-    """The norm layers in ``module`` that update running statistics in train mode (batch
-    norm, instance norm with ``track_running_stats``): the buffers a forward changes.
-    Constant buffers (causal masks) are not copied each step."""
-    return [
-        m for m in module.modules()
-        if getattr(m, "track_running_stats", False) and getattr(m, "running_mean", None) is not None
-    ]  # fmt: skip
-
-
 def _contexts(
-    stats: list[nn.Module], settings: tuple[_surgery.Setting, ...]
+    state: CallState, settings: tuple[_surgery.Setting, ...]
 ) -> tuple[contextlib.AbstractContextManager[None], Any]:
     """Checkpoint's (forward, recomputation) contexts: the forward as it is; the
-    recomputation under the enclosing swaps' settings the forward ran in, with the
-    running statistics put back as they were before it."""
-    return contextlib.nullcontext(), _recomputation(stats, settings)
+    recomputation under the enclosing swaps' settings the forward ran in, on the block's
+    buffers and counters as the forward found them, which it leaves as they were."""
+    return contextlib.nullcontext(), _recomputation(state, settings)
 
 
 @contextlib.contextmanager
-def _recomputation(
-    stats: list[nn.Module], settings: tuple[_surgery.Setting, ...]
-) -> Iterator[None]:
-    with _surgery.replayed(settings), _buffers_kept(stats):
+def _recomputation(state: CallState, settings: tuple[_surgery.Setting, ...]) -> Iterator[None]:
+    with _surgery.replayed(settings), state.replayed():
         yield
-
-
-@contextlib.contextmanager
-def _buffers_kept(stats: list[nn.Module]) -> Iterator[None]:
-    """Run the recomputation, then put the norm layers' buffers back as they were before it.
-
-    The recomputation runs the block's forward again, in train mode: batch norm would
-    update its running statistics (and ``num_batches_tracked``) a second time per step.
-    The forward left them as the unwrapped model has them; they end so again.
-    """
-    with torch.no_grad():
-        saved = [(owner, name, buffer, buffer.clone()) for owner in stats
-                 for name, buffer in owner.named_buffers(recurse=False)]  # fmt: skip
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for owner, name, buffer, value in saved:
-                if getattr(owner, name, None) is not buffer:  # the forward assigned a new one
-                    setattr(owner, name, buffer)
-                buffer.copy_(value)
 
 
 def _check_model(model: Any, function: str) -> nn.Module:
@@ -186,7 +154,7 @@ def _check_blocks(blocks: Any) -> list[type[nn.Module] | str] | None:
 
 def _resolve(model: nn.Module, blocks: list[type[nn.Module] | str] | None) -> list[type[nn.Module]]:
     if blocks is None:
-        return repeated_block_types(model)
+        return repeated_block_types(model, shared=True)
     present = [type(m) for m in model.modules()]
     kinds: list[type[nn.Module]] = []
     for block in blocks:
@@ -205,11 +173,29 @@ def _resolve(model: nn.Module, blocks: list[type[nn.Module] | str] | None) -> li
 
 
 def _offer(model: nn.Module) -> str:
-    found = [kind.__name__ for kind in repeated_block_types(model)]
+    found = [kind.__name__ for kind in repeated_block_types(model, shared=True)]
     if found:
         return f'its repeated blocks are {", ".join(found)}; name those, or pass "auto"'
     names = [kind.__name__ for kind in dict.fromkeys(type(m) for m in model.modules())]
     return f"it has no repeated blocks; its module classes are {', '.join(names[:12])}"
+
+
+def _none_found(model: nn.Module) -> str:
+    """What to pass when ``"auto"`` finds no block: a layer held once and called several
+    times (ALBERT's) is not seen without running the model."""
+    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
+    names = [kind.__name__ for kind in dict.fromkeys(
+        type(m) for m in model.modules()
+        if m is not model and type(m) not in containers
+        and next(m.children(), None) is not None and next(m.parameters(), None) is not None
+    )]  # fmt: skip
+    return (
+        f"ActivationCheckpointing: no repeated blocks found in {type(model).__name__} (a "
+        f"block class held at least twice by one ModuleList or Sequential); nothing "
+        f"checkpointed. A layer held once and called several times per step (ALBERT's "
+        f"shared layer) is not found: name its class, `blocks=[LayerClass]` (the classes "
+        f"here that hold layers: {', '.join(names[:10]) or 'none'})"
+    )
 
 
 def checkpoint_blocks(
@@ -223,8 +209,12 @@ def checkpoint_blocks(
     for one more forward of them (about a third more compute per step). Outputs and
     gradients are unchanged (dropout's random state is replayed), as are the state_dict
     keys and the optimizer's parameters: only each block instance's ``forward`` changes.
-    The recomputation leaves running statistics as the forward left them (batch norm's
-    are updated once per step, as without checkpointing). In eval
+    The recomputation runs on the block's buffers and plain Python counters as its
+    forward found them, and leaves them as the forward left them: batch norm's running
+    statistics, a counter, an MoE load buffer or a reassigned running mean
+    (``self.mean = 0.9 * self.mean + ...``) are updated once per step, as without
+    checkpointing (only the buffers a block's forward changes in place are copied, each
+    call; which those are is learned at its first call). In eval
     or under ``no_grad`` the blocks run as they are. A Hugging Face model's KV cache
     (``config.use_cache=True``) must be off for training: pass ``use_cache=False`` or
     set ``model.config.use_cache = False`` (the callback does so for the fit). A
@@ -238,7 +228,9 @@ def checkpoint_blocks(
     Args:
         model: the module, before DDP/FSDP/DeepSpeed wrap it.
         blocks: ``"auto"`` finds the repeated blocks (as ``fsdp_zero2``'s wrap policy
-            does: transformer layers, ViT blocks); or a list of module classes, class
+            does: transformer layers, ViT blocks; and one layer listed several times,
+            ``nn.ModuleList([layer] * n)``), and warns with what to pass when there is
+            none (a layer held once and called in a loop is not found); or a list of module classes, class
             names (``"Block"``, looked up in the model) or import paths
             (``"my_package.model.Block"``, for YAML configs).
         fraction: the share of the blocks to checkpoint, spread evenly over the
@@ -266,6 +258,8 @@ def checkpoint_blocks(
     _surgery.refuse_wrapped(model, "checkpoint_blocks")
     fraction = _check_fraction(fraction)
     instances = block_instances(model, _resolve(model, _check_blocks(blocks)))
+    if not instances:  # "auto" found nothing (named classes the model lacks are refused)
+        rank_zero_warn(_none_found(model))
     chosen = _spread([(name, m) for name, m in instances if not _is_checkpointed(m)], fraction)
     for _, module in chosen:
         forward = partial(_checkpointed, module)
@@ -394,6 +388,8 @@ class ActivationCheckpointing(L.Callback):
             undone = uncheckpoint_blocks(pl_module)  # an earlier fit's (other) choice
             blocks = "auto" if self._blocks is None else self._blocks
             self.checkpointed = checkpoint_blocks(pl_module, blocks, self.fraction)
+        if not instances and kept:  # "auto" found no block (else checkpoint_blocks said so)
+            rank_zero_warn(_none_found(pl_module))
         holders = self._cache_off.turn_off(pl_module, self.checkpointed)
         if not self.verbose:
             return
@@ -409,8 +405,6 @@ class ActivationCheckpointing(L.Callback):
                 f"ActivationCheckpointing: {len(self.checkpointed)} blocks "
                 f"({', '.join(kinds)}) recompute their activations in backward"
             )
-        elif not self.checkpointed:
-            rank_zero_info("ActivationCheckpointing: no repeated blocks found; nothing changed")
         if holders:
             rank_zero_info(
                 f"ActivationCheckpointing: `config.use_cache` off for the fit on {holders}, "
