@@ -29,6 +29,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit._random import random_state_kept
+from lightning_speedkit._surgery import in_side_run
 from lightning_speedkit.compute._frozen_skip import SkipPlan
 from lightning_speedkit.data.rebuild import _batching
 from lightning_speedkit.measure._tensor_walk import named_fields
@@ -265,7 +266,7 @@ class IndexTaker:
 
         def convert_input(batch: Any) -> Any:
             batch, index = take_index(batch)
-            if index is not None:
+            if index is not None and not in_side_run():  # not a tuner's trial batch's
                 self.taken = index
             return original(batch)
 

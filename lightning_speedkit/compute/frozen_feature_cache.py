@@ -14,7 +14,6 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat, _validation
@@ -34,6 +33,7 @@ from lightning_speedkit.compute._frozen_loader import (
 from lightning_speedkit.compute._frozen_modules import check_modules
 from lightning_speedkit.compute._frozen_skip import SkipPlan, can_skip, refetch_field
 from lightning_speedkit.compute._frozen_store import budget_bytes
+from lightning_speedkit.compute._step_batch import as_the_step_gets_it
 
 __all__ = ["FrozenFeatureCache", "PruneReport", "cache_frozen_features", "prune_frozen_features"]
 
@@ -197,20 +197,6 @@ class FrozenFeatureCache(L.Callback):
         self._state = dict(state_dict)
         if self.cache is not None:
             self.cache.load_state_dict(self._state)
-
-
-def as_the_step_gets_it(trainer: L.Trainer, batch: Any) -> Any:
-    """``batch`` (a loader's) as the fit loop hands it to the step: the precision's input
-    conversion, ``on_before_batch_transfer``, the move to the device and
-    ``on_after_batch_transfer`` (the datamodule's hooks where it overrides them, else the
-    LightningModule's), as Lightning's training epoch loop does."""
-    batch = trainer.precision_plugin.convert_input(batch)
-    data = _compat.datamodule(trainer)
-    if data is not None and is_overridden("on_before_batch_transfer", data):
-        batch = data.on_before_batch_transfer(batch, 0)
-    else:
-        batch = trainer.lightning_module.on_before_batch_transfer(batch, 0)
-    return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
 
 
 def carry_index(loader: Any) -> Any:

@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_speedkit import _validation
+from lightning_speedkit._surgery import side_run
 from lightning_speedkit.compute._candidate_walk import (
     Skipped,
     Trial,
@@ -168,7 +169,8 @@ def tune_micro_batch(
     does), once confirmed: it and the runner-up are re-timed in turns, and the faster
     by those medians wins. The model, its gradients,
     buffers and modes, and all random states come back as they were; compiled code
-    is set aside during the trials (each new shape would compile anew).
+    is set aside during the trials (each new shape would compile anew), and a
+    FrozenFeatureCache in the model neither serves, stores nor counts them.
 
     Args:
         model: the module whose parameters the step trains (its state is preserved).
@@ -235,7 +237,8 @@ def tune_micro_batch(
         model, dataloader, step, measure or timed_measure(device),
         to_device or (lambda batch: _to(batch, device)),
     )  # fmt: skip
-    with preserved(model, dataloader), eager(), torch.enable_grad():
+    # side_run: a FrozenFeatureCache in the model neither serves, stores nor counts a trial.
+    with preserved(model, dataloader), eager(), side_run(), torch.enable_grad():
         table, failures = walk(sizes, limit, trial, agree)
         best_row = confirm(table, verdict(table, agree), trial, agree, confirm_rounds)
     if failures and not any(row["samples_per_sec"] for row in table):

@@ -29,6 +29,7 @@ from lightning_speedkit.compute._loader_rescale import (
     resized,
 )
 from lightning_speedkit.compute._memory_probe import memory_limit, optimizer_state_bytes
+from lightning_speedkit.compute._step_batch import as_the_step_gets_it
 from lightning_speedkit.compute._step_timer import Measure, StepMeasurement, timed_measure
 from lightning_speedkit.compute._trial_state import no_logging
 from lightning_speedkit.compute.micro_batch_search import (
@@ -321,7 +322,7 @@ def _tune_in_fit(
         memory_headroom=tuner.memory_headroom,
         global_batch=global_batch,
         world_size=trainer.world_size,
-        to_device=lambda batch: strategy.batch_to_device(batch),
+        to_device=partial(as_the_step_gets_it, trainer),  # the fit loop's way to the step
         reserve_bytes=optimizer_state_bytes(trainer.optimizers),
         measure=tuner.measure or timed_measure(strategy.root_device, tuner.warmup, tuner.repeats),
         confirm_rounds=tuner.confirm_rounds,
