@@ -29,7 +29,9 @@ from lightning_speedkit.compute._frozen_modules import (
     ModuleWeights,
     Stamp,
     _chance_layers,
+    attributes_changed,
     fingerprint,
+    mismatch,
     why_not_now,
 )
 from lightning_speedkit.compute._frozen_rows import (
@@ -354,8 +356,10 @@ class CachedModule:
 
     def _weights_fingerprint(self, stamp: Stamp) -> str:
         if stamp != self._stamp:
-            fresh = fingerprint(self.module)
+            fresh, moved = fingerprint(self.module), self._weights.attributes_moved()
             if fresh != self._fingerprint and self._fingerprint:
+                if moved:  # not the weights: a setting of its forward's, a temperature
+                    self.scope.warn_once(attributes_changed(self.name, moved))
                 self.scope.store.drop(where=self.name)  # features of weights gone by
                 if self.scope.store.disk is not None:  # their shards stay, uncounted
                     name = self.name
@@ -449,19 +453,8 @@ class CachedModule:
             if not torch.equal(again, stored) and not torch.allclose(
                 again.float(), stored.float(), rtol=tolerance, atol=tolerance
             ):
-                self.stand_down(
-                    "on its first reuse, recomputed features differ from the stored ones "
-                    f"(largest difference {(again.float() - stored.float()).abs().max():.3g}): "
-                    "most likely a random augmentation of its input (random crops, flips, color "
-                    "jitter), randomness inside it, its weights written through `p.data` in "
-                    "this epoch (an EMA teacher: cache it only if it changes between epochs), "
-                    "a collate_fn that reorders the samples (the rows must follow the "
-                    "sampler's order), or a dataset changed in place with its first, middle "
-                    "and last samples the same (a reload that picks another subset: key by a "
-                    "sample id, `key='<field>'`). Augment before caching only with a fixed "
-                    "per-sample transform, or remove FrozenFeatureCache",
-                    wrong=True,
-                )
+                largest = float((again.float() - stored.float()).abs().max())
+                self.stand_down(mismatch(largest), wrong=True)
                 return False
         slot.verified = True
         self.counts.verified = self.verified

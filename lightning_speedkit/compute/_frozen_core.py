@@ -190,9 +190,10 @@ class FrozenFeatures:
         self._scope.data = data
 
     def recheck_weights(self) -> None:
-        """Fingerprint every cached module's weights again at its next call (the callback
-        does it as each epoch starts). Call it after writing their weights through
-        ``p.data``, which the per-call check cannot see; other writes it sees."""
+        """Fingerprint every cached module's weights and plain attributes again at its
+        next call (the callback does it as each epoch starts). Call it after writing their
+        weights through ``p.data``, which the per-call check cannot see (other writes it
+        sees), or after changing a plain attribute a forward reads (``temperature``)."""
         for cached in self.cached.values():
             cached.recheck_weights()
 
@@ -444,8 +445,9 @@ def cache_frozen_features(
             dtype, which serves bit-for-bit what the module computed. ``torch.bfloat16``
             halves a float32 store but changes the numerics: served features are rounded.
         verify: on the first reuse, run the module anyway and compare with the stored
-            features; on a mismatch (a random augmentation of the input) stop serving,
-            with a warning. Costs one batch's forward, once.
+            features; on a mismatch (a random augmentation of the input, or state the
+            forward reads that the key does not hold) stop serving, with a warning.
+            Costs one batch's forward, once.
         directory: a folder for a disk store (created if missing): every stored feature
             is also written there, in memory-mapped shards, and what passes the budget is
             served from there. A later cache (another process, a resumed fit) on the same

@@ -6,7 +6,8 @@ it), and no layer whose output in train mode depends on chance (dropout with ``p
 or on the rest of the batch (BatchNorm in train mode, which normalises by the batch's
 statistics and updates its running ones). :func:`why_not_cacheable` says which rule a
 module breaks, in words a user can act on; :func:`fingerprint` is a stable hash of the
-weights, so that features computed with other weights are never served, and
+weights and plain attributes, so that features computed with other weights (or another
+``temperature``) are never served, and
 :class:`ModuleWeights` the per-call checks (trainable? written to?) that ask the module's
 own parameters, also where FSDP lends it views of a flat parameter for the forward.
 """
@@ -26,10 +27,13 @@ from lightning_speedkit import _compat, _validation
 __all__ = [
     "ModuleWeights",
     "Stamp",
+    "attributes_changed",
     "check_modules",
     "choose_modules",
     "fingerprint",
     "frozen_candidates",
+    "mismatch",
+    "plain_attributes",
     "why_not_cacheable",
 ]
 
@@ -236,6 +240,7 @@ class ModuleWeights:
         self._owned: dict[tuple[nn.Module, str], torch.Tensor] = {}
         self._names: list[str] = []
         self.stamp()  # made outside forward: every parameter is its owner's own
+        self._attributes = plain_attributes(module)
 
     def registered(self) -> list[tuple[str, torch.Tensor]]:
         """Each parameter (the owner's, for a view that stands for one) and buffer, by name."""
@@ -270,11 +275,20 @@ class ModuleWeights:
         """The names of the weights that require grad in ``stamp`` (this walk's)."""
         return [n for n, (_, _, grad) in zip(self._names, stamp, strict=True) if grad]
 
+    def attributes_moved(self) -> list[str]:
+        """The :func:`plain_attributes` changed, added or gone since the last call (or since
+        this was made), by name: taken with each :func:`fingerprint`, to say which moved."""
+        now = plain_attributes(self.module)
+        before, self._attributes = self._attributes, now
+        return sorted(n for n in before.keys() | now.keys() if before.get(n) != now.get(n))
+
 
 def fingerprint(module: nn.Module) -> str:
-    """A stable hash of ``module``'s parameters and buffers: names, dtypes, shapes, bytes.
+    """A stable hash of ``module``'s parameters and buffers (names, dtypes, shapes, bytes)
+    and of its :func:`plain_attributes` (a ``temperature`` its forward divides by).
 
-    Equal weights give equal fingerprints in any process; any changed byte changes it.
+    Equal weights and attributes give equal fingerprints in any process; any changed byte
+    or attribute changes it.
     Reads every weight to the host: a sync on an accelerator, done only when
     :meth:`ModuleWeights.stamp` changed. It reads the tensors the module holds now: in
     an FSDP forward, the whole gathered weights (the same on every rank), not a shard.
@@ -287,8 +301,15 @@ def fingerprint(module: nn.Module) -> str:
         ...     _ = layer.weight.add_(1)
         >>> fingerprint(layer) == before
         False
+        >>> layer.temperature = 2.0  # a plain attribute, which a forward may read
+        >>> before = fingerprint(layer)
+        >>> layer.temperature = 3.0
+        >>> fingerprint(layer) == before
+        False
     """
     digest = hashlib.blake2b(digest_size=16)
+    for name, text in sorted(plain_attributes(module).items()):
+        digest.update(f"{name}={text};".encode())
     for name, tensor in _weights(module):
         digest.update(f"{name}:{tensor.dtype}:{tuple(tensor.shape)};".encode())
         # SYNC: copies the weight to the host (once per change of the weights).
@@ -297,3 +318,76 @@ def fingerprint(module: nn.Module) -> str:
         data = tensor.detach().to("cpu", copy=True).contiguous().reshape(-1).view(torch.uint8)
         digest.update(data.numpy().tobytes())
     return digest.hexdigest()
+
+
+#: Values a plain attribute holds to be part of a module's fingerprint, alone or in a
+#: short tuple: what a forward reads as a setting (a temperature, a scale, a flag). A list
+#: is left out: it is where a module collects what it saw (``self.rows.append(n)``).
+_PLAIN = (bool, int, float, str, type(None), torch.dtype)
+
+
+def plain_attributes(module: nn.Module) -> dict[str, str]:
+    """``module``'s and its submodules' public plain attributes, by dotted name, as text.
+
+    Plain: a number, a string, a bool, None or a dtype, or a tuple of up to 64 of those
+    (``self.temperature = 0.07``, ``self.scale``, ``self.kernel_size``): settings a
+    forward may read besides its weights and arguments. Left out: ``training`` (the
+    modes are checked at each call, see :func:`why_not_now`), a name with a leading
+    underscore (torch's bookkeeping), a list (what a module collects), an object (a
+    config) and a tensor that is not a buffer. Reading them walks the modules'
+    ``__dict__``: no device work.
+
+    Example::
+
+        >>> tower = nn.Sequential(nn.Linear(2, 2))
+        >>> tower[0].temperature, tower[0]._calls = 0.5, 3
+        >>> plain_attributes(tower)
+        {'0.in_features': '2', '0.out_features': '2', '0.temperature': '0.5'}
+    """
+    found: dict[str, str] = {}
+    for prefix, sub in module.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for name, value in vars(sub).items():
+            if not name.startswith("_") and name != "training" and _is_plain(value):
+                found[dot + name] = repr(value)
+    return found
+
+
+def _is_plain(value: Any) -> bool:
+    if isinstance(value, tuple):
+        return len(value) <= 64 and all(isinstance(v, _PLAIN) for v in value)
+    return isinstance(value, _PLAIN)
+
+
+def attributes_changed(name: str, changed: list[str]) -> str:
+    """What a cache says when ``changed`` plain attributes of its module ``name`` (seen
+    when its fingerprint is taken again) made its stored features go."""
+    shown = ", ".join(f"`{a}`" for a in changed[:3]) + (", ..." if len(changed) > 3 else "")
+    return (
+        f"FrozenFeatureCache computes `{name}`'s features again: its attribute(s) {shown} "
+        f"changed since they were stored, and a plain attribute, which its forward may read, "
+        f"is part of a feature's key. One that changes every epoch leaves nothing to serve; "
+        f"one the forward does not read can be kept out of the key by a leading underscore"
+    )
+
+
+def mismatch(largest: float) -> str:
+    """Why a cached module's stored features differ from the ones computed again on their
+    first reuse (``largest``: the largest difference): the likely causes, first the two
+    most common, and the fixes."""
+    return (
+        f"on its first reuse, recomputed features differ from the stored ones (largest "
+        f"difference {largest:.3g}): most likely a random augmentation of its input (random "
+        f"crops, flips, color jitter), or state its forward reads that a feature's key does "
+        f"not hold (the key holds the weights and buffers, the call's arguments and the "
+        f"public number and string attributes, read again as each epoch starts; not a list, "
+        f"an object's field, a private attribute, a tensor that is not a buffer, nor a "
+        f"change within the epoch: register such state as a buffer). Else randomness "
+        f"inside it, its weights written through "
+        f"`p.data` in this epoch (an EMA teacher: cache it only if it changes between "
+        f"epochs), a collate_fn that reorders the samples (the rows must follow the "
+        f"sampler's order), or a dataset changed in place with its first, middle and last "
+        f"samples the same (a reload that picks another subset: key by a sample id, "
+        f"`key='<field>'`). Augment before caching only with a fixed per-sample transform, "
+        f"or remove FrozenFeatureCache"
+    )

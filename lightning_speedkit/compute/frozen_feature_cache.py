@@ -78,8 +78,11 @@ class FrozenFeatureCache(L.Callback):
             a fit ``callback.cache.prune()``, which keeps only what that fit served from.
         dtype: storage dtype; None keeps the output's (exact). ``"bfloat16"`` halves a
             float32 store and rounds the served features: the numerics change.
-        verify: recompute the first reused batch and compare; on a mismatch (random
-            augmentation of the input) stop serving, with a warning naming the cause.
+        verify: recompute the first reused batch and compare; on a mismatch (a random
+            augmentation of the input, or state the forward reads that the key does not
+            hold, such as a private attribute) stop serving, with a warning naming the
+            causes. The key holds the weights, buffers, call arguments and the modules'
+            public number and string attributes (read again as each epoch starts).
 
     Example::
 
