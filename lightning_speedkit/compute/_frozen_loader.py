@@ -275,7 +275,8 @@ class IndexTaker:
 
     def detach(self) -> None:
         plugin, self._plugin = self._plugin, None
-        if plugin is not None and vars(plugin).get("convert_input") is self._mine:
+        mine, self._mine = self._mine, None  # a closure: the callback pickles without it
+        if plugin is not None and vars(plugin).get("convert_input") is mine:
             del plugin.convert_input
         self.taken = None
 
