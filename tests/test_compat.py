@@ -59,6 +59,9 @@ TEMPORARY = {
     ("lightning_speedkit/attention/adapters.py", "_attn_implementation"),
     ("lightning_speedkit/attention/adapters.py", "_attn_implementation_internal"),
     ("lightning_speedkit/measure/_packed_check.py", "_attn_implementation"),
+    # A layer's checkpoint function (`gradient_checkpointing_enable()`), wrapped during a
+    # swapped call so that its recomputation runs the swap's attention.
+    ("lightning_speedkit/attention/_hf_checkpointing.py", "_gradient_checkpointing_func"),
 }
 
 

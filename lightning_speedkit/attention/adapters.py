@@ -56,6 +56,7 @@ from torch import Tensor, nn
 from lightning_speedkit import _compat, _imports, _surgery, _validation
 from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._example_inputs import Inputs, device_of, tokens
+from lightning_speedkit.attention._hf_checkpointing import replaying_checkpoints
 from lightning_speedkit.attention._structural import Structure as Structure  # a binding's class
 from lightning_speedkit.attention._structural import (
     structural_example,
@@ -164,12 +165,13 @@ def _hf_forward(ctx: SwapContext, *args: Any, **kwargs: Any) -> Any:
 
 @contextmanager
 def _hf_setting(ctx: SwapContext) -> Iterator[None]:
-    """The model's attention implementation and SDPA kernel for ``ctx``'s backend."""
+    """The model's attention implementation and SDPA kernel for ``ctx``'s backend; the
+    layers transformers checkpoints recompute under them (:mod:`._hf_checkpointing`)."""
     config = ctx.binding
     previous = config._attn_implementation
     _set_hf_implementation(config, _hf_implementation(ctx))
     try:
-        with ctx.sdpa_kernel():
+        with ctx.sdpa_kernel(), replaying_checkpoints(ctx.module, partial(_hf_setting, ctx)):
             yield
     finally:
         _set_hf_implementation(config, previous)
