@@ -44,7 +44,7 @@ from lightning_speedkit._random import random_state_kept
 from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._attention_pattern import Found, find_attention
 from lightning_speedkit.attention._op_vocabulary import _tensor_args
-from lightning_speedkit.attention._parity import copy_inputs, fsdp2_units
+from lightning_speedkit.attention._parity import copy_inputs, force_eager, fsdp2_units
 from lightning_speedkit.attention._trace_record import _ById, _Recorder, _Trace  # pickles: _ById
 from lightning_speedkit.measure.flops import not_counted
 
@@ -190,7 +190,7 @@ class Discovery:
     def _start(self, module: nn.Module, grad: bool | None = None) -> _Trace:
         trace = self.trace = _Trace(module, grad)
         self.contexts = contextlib.ExitStack()
-        self.contexts.enter_context(_force_eager())
+        self.contexts.enter_context(force_eager())  # it must see compiled regions' calls
         # Swaps installed at the trace's end must not be what a checkpoint taken in it
         # recomputes: the kit's checkpoints run their blocks as they are meanwhile.
         self.contexts.enter_context(_surgery.forwards_changing())
@@ -301,18 +301,6 @@ class Discovery:
             name = self.candidates.get(_ById(trace.root), type(trace.root).__name__)
             self.installer.nothing_found(name)
         return found
-
-
-def _force_eager() -> contextlib.AbstractContextManager[Any]:
-    """torch.compile's ``force_eager`` stance for a trace, so that it sees the calls of
-    compiled regions; nothing where the call already runs inside torch.compile's frame
-    evaluation without being compiled (a compiled ``training_step`` that dynamo runs
-    eagerly, as it does under a counting dispatch mode): dynamo refuses a stance change
-    there ("attempted to set_stance in a torch.compile region")."""
-    try:
-        return torch.compiler.set_stance("force_eager")
-    except RuntimeError:  # refused before changing anything
-        return contextlib.nullcontext()
 
 
 def _replace_output(

@@ -12,9 +12,10 @@ both runs are judged against a float32 run of the module's own forward
 from __future__ import annotations
 
 import contextlib
+import inspect
 import math
-from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -100,6 +101,104 @@ def copy_inputs(
     return copy(args), copy(kwargs)
 
 
+def force_eager() -> contextlib.AbstractContextManager[Any]:
+    """torch.compile's ``force_eager`` stance: compiled regions (``RegionalCompile``'s
+    blocks) run their own code inside, compiling nothing and guarding on nothing.
+
+    For the kit's own runs of a module (a trace, a parity check, its timing): through a
+    compiled block, a check's input shapes, grad mode and eval mode would each compile
+    the block once more, towards dynamo's recompile limit. Nothing where the call already
+    runs inside torch.compile's frame evaluation without being compiled (a compiled
+    ``training_step`` that dynamo runs eagerly, as it does under a counting dispatch
+    mode): dynamo refuses a stance change there ("attempted to set_stance in a
+    torch.compile region").
+    """
+    try:
+        return torch.compiler.set_stance("force_eager")
+    except RuntimeError:  # refused before changing anything
+        return contextlib.nullcontext()
+
+
+#: Keyword arguments that mark a call's padding, Hugging Face's way: ``(batch, seq)``,
+#: nonzero at the real tokens; or ``(batch, heads, queries, keys)``, what each query may
+#: attend to (``True``, nonzero, or an additive ``0``).
+PADDING_MASKS = ("attention_mask",)
+
+
+def real_positions(
+    forward: Callable[..., Any], module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Tensor | None:
+    """The ``(batch, seq)`` positions of a call that are real tokens, ``True``; ``None``
+    when its padding mask marks none as padding (or it has none).
+
+    A padded position's output row is arbitrary: a query with no real key to attend to
+    (left padding under a causal mask; right padding past a sliding window) gets
+    whatever each kernel makes of a fully masked row (transformers' eager and SDPA
+    paths differ there by 0.1 on equal weights), and it reaches no real token's output:
+    the next layer reads it only as a key, which the same mask hides. A 2-D mask names
+    the padding; a 4-D one, the queries that no key can reach. An encoder-decoder call
+    is left whole (strict): its ``attention_mask`` is the encoder's, while its outputs
+    are the decoder's.
+    """
+    named = dict(kwargs)  # a forward taking ``**kwargs`` binds them under one name
+    with contextlib.suppress(TypeError, ValueError):  # not introspectable: keywords only
+        named.update(inspect.signature(forward).bind_partial(*args, **kwargs).arguments)
+    config = getattr(module, "config", None)
+    if getattr(config, "is_encoder_decoder", False) or any(k.startswith("decoder_") for k in named):
+        return None
+    for name in PADDING_MASKS:
+        mask = named.get(name)
+        if not isinstance(mask, Tensor) or mask.dim() not in (2, 4):
+            continue
+        # SYNC (here and below): once per module check. A float mask is 1/0 weights, or
+        # additive: 0 attends, a very negative value (-inf, the dtype's min) does not.
+        if mask.is_floating_point() and bool((mask < 0).any()):
+            allowed = mask > torch.finfo(mask.dtype).min / 2
+        else:
+            allowed = mask != 0
+        real = allowed if mask.dim() == 2 else allowed.any(-1).any(1)
+        if bool(real.all()) or not bool(real.any()):
+            return None  # no padding; or nothing left to compare: the whole call then
+        return real
+    return None
+
+
+def _per_position(tensor: Tensor, real: Tensor) -> bool:
+    """Whether ``tensor`` holds one row per position of ``real`` (leading ``(batch, seq)``)."""
+    return tensor.dim() >= 2 and tensor.shape[:2] == real.shape
+
+
+class Failure(NamedTuple):
+    """A backend that failed a module's check."""
+
+    backend: str
+    error: float | None
+    """Its parity error; ``None`` where it did not run (refused, raised) or where it
+    passed in eval mode and cannot run the training call."""
+    why: str
+
+
+def revert_note(failures: Sequence[Failure], chosen: Failure | None = None) -> tuple[Failure, str]:
+    """The failure a revert reports (``chosen``, else the closest miss: the smallest parity
+    error, else the first), and the report's note: its reason, and the others tried.
+
+    The report's backend and parity error columns are the reported failure's, so the row
+    reads as one verdict (``auto`` tries several backends: the note names them all).
+    """
+    if not failures:
+        return Failure("", None, "no backend could be checked"), "no backend could be checked"
+    if chosen is None:
+        measured = [f for f in failures if f.error is not None]
+        chosen = min(measured, key=lambda f: f.error or 0.0) if measured else failures[0]
+    others = [
+        f"{f.backend!r} ({f.why if f.error is None else f'parity error {f.error:.2e}'})"
+        for f in failures
+        if f is not chosen
+    ]
+    more = f"; also tried: {', '.join(others)}" if others else ""
+    return chosen, chosen.why + more
+
+
 def fsdp2_units(module: nn.Module) -> list[nn.Module]:
     """``module``'s FSDP2 units (``fully_shard``), itself included: a run of it on copies
     of its inputs meets their hooks (their gathers, and in backward their reshards)."""
@@ -108,6 +207,21 @@ def fsdp2_units(module: nn.Module) -> list[nn.Module]:
     from torch.distributed.fsdp import FSDPModule
 
     return [m for m in module.modules() if isinstance(m, FSDPModule)]
+
+
+def holds_fsdp2_unit(module: nn.Module) -> bool:
+    """Whether a submodule of ``module`` is an FSDP2 unit (``fully_shard``): its check
+    then runs no backward.
+
+    The backward of a check that runs through an FSDP2 unit's forward ends with FSDP2's
+    end-of-backward callback, which reshards every unit of the model, the root included,
+    whose forward (the training step around the check) is still running: the root's
+    parameters (a Hugging Face model's embedding and head) are then sharded ``DTensor``
+    when the forward reads them next. A module that is a unit itself and holds none (an
+    attention module sharded on its own) is checked as usual: the check calls its forward
+    function, which runs none of FSDP2's hooks.
+    """
+    return any(unit is not module for unit in fsdp2_units(module))
 
 
 def tensors(value: Any) -> list[Tensor]:
@@ -129,6 +243,7 @@ class Run:
         inputs: those inputs: the ones that require grad get gradients.
         module: whose parameters get gradients.
         grad: compute the gradients (a backward under a fixed projection).
+        real: the call's real positions (:func:`real_positions`): see :meth:`compared`.
     """
 
     def __init__(
@@ -137,9 +252,11 @@ class Run:
         inputs: Inputs,
         module: nn.Module,
         grad: bool,
+        real: Tensor | None = None,
     ) -> None:
         self.fn = fn
         self.grad = grad
+        self.real = real
         output = fn()
         self.not_implemented = output is NotImplemented
         self.tensors = [] if self.not_implemented else tensors(output)
@@ -150,13 +267,44 @@ class Run:
         if grad and not self.not_implemented:
             self.grads = self.backward(self.tensors)
 
+    def _padded(self) -> Tensor | None:
+        """The real positions, where some output has a row per position (else None)."""
+        real = self.real
+        if real is None or not any(_per_position(t, real) for t in self.tensors):
+            return None
+        return real
+
+    def compared(self) -> list[Tensor]:
+        """The outputs the check compares.
+
+        All of them; but where the call carries padding (``real``) and some output has a
+        row per position, those outputs at the real positions only, and no other output.
+        Such another output is computed from the padded rows too: a Hugging Face loss on
+        a left-padded row reads its last padded position's prediction (the shifted labels
+        ask it for the first real token), which each kernel computes from a fully masked
+        query as it likes. What the kernel does to the real tokens shows in their rows.
+        """
+        real = self._padded()
+        if real is None:
+            return self.tensors
+        return [t[real.to(t.device)] for t in self.tensors if _per_position(t, real)]
+
     def _projections(self, outputs: list[Tensor]) -> list[Tensor]:
-        # A fixed random projection of each output: the same for both runs.
+        # A fixed random projection of each output: the same for both runs; zero where
+        # the comparison leaves the output out (see ``compared``), so that the gradients
+        # are those of the outputs compared.
         generator = torch.Generator().manual_seed(1234)
-        return [
-            torch.randn(o.shape, generator=generator, dtype=torch.float32).to(o.device, o.dtype)
-            for o in outputs
-        ]
+        real = self._padded()
+        projections = []
+        for o in outputs:
+            projection = torch.randn(o.shape, generator=generator, dtype=torch.float32)
+            projection = projection.to(o.device, o.dtype)
+            if real is not None:
+                keep = real if _per_position(o, real) else torch.zeros((), dtype=torch.bool)
+                keep = keep.reshape((*keep.shape, *[1] * (o.dim() - keep.dim())))
+                projection = projection * keep.to(o.device, o.dtype)
+            projections.append(projection)
+        return projections
 
     def backward(self, outputs: list[Tensor]) -> list[Tensor | None]:
         """The gradients of the inputs and parameters under the fixed projection."""
@@ -182,7 +330,10 @@ class Run:
         """Largest relative error of ``other``'s outputs and gradients against ours.
 
         Outputs and input gradients: each tensor's largest error, scaled by its
-        own largest value, floored at 1% of the largest value in its group.
+        own largest value, floored at 1% of the largest value in its group. On a padded
+        call, the outputs with a row per position at the real positions only (see
+        :meth:`compared`); input gradients whole (a padded input's gradient would reach
+        the parameters of whatever computed it).
 
         Parameter gradients: the error of the module's whole parameter gradient,
         one vector (relative L2), as an optimizer step sees it, whatever the
@@ -200,7 +351,10 @@ class Run:
         if len(self.tensors) != len(other.tensors) or len(self.grads) != len(other.grads):
             return math.inf
         n = self.n_inputs
-        outputs = relative_errors(list(zip(self.tensors, other.tensors, strict=True)))
+        ours, theirs = self.compared(), other.compared()
+        if len(ours) != len(theirs):
+            return math.inf
+        outputs = relative_errors(list(zip(ours, theirs, strict=True)))
         inputs = relative_errors(list(zip(self.grads[:n], other.grads[:n], strict=True)))
         params = vector_error(list(zip(self.grads[n:], other.grads[n:], strict=True)))
         if outputs is None or inputs is None or params is None:

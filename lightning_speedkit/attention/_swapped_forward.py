@@ -7,7 +7,9 @@ A module whose fused forward fails is reverted to its own, with a warning. One w
 own forward ``auto`` timed clearly faster runs it too, but for packed batches: the fused
 forward that passed its check still runs those, as only it keeps their documents apart.
 A module that holds FSDP2 units (a Hugging Face model under ``fsdp2_zero2``) is checked
-forward only, without gradients: see :func:`_holds_fsdp2_unit`.
+forward only, without gradients: see :func:`._parity.holds_fsdp2_unit`. The checks
+run compiled blocks (``RegionalCompile``'s) eagerly, so they compile nothing, and
+compare real tokens only where the call carries a padding mask (see :mod:`._parity`).
 Decisions made elsewhere (rank 0's, a resumed run's) are taken with
 :meth:`_SwappedForward.adopt`.
 """
@@ -16,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
@@ -37,12 +38,16 @@ from lightning_speedkit.attention import _auto_timing, _documents
 from lightning_speedkit.attention._auto_timing import own_is_faster, pick_fastest
 from lightning_speedkit.attention._own_calls import warn_own_attention
 from lightning_speedkit.attention._parity import (
+    Failure,
     Inputs,
     Run,
     copy_inputs,
     eval_mode,
-    fsdp2_units,
+    force_eager,
+    holds_fsdp2_unit,
     is_half,
+    real_positions,
+    revert_note,
     tensors,
     tolerance_for,
     upcast,
@@ -124,7 +129,7 @@ class _SwappedForward:
         example = self.adapter.example_inputs(self.module)
         if example is None:
             return
-        with eval_mode(self.module), torch.enable_grad(), _documents.suspended():
+        with eval_mode(self.module), torch.enable_grad(), _documents.suspended(), force_eager():
             self._check(example[0], example[1], grad=True, time_it=False, label="synthetic")
 
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> Any:
@@ -143,10 +148,12 @@ class _SwappedForward:
         # The check is not the model's work: no FLOPs counted, and what its runs save for
         # backward stays theirs (an enclosing activation checkpoint must not count it). A
         # packed batch's documents are left out: both forwards attend over whole rows.
+        # Compiled blocks inside run eagerly: the check's eval mode, grad mode and copies
+        # would each compile them anew (RegionalCompile compiles each block once).
         note_first_call_work()  # a step unlike later ones: SpeedMonitor counts another
         packed = _documents.active() is not None  # read before the check suspends them
         modes = [(m, m.training) for m in self.module.modules()]
-        backward = grad and not _holds_fsdp2_unit(self.module)
+        backward = grad and not holds_fsdp2_unit(self.module)
         with (
             torch.no_grad() if grad and not backward else contextlib.nullcontext(),
             eval_mode(self.module),
@@ -155,6 +162,7 @@ class _SwappedForward:
             _documents.suspended(),
             random_state_kept(),  # in the user's step: its dropout draws as without the check
             side_run(),  # a frozen-feature cache inside runs as it is, uncounted
+            force_eager(),
         ):
             passed = self._check(
                 args,
@@ -190,13 +198,17 @@ class _SwappedForward:
         passing backend, unless ``packed`` (a packed batch's documents were active at the
         call): only the swapped attention keeps them apart.
 
-        Returns whether a check happened and passed (the adapter may not handle
-        these inputs: then nothing is decided).
+        Outputs are compared at the real tokens of a call that carries a padding mask
+        (:func:`._parity.real_positions`). Returns whether a check happened and passed
+        (the adapter may not handle these inputs: then nothing is decided).
         """
         entry = self.entry
         copies = copy_inputs(args, kwargs, requires_grad=grad)
+        real = real_positions(self.original, self.module, args, kwargs)
         try:
-            own = Run(lambda: self.original(*copies[0], **copies[1]), copies, self.module, grad)
+            own = Run(
+                lambda: self.original(*copies[0], **copies[1]), copies, self.module, grad, real
+            )
         except Exception:
             if label != "synthetic":
                 raise  # the module's own forward fails on its real inputs: the user's error
@@ -212,19 +224,23 @@ class _SwappedForward:
         else:
             candidates = [self.ctx.attend.backend]
         tolerance = self.tolerance or tolerance_for(own.tensors)
-        reference = self._reference(args, kwargs, grad) if is_half(own.tensors) else None
+        reference = self._reference(args, kwargs, own) if is_half(own.tensors) else None
         if reference is not None:  # judge both against float32, not fused against eager
             tolerance = max(tolerance, 2 * reference.error(own))
         judged = self._judge(candidates, copies, reference or own, tolerance, label, grad)
         if judged is None:
             return False
-        passing, failure = judged
+        passing, failures = judged
+        device = own.tensors[0].device
+        untrained: list[Failure] = []  # passed in eval mode, cannot run the training call
         if training is not None:
             runs = [(p, self._fails_in_training(p[0], copies, training)) for p in passing]
             passing = [p for p, why in runs if why is None]
-            failure = next((why for _, why in runs if why is not None), failure)
-        if not passing:
-            self._revert(failure)
+            untrained = [Failure(p[0], None, why) for p, why in runs if why is not None]
+        if not passing:  # one that passed in eval mode is the closest miss: reported
+            chosen, note = revert_note(untrained + failures, next(iter(untrained), None))
+            self._note_backend(chosen.backend, chosen.error, device)
+            self._revert(note)
             return False
         if time_it and (len(passing) > 1 or self.measure or auto):  # own is auto's candidate
             backend, error_value, entry.speedup, timed = self._pick(own, passing, copies, grad)
@@ -232,17 +248,23 @@ class _SwappedForward:
             # (the validation sanity check) times no backward, and its batch may be
             # unpacked where the training batches are packed.
             if auto and grad and own_is_faster(entry.speedup) and not packed:
-                self._keep_own(backend, own.tensors[0].device, entry.speedup, warn=timed)
+                self._note_backend(backend, None, device)  # it passed: slower, not wrong
+                self._keep_own(backend, device, entry.speedup, warn=timed)
                 return False
         else:
             backend, error_value, _ = passing[0]
-        attend = self._attend(backend)
-        self.ctx = SwapContext(self.module, self.original, attend, self.ctx.binding)
-        entry.backend = attend.describe(own.tensors[0].device)
-        entry.parity_error = error_value
+        self.ctx = SwapContext(self.module, self.original, self._attend(backend), self.ctx.binding)
+        self._note_backend(backend, error_value, device)
         entry.checked = label
         entry.status = "active"
         return True
+
+    def _note_backend(self, backend: str, error: float | None, device: torch.device) -> None:
+        """The report's backend and parity error: the backend judged, passing or not (the
+        error ``None`` where a backend that passed is not kept: the note says why)."""
+        if backend in BACKENDS:
+            self.entry.backend = self._attend(backend).describe(device)
+        self.entry.parity_error = error
 
     def _judge(
         self,
@@ -252,35 +274,38 @@ class _SwappedForward:
         tolerance: float,
         label: str,
         grad: bool,
-    ) -> tuple[list[tuple[str, float, Run]], str] | None:
+    ) -> tuple[list[tuple[str, float, Run]], list[Failure]] | None:
         """Each candidate's fused forward against ``reference``: those within ``tolerance``
-        as ``(backend, error, run)``, and why the last one failed; None when the adapter
+        as ``(backend, error, run)``, and the others' failures; None when the adapter
         does not handle these inputs (nothing is decided)."""
         passing: list[tuple[str, float, Run]] = []
-        failure = ""
+        failures: list[Failure] = []
         for backend in candidates:
             ctx = SwapContext(
                 self.module, self.original, self._attend(backend), self.ctx.binding, checking=True
             )
             try:
-                fused = Run(_bind(self.adapter.forward, ctx, copies), copies, self.module, grad)
+                forward = _bind(self.adapter.forward, ctx, copies)
+                fused = Run(forward, copies, self.module, grad, reference.real)
             except SwapRefusedError as error:
-                failure = str(error)
+                failures.append(Failure(backend, None, str(error)))
                 continue
             except Exception as error:
-                failure = f"the fused forward raised {type(error).__name__}: {error}"
+                why = f"the fused forward raised {type(error).__name__}: {error}"
+                failures.append(Failure(backend, None, why))
                 continue
             if fused.not_implemented:
                 return None
             error_value = reference.error(fused)
             if error_value <= tolerance:
                 passing.append((backend, error_value, fused))
-            elif not failure or error_value < math.inf:
-                failure = (
+            else:
+                why = (
                     f"parity error {error_value:.2e} > tolerance {tolerance:.1e} "
                     f"on {label} inputs with backend {backend!r}"
                 )
-        return passing, failure
+                failures.append(Failure(backend, error_value, why))
+        return passing, failures
 
     def _pick(
         self, own: Run, passing: list[tuple[str, float, Run]], inputs: Inputs, grad: bool
@@ -358,14 +383,15 @@ class _SwappedForward:
                     buffer.copy_(saved)
         return None
 
-    def _reference(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> Run | None:
-        """The module's own forward in float32: inputs, parameters and buffers upcast."""
+    def _reference(self, args: tuple[Any, ...], kwargs: dict[str, Any], own: Run) -> Run | None:
+        """``own`` run again in float32: inputs, parameters and buffers upcast."""
+        grad, real = own.grad, own.real
         copies = copy_inputs(args, kwargs, requires_grad=grad, upcast=True)
         device = next((t.device for t in tensors(copies)), torch.device("cpu"))
         try:
             with upcast(self.module), torch.autocast(device.type, enabled=False):
                 return Run(
-                    lambda: self.original(*copies[0], **copies[1]), copies, self.module, grad
+                    lambda: self.original(*copies[0], **copies[1]), copies, self.module, grad, real
                 )
         except Exception:  # a forward that insists on its dtype: compare with eager alone
             log.debug("no float32 reference for %s", self.entry.name, exc_info=True)
@@ -411,7 +437,7 @@ class _SwappedForward:
             checked = str(decision.get("checked", ""))
             self.checked_forward = checked in ("forward", "forward+backward")
             self.checked_backward = checked == "forward+backward" or (
-                checked == "forward" and _holds_fsdp2_unit(self.module)  # all it can check
+                checked == "forward" and holds_fsdp2_unit(self.module)  # all it can check
             )
             entry.checked = checked
             entry.backend = decision.get("backend")
@@ -455,21 +481,6 @@ def _call_kind(module: nn.Module, entry: ModuleSwap, inputs: Inputs, grad: bool)
     shapes = tuple((tuple(t.shape), t.dtype, t.device) for t in tensors(inputs))
     cls = type(module)
     return (cls.__module__, cls.__qualname__, entry.family, entry.detail, grad, shapes)
-
-
-def _holds_fsdp2_unit(module: nn.Module) -> bool:
-    """Whether a submodule of ``module`` is an FSDP2 unit (``fully_shard``): its check
-    then runs no backward.
-
-    The backward of a check that runs through an FSDP2 unit's forward ends with FSDP2's
-    end-of-backward callback, which reshards every unit of the model, the root included,
-    whose forward (the training step around the check) is still running: the root's
-    parameters (a Hugging Face model's embedding and head) are then sharded ``DTensor``
-    when the forward reads them next. A module that is a unit itself and holds none (an
-    attention module sharded on its own) is checked as usual: the check calls its forward
-    function, which runs none of FSDP2's hooks.
-    """
-    return any(unit is not module for unit in fsdp2_units(module))
 
 
 def _keep_saved_tensors() -> Any:

@@ -52,7 +52,7 @@ from lightning_speedkit._random import random_state_kept
 from lightning_speedkit._surgery import refuse_wrapped, replace_forward, replaced_forward
 from lightning_speedkit.attention._attention_pattern import Found
 from lightning_speedkit.attention._discovery import Discovery, probed
-from lightning_speedkit.attention._parity import DEFAULT_TOLERANCE, eval_mode
+from lightning_speedkit.attention._parity import DEFAULT_TOLERANCE, eval_mode, force_eager
 from lightning_speedkit.attention._rank_agreement import agree
 from lightning_speedkit.attention._swap_report import ModuleSwap, SwapReport
 from lightning_speedkit.attention._swapped_forward import _SwappedForward  # pickles name it here
@@ -104,7 +104,9 @@ def swap_attention(
             arguments or a dict of keyword arguments. The model runs it once (in
             eval mode, output discarded) so that each swapped module is checked,
             and attention no family names is found, on real inputs now rather
-            than at the model's first call.
+            than at the model's first call. Blocks compiled in place
+            (:class:`~lightning_speedkit.RegionalCompile`) run eagerly in that call, as
+            in every check: they compile at the model's own first call, once.
         tolerance: largest relative error that passes; default by dtype
             (:data:`DEFAULT_TOLERANCE`: 1e-4 in fp32, 3e-2 in bf16).
         measure: time the module's own forward(+backward) against the fused one
@@ -143,8 +145,8 @@ def swap_attention(
         discovery = _discover(model, report, excluded, backend, tolerance, measure)
         if not swaps and not report.skipped and discovery is None:
             _warn_nothing_found(type(model).__name__)
-        if sample is not None:
-            with eval_mode(model), torch.enable_grad():
+        if sample is not None:  # the kit's run, not the model's: compiled blocks run eagerly
+            with eval_mode(model), torch.enable_grad(), force_eager():
                 _call(model, sample)  # checks the swaps; probed modules' first call is traced
         else:
             for swap in swaps:
