@@ -230,9 +230,9 @@ def checkpoint_blocks(
         blocks: ``"auto"`` finds the repeated blocks (as ``fsdp_zero2``'s wrap policy
             does: transformer layers, ViT blocks; and one layer listed several times,
             ``nn.ModuleList([layer] * n)``), and warns with what to pass when there is
-            none (a layer held once and called in a loop is not found); or a list of module classes, class
-            names (``"Block"``, looked up in the model) or import paths
-            (``"my_package.model.Block"``, for YAML configs).
+            none (a layer held once and called in a loop is not found); or a list of
+            module classes, class names (``"Block"``, looked up in the model) or import
+            paths (``"my_package.model.Block"``, for YAML configs).
         fraction: the share of the blocks to checkpoint, spread evenly over the
             model (1.0: all). Lower it to trade back memory for speed.
 
