@@ -105,9 +105,9 @@ def demo_corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _peaks_found_anew() -> None:
     """SpeedMonitor keeps the peak it found for the rest of the process; a test that
     patches how it is found must not hand its figure to the tests after it."""
-    from lightning_speedkit.measure.speed_monitor import RESOLVED_PEAKS
+    from lightning_speedkit.measure import speed_monitor
 
-    RESOLVED_PEAKS.clear()
+    speed_monitor._TIMED_PEAKS.clear()
 
 
 @pytest.fixture(autouse=True)

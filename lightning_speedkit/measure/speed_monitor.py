@@ -334,10 +334,10 @@ def _warn(message: str) -> bool:
     return True
 
 
-#: Peaks found in this process, by setting, device, dtype, torch's thread count and
-#: float32 matmul precision: every fit of a process divides by the same peak (a 0.3 s
-#: matmul timed anew per fit moved 2x between fits on a busy machine).
-RESOLVED_PEAKS: dict[tuple[str, str, torch.dtype, int, str], float | None] = {}
+#: Peaks timed in this process, by device, dtype, torch's thread count and float32 matmul
+#: precision: every fit of a process divides by the same peak (a 0.3 s matmul timed anew
+#: per fit moved 2x between fits on a busy machine).
+_TIMED_PEAKS: dict[tuple[str, torch.dtype, int, str], float | None] = {}
 
 
 def _resolve_peak(setting: PeakSetting, device: torch.device, dtype: torch.dtype) -> float | None:
@@ -346,14 +346,14 @@ def _resolve_peak(setting: PeakSetting, device: torch.device, dtype: torch.dtype
         return None
     if isinstance(setting, (int, float)):
         return float(setting)
-    key = (setting, str(device), dtype, torch.get_num_threads(),
-           torch.get_float32_matmul_precision())  # fmt: skip
-    if key not in RESOLVED_PEAKS:
-        if setting == "measure":
-            RESOLVED_PEAKS[key] = _peak.measure_matmul_peak(device, dtype)
-        else:  # "auto": the table; a CPU has no datasheet peak, so time a matmul there
-            RESOLVED_PEAKS[key] = _peak.peak_flops(device, dtype, measure=device.type == "cpu")
-    return RESOLVED_PEAKS[key]
+    if setting == "auto" and device.type != "cpu":
+        return _peak.peak_flops(device, dtype)  # the table; a CPU has no datasheet peak
+    key = (str(device), dtype, torch.get_num_threads(), torch.get_float32_matmul_precision())
+    if key not in _TIMED_PEAKS:  # a CPU has no datasheet: "auto" and "measure" time alike
+        cpu = device.type == "cpu"
+        _TIMED_PEAKS[key] = (_peak.peak_flops(device, dtype, measure=True) if cpu
+                             else _peak.measure_matmul_peak(device, dtype))  # fmt: skip
+    return _TIMED_PEAKS[key]
 
 
 def _no_peak_message(device: torch.device, dtype: torch.dtype) -> str:
