@@ -8,7 +8,13 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["CacheOff", "block_instances", "cache_configs", "repeated_block_types"]
+__all__ = [
+    "CacheOff",
+    "block_candidates",
+    "block_instances",
+    "cache_configs",
+    "repeated_block_types",
+]
 
 
 #: torch's generic containers: a model's structure, never a block of its own. A
@@ -21,6 +27,16 @@ def _has_parameters(module: nn.Module) -> bool:
     return next(module.parameters(), None) is not None
 
 
+def _is_candidate(module: nn.Module) -> bool:
+    """A module that could be a block: it holds modules and parameters, and is not one of
+    torch's containers."""
+    return (
+        type(module) not in _CONTAINERS
+        and next(module.children(), None) is not None
+        and _has_parameters(module)
+    )
+
+
 def repeated_block_types(model: nn.Module, *, shared: bool = False) -> list[type[nn.Module]]:
     """Classes of the model's repeated blocks, outermost first found.
 
@@ -31,10 +47,13 @@ def repeated_block_types(model: nn.Module, *, shared: bool = False) -> list[type
     derived from one) are never block classes. A class whose every instance sits inside
     a block of another found class is left out: wrapping the outer block covers it.
 
-    With ``shared``, one instance held several times by one container counts each time
-    (ALBERT's ``nn.ModuleList([layer] * n)``: one layer, its parameters shared): what
-    activation checkpointing may wrap (each call of the instance is checkpointed), not
-    what FSDP shards or regional compilation compiles, which leave it out.
+    With ``shared``, one instance listed several times by one container counts each time
+    (one layer listed ``n`` times, ``nn.ModuleList([layer] * n)``: its parameters shared):
+    what activation checkpointing may wrap (each call of the instance is checkpointed),
+    not what FSDP shards (one instance cannot be ``n`` units) nor what ``"auto"`` of
+    regional compilation picks. A layer held once and called in a loop (ALBERT's: a
+    one-entry ``ModuleList`` called ``num_hidden_layers`` times) is found by neither:
+    only running the model would show it; :func:`block_candidates` ranks it first.
 
     Example::
 
@@ -52,13 +71,7 @@ def repeated_block_types(model: nn.Module, *, shared: bool = False) -> list[type
         if not isinstance(container, (nn.ModuleList, nn.Sequential)):
             continue
         held = iter(container) if shared else container.children()  # children(): once each
-        kinds = Counter(
-            type(child)
-            for child in held
-            if type(child) not in _CONTAINERS
-            and next(child.children(), None) is not None
-            and _has_parameters(child)
-        )
+        kinds = Counter(type(child) for child in held if _is_candidate(child))
         found += [kind for kind, n in kinds.items() if n >= 2 and kind not in found]
     outermost: Counter[type[nn.Module]] = Counter()
 
@@ -71,6 +84,54 @@ def repeated_block_types(model: nn.Module, *, shared: bool = False) -> list[type
 
     visit(model, False)
     return [kind for kind in found if outermost[kind]]
+
+
+def block_candidates(model: nn.Module) -> list[type[nn.Module]]:
+    """Classes to try as ``blocks=[...]`` where :func:`repeated_block_types` finds none,
+    the likeliest block first.
+
+    Every module (below the model itself) that holds modules and parameters, torch's
+    containers excepted, ranked: first a layer listed more than once (its qualified names
+    are several, ``nn.ModuleList([layer] * n)``); then a layer held in an
+    ``nn.ModuleList``, innermost first (ALBERT keeps its one layer in a one-entry list,
+    inside a one-entry list of layer groups, and calls it in a loop: ``AlbertLayer``
+    comes before ``AlbertLayerGroup``); then the rest, outermost first, except that a
+    module holding every other candidate (the model's network as a whole, inside a
+    LightningModule) comes last. Each class once.
+
+    Example::
+
+        >>> from torch import nn
+        >>> class Layer(nn.Module):
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.ff = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
+        >>> class Encoder(nn.Module):  # ALBERT's shape: one layer, called in a loop
+        ...     def __init__(self):
+        ...         super().__init__()
+        ...         self.embed = nn.Sequential(nn.Embedding(9, 4), nn.LayerNorm(4))
+        ...         self.layers = nn.ModuleList([Layer()])
+        >>> model = nn.Sequential(Encoder(), nn.Linear(4, 1))
+        >>> [kind.__name__ for kind in block_candidates(model)]
+        ['Layer', 'Encoder']
+    """
+    modules = [m for m in model.modules() if m is not model and _is_candidate(m)]
+    names = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
+    lists = [c for c in model.modules() if isinstance(c, nn.ModuleList)]
+    listed = {id(m) for m in modules} & {id(m) for c in lists for m in c.children()}
+    held = {id(m): {id(d) for d in m.modules() if d is not m} for m in modules}
+
+    def rank(index: int) -> tuple[int, int]:
+        module = modules[index]
+        if names[id(module)] > 1:
+            return 0, index
+        if id(module) in listed:  # a list-held layer holding no list-held layer comes first
+            return (1 if held[id(module)] & listed else 0) + 1, index
+        holds_all = all(id(m) in held[id(module)] for m in modules if m is not module)
+        return (4 if holds_all and len(modules) > 1 else 3), index
+
+    order = sorted(range(len(modules)), key=rank)
+    return list(dict.fromkeys(type(modules[i]) for i in order))
 
 
 def block_instances(model: nn.Module, kinds: list[type[nn.Module]]) -> list[tuple[str, nn.Module]]:

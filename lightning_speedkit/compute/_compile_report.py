@@ -3,79 +3,71 @@
 Pure functions of the model and of what :class:`~lightning_speedkit.compute.CompileWatch`
 counted; the callback only decides when to say them. Two cases:
 
-- ``"auto"`` found no repeated block (:func:`no_blocks_message`): a model that calls one
-  layer several times (ALBERT's shared layer, ``nn.ModuleList([layer] * n)``) has one
-  instance of it, and ``"auto"`` looks for classes with two or more. The message names
-  the classes to pass as ``blocks=[...]``.
+- ``"auto"`` found no repeated block (:func:`no_blocks_message`): ``"auto"`` looks for
+  classes with two or more instances, and a layer held once and called in a loop
+  (ALBERT's), or one layer listed ``n`` times (``nn.ModuleList([layer] * n)``), is one
+  instance. The message names the classes to pass as ``blocks=[...]``, the likeliest
+  first (:func:`~lightning_speedkit._blocks.block_candidates`).
 - the first training step compiled no graph (:func:`first_step_report`): dynamo ran the
-  blocks uncompiled. A later fit that reuses the code an earlier fit compiled for the same
-  block classes compiles nothing either, and is told so without a warning.
+  blocks uncompiled. A later fit whose blocks' classes a first step compiled since
+  dynamo's caches were last cleared reuses that code and compiles nothing either, and is
+  told so without a warning.
 """
 
 from __future__ import annotations
 
 import weakref
-from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 from torch import nn
 
-__all__ = ["block_candidates", "first_step_report", "no_blocks_message"]
+from lightning_speedkit import _compat
+from lightning_speedkit._blocks import block_candidates
 
-#: torch's generic containers: never a block to name.
-_CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-
-#: Block classes whose compiled code a first training step in this process compiled: a
-#: later fit with blocks of only these classes reuses it and compiles nothing, rightly.
-_COMPILED_KINDS: weakref.WeakSet[type[nn.Module]] = weakref.WeakSet()
+__all__ = ["first_step_report", "no_blocks_message"]
 
 
-def _is_candidate(module: nn.Module) -> bool:
-    """A module that could be a block: has modules inside and parameters, not a container."""
-    return (
-        type(module) not in _CONTAINERS
-        and next(module.children(), None) is not None
-        and next(module.parameters(), None) is not None
-    )
+class _CompiledSinceReset:
+    """Block classes whose code a first training step compiled, since dynamo last dropped
+    its compiled code.
 
-
-def block_candidates(model: nn.Module, limit: int = 4) -> list[str]:
-    """Class names to try as ``blocks=[...]`` in a model without repeated blocks.
-
-    First the classes of modules registered under more than one name (one layer listed
-    ``n`` times, ``nn.ModuleList([layer] * n)``), then the other modules that hold
-    modules and parameters, outermost first; the model itself and torch's containers
-    are never named. At most ``limit`` names.
-
-    Example::
-
-        >>> from torch import nn
-        >>> class Layer(nn.Module):
-        ...     def __init__(self):
-        ...         super().__init__()
-        ...         self.ff = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
-        >>> layer = Layer()
-        >>> block_candidates(nn.Sequential(nn.Linear(4, 4), nn.ModuleList([layer] * 3)))
-        ['Layer']
+    Registered with dynamo as a compile callback that does nothing: ``torch._dynamo.reset()``
+    (``torch.compiler.reset()``) drops every compiled frame and clears the callbacks with
+    them, so a record no longer registered speaks of code dynamo no longer holds, and a
+    fresh one starts empty.
     """
-    names = Counter(id(m) for _, m in model.named_modules(remove_duplicate=False))
-    modules = [m for m in model.modules() if m is not model and _is_candidate(m)]
-    shared = [type(m).__name__ for m in modules if names[id(m)] > 1]
-    others = [type(m).__name__ for m in modules]
-    return list(dict.fromkeys(shared + others))[:limit]
+
+    def __init__(self) -> None:
+        self.kinds: weakref.WeakSet[type[nn.Module]] = weakref.WeakSet()
+
+    def __call__(self, *args: Any) -> None:
+        return None
+
+
+_RECORD: list[_CompiledSinceReset] = []  # the one current record, once made
+
+
+def _compiled_since_reset() -> weakref.WeakSet[type[nn.Module]]:
+    handler = _compat.dynamo_callback_handler()
+    if not _RECORD or not any(call is _RECORD[0] for call in handler.end_callbacks):
+        _RECORD[:] = [_CompiledSinceReset()]  # dynamo was reset: what it compiled is gone
+        handler.register_end_callback(_RECORD[0])
+    return _RECORD[0].kinds
 
 
 def no_blocks_message(model: nn.Module, blocks: str | Sequence[type[nn.Module] | str]) -> str:
     """The warning when ``blocks`` found no block in ``model``: why, and which
     ``blocks=[...]`` to pass."""
-    candidates = block_candidates(model)
+    candidates = [kind.__name__ for kind in block_candidates(model)[:4]]
     model_name = type(model).__name__
     if isinstance(blocks, str):
         why = (
             f"RegionalCompile: no repeated blocks found in {model_name}, so nothing is "
             f'compiled. "auto" compiles the block classes with two or more instances in one '
-            f"`nn.ModuleList` or `nn.Sequential`; a layer called several times (ALBERT's "
-            f"shared layer, `nn.ModuleList([layer] * n)`) is one instance."
+            f"`nn.ModuleList` or `nn.Sequential`; a layer held once and called in a loop "
+            f"(ALBERT's), or one layer listed n times (`nn.ModuleList([layer] * n)`), is one "
+            f"instance."
         )
     else:
         named = ", ".join(b if isinstance(b, str) else b.__name__ for b in blocks)
@@ -102,13 +94,15 @@ def first_step_report(
     blocks of the classes ``kinds``, during which dynamo compiled ``graphs`` graphs in
     ``seconds``.
 
-    No graph, and no earlier first step in this process compiled these classes: the
-    blocks ran uncompiled, and ``warn`` is True. No graph but classes compiled before:
-    a later fit reuses their code (an info line). A step that compiled graphs records
-    ``kinds`` as compiled.
+    No graph, and no earlier first step compiled these classes since dynamo last dropped
+    its compiled code (``torch._dynamo.reset()``, ``torch.compiler.reset()``): the blocks
+    ran uncompiled, and ``warn`` is True. No graph but classes compiled since: a later
+    fit reuses their code (an info line). A step that compiled graphs records ``kinds``
+    as compiled.
 
     Example::
 
+        >>> import torch
         >>> from torch import nn
         >>> class Layer(nn.Module): ...
         >>> first_step_report(0, 0.0, [Layer], 3)[0]
@@ -117,13 +111,17 @@ def first_step_report(
         (False, 'RegionalCompile: compiled 1 graph(s) in 0.4 s during the first step')
         >>> first_step_report(0, 0.0, [Layer], 3)[0]  # a later fit reuses the code
         False
+        >>> torch._dynamo.reset()  # the code is gone: compiling nothing now is wrong
+        >>> first_step_report(0, 0.0, [Layer], 3)[0]
+        True
     """
+    compiled = _compiled_since_reset()
     if graphs:
-        _COMPILED_KINDS.update(kinds)
+        compiled.update(kinds)
         return False, (
             f"RegionalCompile: compiled {graphs} graph(s) in {seconds:.1f} s during the first step"
         )
-    if all(kind in _COMPILED_KINDS for kind in kinds):
+    if all(kind in compiled for kind in kinds):
         return False, (
             "RegionalCompile: nothing compiled during the first step (the blocks' code, "
             "compiled in an earlier fit, is reused)"

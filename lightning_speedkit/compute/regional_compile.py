@@ -76,11 +76,12 @@ class RegionalCompile(L.Callback):
     line says so), and restores it when that ends: a loss uses no cache, and
     ``generate`` takes its own setting from the generation config.
 
-    When nothing is compiled it warns: ``"auto"`` found no repeated block (a layer
-    called several times, as ALBERT's, is one instance: the warning names the classes
-    to pass as ``blocks=[...]``), or the first training step compiled no graph for
-    block classes no earlier fit in the process compiled (the warning names them and
-    how to find why).
+    When nothing is compiled it warns: ``"auto"`` found no repeated block (a layer held
+    once and called in a loop, as ALBERT's, or one layer listed ``n`` times, is one
+    instance: the warning names the classes to pass as ``blocks=[...]``, the likeliest
+    first), or the first training step compiled no graph for block classes no earlier
+    first step compiled since dynamo was last reset (the warning names them and how to
+    find why).
 
     What compilation cost is logged every ``log_every_n_steps`` while it changes:
     ``compile/seconds``, ``compile/graphs`` and ``compile/recompiles`` (everything

@@ -16,7 +16,12 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_speedkit import _compat, _surgery, _validation
-from lightning_speedkit._blocks import CacheOff, block_instances, repeated_block_types
+from lightning_speedkit._blocks import (
+    CacheOff,
+    block_candidates,
+    block_instances,
+    repeated_block_types,
+)
 from lightning_speedkit._model_ready import forget_pending, when_model_ready
 from lightning_speedkit.distributed._replayed_state import CallState
 
@@ -181,20 +186,23 @@ def _offer(model: nn.Module) -> str:
 
 
 def _none_found(model: nn.Module) -> str:
-    """What to pass when ``"auto"`` finds no block: a layer held once and called several
-    times (ALBERT's) is not seen without running the model."""
-    containers = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-    names = [kind.__name__ for kind in dict.fromkeys(
-        type(m) for m in model.modules()
-        if m is not model and type(m) not in containers
-        and next(m.children(), None) is not None and next(m.parameters(), None) is not None
-    )]  # fmt: skip
-    return (
+    """What to pass when ``"auto"`` finds no block: a layer held once and called in a loop
+    (ALBERT's) is not seen without running the model; the likeliest class comes first."""
+    candidates = [kind.__name__ for kind in block_candidates(model)[:10]]
+    why = (
         f"ActivationCheckpointing: no repeated blocks found in {type(model).__name__} (a "
-        f"block class held at least twice by one ModuleList or Sequential); nothing "
-        f"checkpointed. A layer held once and called several times per step (ALBERT's "
-        f"shared layer) is not found: name its class, `blocks=[LayerClass]` (the classes "
-        f"here that hold layers: {', '.join(names[:10]) or 'none'})"
+        f"block class held at least twice by one ModuleList or Sequential, or one layer "
+        f"listed several times); nothing checkpointed."
+    )
+    if not candidates:
+        return (
+            f"{why} Its layers hold no modules of their own, so there is no block to "
+            f"checkpoint: remove ActivationCheckpointing."
+        )
+    return (
+        f"{why} A layer held once and called in a loop (ALBERT's) is not found: name its "
+        f"class, `blocks=[{candidates[0]}]` (classes that can be blocks here: "
+        f"{', '.join(candidates)})."
     )
 
 

@@ -22,8 +22,8 @@ from torch import Tensor, nn
 from torch._dynamo.utils import counters
 
 from lightning_speedkit import RegionalCompile
+from lightning_speedkit._blocks import block_candidates
 from lightning_speedkit.compute import CompileWatch, compile_blocks
-from lightning_speedkit.compute._compile_report import block_candidates
 from tests.helpers.fresh_dynamo import fresh_dynamo  # noqa: F401 (autouse)
 
 from .models import loader, trainer
@@ -238,7 +238,24 @@ def test_a_later_fit_that_reuses_compiled_code_does_not_warn() -> None:
     assert "RegionalCompile: nothing compiled during the first step (the blocks' code" in said[-1]
 
 
-# --- a layer called several times (ALBERT): no repeated blocks, and what to name ---------------
+def test_a_fit_after_dynamo_reset_that_compiles_nothing_warns() -> None:
+    """``torch._dynamo.reset()`` drops the code an earlier fit compiled: a later first step
+    that compiles nothing (here dynamo made to run everything eagerly) ran the blocks
+    uncompiled, and is not told that it reused anything."""
+    warned, _ = _fit(Blocks(PlainBlock), RegionalCompile(backend="eager"))
+    assert warned == []
+    torch._dynamo.reset()
+    callback = RegionalCompile(backend="eager")
+    with torch.compiler.set_stance("force_eager"):
+        warned, said = _fit(Blocks(PlainBlock), callback)
+    assert callback.compiled
+    assert callback.watch.graphs == 0
+    assert len(warned) == 1, warned
+    assert warned[0].startswith("RegionalCompile: the first training step compiled nothing")
+    assert not [line for line in said if "is reused" in line]
+
+
+# --- one layer for every layer: no repeated blocks, and what to name -------------------------
 
 
 class SharedLayer(nn.Module):
@@ -252,8 +269,8 @@ class SharedLayer(nn.Module):
 
 
 class Albert(L.LightningModule):
-    """One layer, called ``depth`` times (as ALBERT shares its layer), or listed ``depth``
-    times in a ModuleList (``nn.ModuleList([layer] * depth)``)."""
+    """One layer held once in a ModuleList and called ``depth`` times (as ALBERT's), or
+    one layer listed ``depth`` times (``nn.ModuleList([layer] * depth)``)."""
 
     def __init__(self, listed: bool, depth: int = 3) -> None:
         super().__init__()
@@ -297,5 +314,45 @@ def test_no_repeated_blocks_warns_naming_the_class_to_pass(listed: bool) -> None
 def test_block_candidates_put_a_shared_layer_first_and_never_containers() -> None:
     layer = SharedLayer()
     wrapped = nn.Sequential(AttentionBlock(), nn.ModuleList([layer] * 2))
-    assert block_candidates(wrapped) == ["SharedLayer", "AttentionBlock", "MultiheadAttention"]
+    assert block_candidates(wrapped) == [SharedLayer, AttentionBlock, nn.MultiheadAttention]
     assert block_candidates(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []
+
+
+class AlbertTask(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        transformers = pytest.importorskip("transformers")
+        config = transformers.AlbertConfig(
+            vocab_size=50, embedding_size=8, hidden_size=DIM, num_hidden_layers=4,
+            num_attention_heads=HEADS, intermediate_size=32, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0,
+        )  # fmt: skip
+        torch.manual_seed(0)
+        self.albert = transformers.AlbertModel(config)
+
+
+def test_a_real_albert_is_told_to_name_its_layer_and_that_compiles_once() -> None:
+    """transformers' AlbertModel holds one AlbertLayer in a one-entry ModuleList (inside a
+    one-entry list of AlbertLayerGroup) and calls it ``num_hidden_layers`` times: "auto"
+    finds nothing, and the warning named AlbertEmbeddings first."""
+    task = AlbertTask()
+    callback = RegionalCompile(backend="eager")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        callback.setup(trainer(1, [callback]), task, "fit")
+    warned = [str(w.message) for w in caught if "RegionalCompile" in str(w.message)]
+    assert len(warned) == 1, warned
+    assert (
+        "`RegionalCompile(blocks=[AlbertLayer])` (classes that can be blocks here: "
+        "AlbertLayer, AlbertLayerGroup, AlbertEmbeddings, AlbertTransformer)" in warned[0]
+    )
+    model = task.albert
+    layer = type(model.encoder.albert_layer_groups[0].albert_layers[0])
+    ids = torch.randint(1, 50, (2, TOKENS), generator=torch.Generator().manual_seed(1))
+    want = model(input_ids=ids).last_hidden_state
+    assert compile_blocks(model, [layer], backend="eager") == [
+        "encoder.albert_layer_groups.0.albert_layers.0"
+    ]
+    got = model(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    assert dict(counters["frames"]) == {"total": 1, "ok": 1}  # four calls, one graph

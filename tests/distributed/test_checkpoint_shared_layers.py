@@ -1,9 +1,11 @@
-"""ALBERT-style models under ``blocks="auto"``: one layer instance used for every layer.
+"""One layer instance used for every layer, under ``blocks="auto"``.
 
-``nn.ModuleList([layer] * n)`` is found (each call of the one instance is checkpointed); a
-layer held once and called in a loop cannot be seen without running the model, and the
-run said only "no repeated blocks found; nothing changed" (``checkpoint_blocks``: nothing).
-Now it says which class to pass.
+One layer listed n times (``nn.ModuleList([layer] * n)``) is found (each call of the one
+instance is checkpointed). A layer held once and called in a loop (ALBERT's, in
+transformers: a one-entry ``ModuleList`` called ``num_hidden_layers`` times) cannot be
+seen without running the model, and the run said only "no repeated blocks found; nothing
+changed" (``checkpoint_blocks``: nothing); then a placeholder ``blocks=[LayerClass]``,
+naming the embeddings first for a real ALBERT. Now it names the looped layer's class.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_speedkit import ActivationCheckpointing
 from lightning_speedkit._blocks import repeated_block_types
-from lightning_speedkit.distributed import checkpoint_blocks
+from lightning_speedkit.distributed import checkpoint_blocks, saved_tensor_bytes
 
 
 class Layer(nn.Module):
@@ -82,9 +84,11 @@ def test_a_layer_listed_several_times_is_found_and_each_call_recomputed() -> Non
 
 def test_a_layer_called_in_a_loop_is_not_found_and_the_warning_names_it() -> None:
     with pytest.warns(
-        UserWarning, match=r"no repeated blocks found in Looped.*`blocks=\[LayerClass\]`.*: Layer\)"
+        UserWarning, match=r"no repeated blocks found in Looped.*`blocks=\[Layer\]`.*: Layer\)\.$"
     ):
         assert checkpoint_blocks(Looped()) == []
+    with pytest.warns(UserWarning, match=r"no block to checkpoint: remove Activation"):
+        assert checkpoint_blocks(nn.Sequential(nn.Linear(2, 2), nn.ReLU())) == []
     model = Looped()
     assert checkpoint_blocks(model, blocks=[Layer]) == ["layer"]
     for a, b in zip(grads(Looped()), grads(model), strict=True):
@@ -109,6 +113,38 @@ def test_the_callback_says_what_to_pass() -> None:
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)  # fmt: skip
     data = DataLoader(TensorDataset(torch.randn(8, 8)), batch_size=4)
-    with pytest.warns(UserWarning, match=r"called several times.*: Looped, Layer\)"):
+    # the looped layer first; the network that holds it, inside the LightningModule, last
+    with pytest.warns(UserWarning, match=r"in a loop.*`blocks=\[Layer\]`.*: Layer, Looped\)"):
         trainer.fit(_Module(), data)
     assert callback.checkpointed == []
+
+
+def test_a_real_albert_gets_its_layer_named_and_checkpointed() -> None:
+    """transformers' AlbertModel keeps one AlbertLayer in a one-entry ModuleList (inside a
+    one-entry list of AlbertLayerGroup) and calls it num_hidden_layers times."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AlbertConfig(
+        vocab_size=50, embedding_size=8, hidden_size=16, num_hidden_layers=4,
+        num_attention_heads=2, intermediate_size=32, hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    plain = transformers.AlbertModel(config)
+    model = transformers.AlbertModel(config)
+    model.load_state_dict(plain.state_dict())
+    with pytest.warns(UserWarning, match=r"`blocks=\[AlbertLayer\]` \(classes .*: AlbertLayer, "):
+        assert checkpoint_blocks(model) == []
+    layer = type(model.encoder.albert_layer_groups[0].albert_layers[0])
+    assert checkpoint_blocks(model, [layer]) == ["encoder.albert_layer_groups.0.albert_layers.0"]
+    ids = torch.randint(1, 50, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def output(albert: nn.Module) -> torch.Tensor:
+        return albert(input_ids=ids).last_hidden_state.square().sum()
+
+    output(plain).backward()
+    output(model).backward()
+    for a, b in zip(plain.parameters(), model.parameters(), strict=True):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6)
+    # each of the four calls keeps only its input for backward
+    checkpointed, whole = saved_tensor_bytes(output, model), saved_tensor_bytes(output, plain)
+    assert checkpointed < whole / 2, (checkpointed, whole)
