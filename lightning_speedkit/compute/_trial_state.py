@@ -20,6 +20,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat
+from lightning_speedkit._counters import counters, is_counter
 from lightning_speedkit._random import loader_generators, random_state_kept
 
 __all__ = ["eager", "no_logging", "preserved"]
@@ -38,8 +39,7 @@ def preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
     # What a training step counts outside tensors (``self.seen += n``), what it collects
     # (Lightning's ``self.training_step_outputs.append(loss)``, emptied at the epoch's end),
     # and torchmetrics' states (not buffers): a trial's would show in the first epoch's.
-    scalars = [(m, {k: v for k, v in vars(m).items() if type(v) in (int, float, bool)})
-               for m in model.modules()]  # fmt: skip
+    scalars = [(m, counters(m)) for m in model.modules()]
     # A counter whose default is on the class (``seen = 0`` there, or ``getattr(self,
     # "seen", 0) + n``) is first set on the module by a trial: it goes again.
     names = [(m, set(vars(m))) for m in model.modules()]
@@ -80,7 +80,7 @@ _COLLECTIONS = (list, dict, set)
 
 def _counted(value: Any) -> bool:
     """A value a step keeps outside tensors: a plain number or a collection."""
-    return type(value) in (int, float, bool) or isinstance(value, _COLLECTIONS)
+    return is_counter(value) or isinstance(value, _COLLECTIONS)
 
 
 def _contents(value: Any) -> Any:
