@@ -82,7 +82,7 @@ log = logging.getLogger(__name__)
 Action = Literal["dump", "abort"]
 
 
-class WatchThread:
+class _WatchThread:
     """The watchdog's thread and its stop flag. A copy of the callback (``ddp_spawn``
     pickles the Trainer before it starts the ranks; ``copy.deepcopy``) gets a new one,
     not started: a thread belongs to its process."""
@@ -91,17 +91,16 @@ class WatchThread:
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
 
-    def __reduce__(self) -> tuple[type[WatchThread], tuple[()]]:
-        return WatchThread, ()
+    def __reduce__(self) -> tuple[type[_WatchThread], tuple[()]]:
+        return _WatchThread, ()
 
-    def start(self, run: Callable[[], None]) -> None:
+    def start(self, run: Callable[[threading.Event], None]) -> None:
+        """Run ``run(stop)`` in a new thread; ``stop`` is set by :meth:`halt`. Each thread
+        has its own: one that outlived its ``halt`` still stops when its look ends."""
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=run, name="speedkit-hang-watchdog", daemon=True)
+        self._thread = threading.Thread(target=run, args=(self._stop,),
+                                        name="speedkit-hang-watchdog", daemon=True)  # fmt: skip
         self._thread.start()
-
-    def stopped(self, timeout: float) -> bool:
-        """Wait up to ``timeout`` seconds; whether the thread was told to stop."""
-        return self._stop.wait(timeout)
 
     def halt(self, wait: float) -> bool:
         """Tell the thread to stop and wait up to ``wait`` seconds for it; whether one ran."""
@@ -196,7 +195,7 @@ class HangWatchdog(L.Callback):
         self._answer_wait = ANSWER_WAIT
         self._rank, self._world_size = 0, 1
         self._dir = Path(self.dirpath) if self.dirpath is not None else Path.cwd()
-        self._thread = WatchThread()
+        self._thread = _WatchThread()
         self._store = None
         self._reset()
 
@@ -305,8 +304,8 @@ class HangWatchdog(L.Callback):
 
     # -- the thread --------------------------------------------------------------------------------
 
-    def _run(self) -> None:
-        while not self._thread.stopped(poll_interval(self.timeout, self.min_timeout)):
+    def _run(self, stop: threading.Event) -> None:
+        while not stop.wait(poll_interval(self.timeout, self.min_timeout)):
             try:
                 self._tick(self._clock())
             except Exception:  # the watchdog must never take training down by itself

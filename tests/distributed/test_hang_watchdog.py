@@ -199,7 +199,7 @@ def test_recovery_seen_at_teardown(tmp_path: Path) -> None:
     rank.look(after=12)
     rank.clock.now += 1
     rank.end()
-    rank.w._thread.start(lambda: None)
+    rank.w._thread.start(lambda stop: None)
     rank.w._stop_thread()
     assert [(e.kind, e.seconds) for e in rank.w.events] == [("overrun", 12.0), ("recovered", 13.0)]
 
