@@ -199,8 +199,19 @@ def choose_modules(model: nn.Module, modules: Any) -> list[tuple[str, nn.Module]
     return [(n, named[n]) for n in topmost(names)]
 
 
+#: The child a wrapper module holds the wrapped one under: FSDP1's, a checkpoint wrapper's,
+#: torch.compile's ``OptimizedModule``'s.
+_WRAPPED = frozenset({"_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod"})
+
+
+def _unwrapped(name: str) -> str:
+    """``name`` without the wrappers' parts: the same module is named alike wrapped or not."""
+    return ".".join(part for part in name.split(".") if part not in _WRAPPED)
+
+
 def _weights(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [*module.named_parameters(), *module.named_buffers()]
+    return [(_unwrapped(name), tensor)
+            for name, tensor in (*module.named_parameters(), *module.named_buffers())]  # fmt: skip
 
 
 #: A weight's stamp: its tensor's identity, its version counter, and whether it requires grad.
@@ -334,8 +345,10 @@ def plain_attributes(module: nn.Module) -> dict[str, str]:
     forward may read besides its weights and arguments. Left out: ``training`` (the
     modes are checked at each call, see :func:`why_not_now`), a name with a leading
     underscore (torch's bookkeeping), a list (what a module collects), an object (a
-    config) and a tensor that is not a buffer. Reading them walks the modules'
-    ``__dict__``: no device work.
+    config) and a tensor that is not a buffer; and a wrapper's own (FSDP1's ``rank``
+    and ``world_size``, which would give each rank its own key), the module it wraps
+    being named as if unwrapped. Reading them walks the modules' ``__dict__``: no
+    device work.
 
     Example::
 
@@ -346,7 +359,9 @@ def plain_attributes(module: nn.Module) -> dict[str, str]:
     """
     found: dict[str, str] = {}
     for prefix, sub in module.named_modules():
-        dot = f"{prefix}." if prefix else ""
+        if any(child in _WRAPPED for child, _ in sub.named_children()):
+            continue  # a wrapper's settings: FSDP's `rank` and `world_size` differ per rank
+        dot = f"{_unwrapped(prefix)}." if prefix else ""
         for name, value in vars(sub).items():
             if not name.startswith("_") and name != "training" and _is_plain(value):
                 found[dot + name] = repr(value)

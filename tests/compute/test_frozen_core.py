@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 from collections.abc import Iterator
 from typing import Any
@@ -11,11 +12,12 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
 
 from lightning_speedkit.compute import _frozen_call
 from lightning_speedkit.compute._frozen_core import FrozenFeatures, cache_frozen_features
-from lightning_speedkit.compute._frozen_modules import ModuleWeights, fingerprint
+from lightning_speedkit.compute._frozen_modules import ModuleWeights, fingerprint, plain_attributes
 from lightning_speedkit.errors import SpeedkitConfigError
 
 
@@ -152,6 +154,20 @@ def _fsdp(model: nn.Module) -> nn.Module:
         model, use_orig_params=True, sharding_strategy=ShardingStrategy.NO_SHARD,
         device_id=torch.device("cpu"),
     )  # fmt: skip
+
+
+@pytest.mark.usefixtures("one_rank")
+def test_a_tower_wrapped_by_fsdp_or_a_checkpoint_wrapper_keeps_its_fingerprint() -> None:
+    """FSDP1 keeps `rank` and `world_size` on its wrapper: in the key, each rank had its own
+    and a shared `directory` served no rank another's features (a ViT tower's blocks are
+    what `fsdp_zero2` wraps). The wrapped weights are named as if unwrapped too."""
+    tower = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 4))
+    tower[1].temperature = 0.5
+    plain = (plain_attributes(tower), fingerprint(tower))
+    for wrap in (_fsdp, checkpoint_wrapper):
+        wrapped = copy.deepcopy(tower)
+        wrapped[0] = wrap(wrapped[0])
+        assert (plain_attributes(wrapped), fingerprint(wrapped)) == plain, wrap
 
 
 @pytest.mark.usefixtures("one_rank")
