@@ -16,12 +16,25 @@ the SDPA kernel, a packed batch's documents), as the kit's own checkpoint replay
 The functions are put back when the setting ends, so nothing stays on the model: a
 model whose checkpointing is enabled after the swap was installed is covered from its
 next call, and one whose checkpointing is disabled is left alone.
+
+The setting is entered on every swapped call and every replay of it (one per block the
+kit checkpoints), so the model is not walked each time (0.5 ms for a 32-layer Qwen2): the
+modules that can checkpoint (those with a ``gradient_checkpointing`` attribute, which
+``gradient_checkpointing_enable()`` sets) are learned once per model, and each call
+reads only their flags. They are learned again once a module was registered into a
+learned model (a global registration hook; the new ``nn.ModuleList`` transformers slices
+its layers into on each forward belongs to no model and does not count) or a list
+holding one of them changed length (its ``insert`` registers nothing), so a layer added
+or replaced after the swap is seen.
 """
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -69,23 +82,93 @@ def replaying_checkpoints(model: nn.Module, own: _surgery.Setting) -> Iterator[N
         yield
         return
     wrapped: list[tuple[Any, Any]] = []
-    for module in model.modules():
-        layer: Any = module  # transformers' attributes, typed by nn.Module as its own
-        # transformers sets the flag on the instance (a layer class's default is False):
-        # read from its dict, a module that has none costs no failed attribute lookup.
-        if not layer.__dict__.get("gradient_checkpointing", False):
-            continue
+    for layer in _checkpointing_layers(model):
         checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
         if checkpoint is None and model.training and torch.is_grad_enabled():
             _refuse(model, layer)
         if checkpoint is not None and not isinstance(checkpoint, _Replaying):
-            layer._gradient_checkpointing_func = _Replaying(checkpoint, own)
+            # A plain attribute: into the instance's dict, without nn.Module's __setattr__
+            # (the layers of a model, on every call).
+            layer.__dict__["_gradient_checkpointing_func"] = _Replaying(checkpoint, own)
             wrapped.append((layer, checkpoint))
     try:
         yield
     finally:
         for layer, checkpoint in reversed(wrapped):
-            layer._gradient_checkpointing_func = checkpoint
+            layer.__dict__["_gradient_checkpointing_func"] = checkpoint
+
+
+_Lists = nn.ModuleList | nn.Sequential  # their `insert` registers no module
+
+
+@dataclass(frozen=True)
+class _Learned:
+    """The modules of a model that can checkpoint, as of ``generation``; weakly held, as
+    the model may be one of them, and the dict holding this holds the model weakly."""
+
+    generation: int
+    layers: tuple[weakref.ref[nn.Module], ...]
+    lists: tuple[tuple[weakref.ref[_Lists], int], ...]  # the lists holding them, and lengths
+
+    def current(self) -> bool:
+        if self.generation != _generation:
+            return False
+        for parent, length in self.lists:
+            held = parent()
+            if held is None or len(held) != length:
+                return False
+        return True
+
+
+_learned: weakref.WeakKeyDictionary[nn.Module, _Learned] = weakref.WeakKeyDictionary()
+_members: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the modules of learned models
+_registrations = itertools.count(1)
+_generation = 0  # 0: the hook is not installed, nothing learned is current
+
+
+def _registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
+    global _generation
+    if module in _members:
+        _generation = next(_registrations)
+
+
+def _checkpointing_layers(model: nn.Module) -> list[Any]:
+    """The modules of ``model`` whose checkpointing is on (transformers sets the flag on
+    the instance; a layer class's default is False)."""
+    learned = _learned.get(model)
+    if learned is None or not learned.current():
+        learned = _learned[model] = _learn(model)
+    on: list[Any] = []
+    for ref in learned.layers:
+        layer = ref()
+        if layer is not None and layer.__dict__.get("gradient_checkpointing", False):
+            on.append(layer)
+    return on
+
+
+def _learn(model: nn.Module) -> _Learned:
+    global _generation
+    if _generation == 0:
+        torch.nn.modules.module.register_module_module_registration_hook(_registered)
+        _generation = next(_registrations)
+    layers = {id(model): model} if _can_checkpoint(model) else {}
+    lists: dict[int, tuple[weakref.ref[_Lists], int]] = {}
+    for parent in model.modules():
+        _members.add(parent)
+        for child in parent.children():
+            if _can_checkpoint(child):
+                layers[id(child)] = child
+                if isinstance(parent, (nn.ModuleList, nn.Sequential)):
+                    lists[id(parent)] = (weakref.ref(parent), len(parent))
+    refs = tuple(weakref.ref(layer) for layer in layers.values())
+    return _Learned(_generation, refs, tuple(lists.values()))
+
+
+def _can_checkpoint(module: nn.Module) -> bool:
+    # transformers' own test (`hasattr`), without nn.Module's failed-lookup path.
+    return "gradient_checkpointing" in module.__dict__ or hasattr(
+        type(module), "gradient_checkpointing"
+    )
 
 
 def _refuse(model: nn.Module, layer: nn.Module) -> None:

@@ -12,7 +12,7 @@ checkpoint functions now recompute under it, whenever checkpointing was enabled.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import lightning as L
@@ -221,3 +221,75 @@ def test_layers_that_checkpoint_by_their_own_code_are_refused_with_the_fix() -> 
         model(_ids(0))
     with pytest.raises(SpeedkitConfigError, match="use the kit's `ActivationCheckpointing`"):
         model(_ids(0))
+
+
+class _CountWalks:
+    """Counts the walks of ``model``'s whole tree from the root (``modules()`` and
+    ``parameters()`` walk ``named_modules()``; finding the first parameter is no walk)."""
+
+    def __init__(self, model: nn.Module, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.walks, self._walk = 0, model.named_modules
+        monkeypatch.setattr(model, "named_modules", self)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Iterator[tuple[str, nn.Module]]:
+        yield from self._walk(*args, **kwargs)
+        self.walks += 1
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "kit", "transformers", "both"])
+def test_the_model_is_not_walked_on_every_call(
+    checkpointing: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The swap's setting is entered on each call and on each replay of the kit's
+    checkpoint (one per block): it walked all 423 modules of a 32-layer Qwen2 each time,
+    33 walks (16 ms) a step with ``checkpoint_blocks``, checkpointing by transformers on or
+    not. The layers that can checkpoint are learned once."""
+    model = _model("qwen2")
+    if checkpointing in ("transformers", "both"):
+        _hf_checkpointing(model, reentrant=False)
+    swap_attention(model, "sdpa", measure=False)
+    if checkpointing in ("kit", "both"):
+        assert checkpoint_blocks(model) == ["model.layers.0", "model.layers.1"]
+    plain = copy.deepcopy(model)
+    count = _CountWalks(model, monkeypatch)
+    walks = []
+    for step in range(3):  # the first call checks the swap (and the layers are learned)
+        count.walks = 0
+        model(_ids(step), labels=_ids(step)).loss.backward()
+        walks.append(count.walks)
+    assert walks[1:] == [0, 0], walks  # was 1 a step, 3 with the kit's checkpointing
+    _assert_equal_grads(_grads(model, _ids(3)), _grads(plain, _ids(3)), "after the steps")
+
+
+@pytest.mark.parametrize("change", ["enabled", "layer_replaced", "layer_inserted"])
+def test_checkpointing_changed_after_swapped_calls_is_seen(
+    change: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What was learned on the first calls is not trusted once it may be stale: layers
+    whose checkpointing is enabled later, a layer replaced (a module registered) or
+    inserted (``nn.ModuleList.insert`` registers none)."""
+    model = _model("qwen2")
+    plain = copy.deepcopy(model)  # checkpointed by transformers, not swapped
+    _hf_checkpointing(plain, reentrant=False)
+    if change != "enabled":
+        _hf_checkpointing(model, reentrant=False)
+    swap_attention(model, "sdpa", measure=False)
+    for step in range(3):
+        _grads(model, _ids(step))
+    layers = LAYERS
+    if change == "enabled":
+        _hf_checkpointing(model, reentrant=False)
+    for m in (model, plain) if change != "enabled" else ():
+        added = copy.deepcopy(m.model.layers[1], {id(m.config): m.config})  # one config
+        if change == "layer_replaced":
+            m.model.layers[1] = added
+        else:
+            m.model.layers.insert(0, added)
+            m.config.num_hidden_layers += 1
+            m.config.layer_types.append(m.config.layer_types[-1])
+    layers += change == "layer_inserted"
+    sdpa = _CountSdpa(monkeypatch)
+    grads = _grads(model, _ids(3))
+    assert (sdpa.forward, sdpa.recomputed) == (layers, layers)  # every layer recomputed fused
+    monkeypatch.undo()
+    _assert_equal_grads(grads, _grads(plain, _ids(3)), change)
