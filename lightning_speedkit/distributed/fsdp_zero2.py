@@ -89,6 +89,7 @@ class FSDPZeRO2Strategy(FSDPStrategy):
         )
         self.blocks: list[type[nn.Module]] = []
         """The block classes found (``auto_wrap_policy="auto"``), after setup."""
+        self._root: FullyShardedDataParallel | None = None  # the wrapper of the whole model
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -99,6 +100,17 @@ class FSDPZeRO2Strategy(FSDPStrategy):
         )
 
     def _setup_model(self, model: nn.Module) -> nn.Module:
+        """Wrap ``model``; a model already wrapped whole (``validate`` or ``test`` with the
+        Trainer that fitted it) gets the wrapper it had: its parameters are views of that
+        wrapper's flat parameter, which a second wrapper would flatten again."""
+        if self._root is not None and self._root.module is model:
+            return super()._setup_model(self._root)
+        wrapped = self._wrap(model)
+        if isinstance(wrapped, FullyShardedDataParallel) and wrapped.module is model:
+            self._root = wrapped
+        return wrapped
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
         already = any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
         if self._find_blocks and not already:
             self.blocks = repeated_block_types(model)
