@@ -26,6 +26,7 @@ from lightning_speedkit import AttentionSwap, packed_documents, swap_attention
 from lightning_speedkit.data import PackingCollate
 from lightning_speedkit.distributed import checkpoint_blocks
 from lightning_speedkit.errors import SpeedkitConfigError
+from tests.helpers.hf_tiny import tiny_model
 
 transformers = pytest.importorskip("transformers")
 # The name the user's report called (transformers 5 calls it a deprecated alias).
@@ -34,22 +35,16 @@ pytestmark = pytest.mark.filterwarnings("ignore:`gradient_checkpointing_enable`:
 VOCAB, LAYERS, SEQ = 64, 2, 16
 
 
-def _qwen2() -> nn.Module:
-    config = transformers.Qwen2Config(
-        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=LAYERS,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
-        use_cache=False, attn_implementation="eager",
-    )  # fmt: skip
-    return transformers.Qwen2ForCausalLM(config)
-
-
-def _bert() -> nn.Module:
-    config = transformers.BertConfig(
-        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=LAYERS, num_attention_heads=4,
-        intermediate_size=64, max_position_embeddings=32, hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0, attn_implementation="eager",
-    )  # fmt: skip
-    return transformers.BertForMaskedLM(config)
+_qwen2 = tiny_model(
+    "Qwen2Config", "Qwen2ForCausalLM", vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+    num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+    max_position_embeddings=32, use_cache=False, attn_implementation="eager",
+)  # fmt: skip
+_bert = tiny_model(
+    "BertConfig", "BertForMaskedLM", vocab_size=VOCAB, hidden_size=32,
+    num_hidden_layers=LAYERS, num_attention_heads=4, intermediate_size=64,
+    max_position_embeddings=32, attn_implementation="eager",
+)  # fmt: skip
 
 
 MODELS: dict[str, Callable[[], nn.Module]] = {"qwen2": _qwen2, "bert": _bert}
