@@ -65,8 +65,9 @@ def preserved(model: nn.Module, loader: DataLoader[Any]) -> Iterator[None]:
         for m, values in scalars:
             vars(m).update(values)
         for m, before in names:
-            for name in [k for k, v in vars(m).items() if k not in before and _counted(v)]:
-                delattr(m, name)
+            for name in [k for k, v in vars(m).items()
+                         if k not in before and not k.startswith("_") and _counted(v)]:  # fmt: skip
+                delattr(m, name)  # a private one is torch's (FSDP's state, made in forward)
         for m, name, collected, before in collections:  # in place: the step may hold it
             _refill(collected, before)
             setattr(m, name, collected)  # and by name, should the step have bound another

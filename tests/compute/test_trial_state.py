@@ -82,3 +82,21 @@ def test_a_counter_a_trial_first_set_on_the_module_goes_again() -> None:
     assert model.seen == 0  # the class's again: the trial's samples are not counted
     assert not hasattr(model, "lazily")
     assert torch.equal(model._cache, torch.ones(1))
+
+
+class LazilyInitialised(nn.Module):
+    """torch's own lazy state, made by the first forward (FSDP's root sets `_is_root` and
+    `_all_handles` then): not a counter of the user's, and needed by every later call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not hasattr(self, "_all_handles"):
+            self._is_root, self._all_handles = True, []
+        return x
+
+
+def test_private_state_a_trial_first_made_stays() -> None:
+    model = LazilyInitialised()
+    with preserved(model, DataLoader(TensorDataset(torch.ones(4, 3)), batch_size=2)):
+        model(torch.ones(2, 3))
+    assert vars(model)["_is_root"] is True
+    assert vars(model)["_all_handles"] == []
