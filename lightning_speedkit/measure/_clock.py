@@ -51,6 +51,11 @@ class StepClock:
     is the gap between one batch's end and the next one's start (on CUDA, the device's
     idle gap). The first batch after :meth:`gap` has no previous end, so no step time.
 
+    A step's compute runs from its batch's start to its first backward
+    (:meth:`backward_start`): under DDP the backward's all-reduce waits for the slowest
+    rank, so every rank's step time is the slowest's, and only the compute before it
+    tells the ranks apart. A step with no backward seen counts its whole time.
+
     ``untimed()`` (read at each batch's start and end: a Python call, no sync) says that
     the step under way does not run at training's pace (a ProfilerSchedule window's
     profiled steps); such a step is not timed, nor is the next, whose wait would hold
@@ -60,9 +65,10 @@ class StepClock:
     def __init__(self, device: torch.device, untimed: Callable[[], bool] = lambda: False) -> None:
         self.stamps = Stamps(device)
         self._untimed = untimed
-        self._pending: list[tuple[Any, Any, Any]] = []  # (previous end, start, end)
+        self._pending: list[tuple[Any, Any, Any, Any]] = []  # (previous end, start, backward, end)
         self._last_end: Any = None
         self._start: Any = None
+        self._backward: Any = None
         self._untimed_at_start = False
 
     def gap(self) -> None:
@@ -71,7 +77,12 @@ class StepClock:
 
     def batch_start(self) -> None:
         self._untimed_at_start = self._untimed()
-        self._start = self.stamps.now()
+        self._start, self._backward = self.stamps.now(), None
+
+    def backward_start(self) -> None:
+        """The step's first backward starts: its compute before the gradients' sync ends."""
+        if self._backward is None:
+            self._backward = self.stamps.now()
 
     def batch_end(self, keep: bool) -> bool:
         """Time the step that ends here if ``keep`` (and it ran at training's pace); whether
@@ -80,17 +91,18 @@ class StepClock:
         untimed = self._untimed_at_start or self._untimed()  # either hook order
         timed = keep and not untimed and self._last_end is not None
         if timed:
-            self._pending.append((self._last_end, self._start, end))
+            self._pending.append((self._last_end, self._start, self._backward or end, end))
         self._last_end = None if untimed else end
         return timed
 
-    def drain(self) -> tuple[list[float], list[float]]:
-        """The step times and data waits (seconds) timed since the last drain."""
+    def drain(self) -> tuple[list[float], list[float], list[float]]:
+        """The step times, data waits and computes (seconds) timed since the last drain."""
         pending, self._pending = self._pending, []
         if not pending:
-            return [], []
+            return [], [], []
         seconds = self.stamps.seconds
-        self.stamps.wait(pending[-1][2])
-        steps = [seconds(previous, end) for previous, _, end in pending]
-        waits = [max(0.0, seconds(previous, start)) for previous, start, _ in pending]
-        return steps, waits
+        self.stamps.wait(pending[-1][3])
+        steps = [seconds(previous, end) for previous, _, _, end in pending]
+        waits = [max(0.0, seconds(previous, start)) for previous, start, _, _ in pending]
+        computes = [seconds(start, backward) for _, start, backward, _ in pending]
+        return steps, waits, computes

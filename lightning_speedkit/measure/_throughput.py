@@ -31,7 +31,8 @@ from typing import Any
 import torch
 
 #: Per-rank raw sums of a log interval, in the order of a gathered row.
-FIELDS = ("samples", "tokens", "time", "steps", "model_flops", "hw_flops", "wait", "mem_gib")
+FIELDS = ("samples", "tokens", "time", "steps", "model_flops", "hw_flops", "wait", "mem_gib",
+          "compute")  # fmt: skip
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -118,7 +119,7 @@ def figures(
 
     Example::
 
-        >>> row = [8, 0, 0.5, 2, 4e12, 5e12, 0.1, 0.0]  # 2 steps of 4 samples in 0.5 s
+        >>> row = [8, 0, 0.5, 2, 4e12, 5e12, 0.1, 0.0, 0.3]  # 2 steps of 4 samples in 0.5 s
         >>> figures([row], [0.25, 0.25], peak=1e13)
         ... # doctest: +NORMALIZE_WHITESPACE
         {'samples_per_sec': 16.0, 'data_wait_frac': 0.2, 'tflops_per_device': 8.0,
@@ -156,7 +157,9 @@ def figures(
     if util is not None:
         out["gpu_util"] = util
     if len(rows) > 1 and all(col["steps"]):
-        means = [t / n for t, n in zip(col["time"], col["steps"], strict=True)]
+        # each rank's compute before the gradients' sync: the sync makes step times equal
+        spent = col["compute"] if all(col["compute"]) else col["time"]
+        means = [t / n for t, n in zip(spent, col["steps"], strict=True)]
         out["straggler_ratio"] = max(means) / statistics.median(means)
     return out
 
@@ -172,7 +175,7 @@ class Throughput:
         >>> throughput = Throughput(window=100)
         >>> for _ in range(4):
         ...     throughput.update(samples=8, tokens=None, flops=(1e9, 1e9))
-        >>> row = throughput.close(step_times=[0.5, 0.5, 0.5, 0.5], waits=[0.1] * 4, mem_gib=0.0)
+        >>> row = throughput.close(step_times=[0.5] * 4, waits=[0.1] * 4, mem_gib=0.0)
         >>> throughput.add([row])
         >>> metrics = throughput.compute([row], peak=None)
         >>> metrics["samples_per_sec"], metrics["data_wait_frac"], metrics["tflops_per_device"]
@@ -214,9 +217,17 @@ class Throughput:
             acc["model_flops"] += flops[0]
             acc["hw_flops"] += flops[1]
 
-    def close(self, *, step_times: list[float], waits: list[float], mem_gib: float) -> list[float]:
-        """End the log interval with its step times and data waits (seconds) and the peak
-        memory; this rank's row of :data:`FIELDS` sums, to gather across ranks."""
+    def close(
+        self,
+        *,
+        step_times: list[float],
+        waits: list[float],
+        mem_gib: float,
+        computes: list[float] | None = None,
+    ) -> list[float]:
+        """End the log interval with its step times, data waits and computes before the
+        gradients' sync (seconds; none: not known) and the peak memory; this rank's row of
+        :data:`FIELDS` sums, to gather across ranks."""
         acc, self.interval = self.interval, dict.fromkeys(FIELDS, 0.0)
         pending, self._device_tokens = self._device_tokens, []
         if pending:  # SYNC: log time only, the interval's token counts in one read
@@ -224,6 +235,7 @@ class Throughput:
         acc["time"] = sum(step_times)
         acc["wait"] = sum(waits)
         acc["mem_gib"] = mem_gib
+        acc["compute"] = sum(computes or ())
         self.recent.extend(step_times)
         self.run_steps.extend(step_times)
         return [acc[f] for f in FIELDS]
@@ -255,6 +267,7 @@ class Throughput:
         return {"run": [list(r) for r in self.run], "run_steps": self.run_steps.state_dict()}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.run = [list(r) for r in state_dict.get("run", [])]
+        # a checkpoint's rows from before a field was added: zero, that figure unknown
+        self.run = [[*r, *[0.0] * (len(FIELDS) - len(r))] for r in state_dict.get("run", [])]
         self.run_steps = StepTimes()
         self.run_steps.load_state_dict(state_dict.get("run_steps", []))

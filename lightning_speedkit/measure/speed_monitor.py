@@ -32,8 +32,9 @@ How each figure is obtained, and what it costs:
   the figures is :mod:`~lightning_speedkit.measure._throughput`'s, which needs no
   Trainer and no clock.
 - **Across ranks** one small ``all_gather`` per log interval sums samples/s over
-  ranks and gives the straggler ratio (slowest rank's mean step time over the
-  median). Nothing else crosses ranks, and per-step hooks never synchronise the
+  ranks and gives the straggler ratio (slowest rank's mean compute before the
+  gradients' sync over the median's: the sync makes every rank's step time the
+  slowest's). Nothing else crosses ranks, and per-step hooks never synchronise the
   device.
 
 Logged where Lightning writes its own rows (the Trainer's ``log_every_n_steps``, in
@@ -229,15 +230,12 @@ class SpeedMonitor(L.Callback):
         self._counts.drop()  # the previous batch's, if its end hook never ran
         self._batches += 1
         _reset_memory_peak(self._device, self._batches)
-        self._info = info = self._describe(batch)
+        # several train loaders (a dict or list of them): the step trains each one's batch
+        parts = self._loaders.parts(batch) if self._loaders is not None else [batch]
+        self._info = info = self._reader.read(batch, parts)
         self._packed.start(info, pl_module)
         self._counts.step_start(info)
         self._clock.batch_start()
-
-    def _describe(self, batch: Any) -> BatchInfo:
-        """Several train loaders (a dict or list of them): the step trains each one's batch."""
-        parts = self._loaders.parts(batch) if self._loaders is not None else [batch]
-        return self._reader.read(batch, parts)
 
     def on_train_batch_end(
         self,
@@ -268,9 +266,10 @@ class SpeedMonitor(L.Callback):
         if (self._batches % every == 0) if every else _compat.lightning_logs_now(trainer):
             self._flush(trainer)
 
-    def on_exception(
-        self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
-    ) -> None:
+    def on_before_backward(self, *args: Any) -> None:
+        self._clock.backward_start()  # the compute that tells DDP's ranks apart ends
+
+    def on_exception(self, *args: Any) -> None:
         self._counts.close()
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -284,9 +283,10 @@ class SpeedMonitor(L.Callback):
     # -- log time: the only place that waits for the device or talks to other ranks ------------
 
     def _flush(self, trainer: L.Trainer) -> None:
-        steps, waits = self._clock.drain()
+        steps, waits, computes = self._clock.drain()
         memory = _memory_peak_gib(trainer.strategy.root_device)
-        row = self._throughput.close(step_times=steps, waits=waits, mem_gib=memory)
+        row = self._throughput.close(step_times=steps, waits=waits, mem_gib=memory,
+                                     computes=computes)  # fmt: skip
         rows = _gather(trainer, row)
         self._throughput.add(rows)
         metrics = self._throughput.compute(rows, self._peak, lambda: _gpu_util(self._device))

@@ -30,6 +30,11 @@ from ..helpers.multiprocess import run_script
 from ..helpers.recorder import Recorder
 
 
+def _describe(monitor: SpeedMonitor, batch: Any) -> _BatchInfo:
+    """What the monitor reads of one loader's batch."""
+    return monitor._reader.read(batch, [batch])
+
+
 def _fit(model: L.LightningModule, monitor: SpeedMonitor, steps: int, **loader_kw: Any) -> Recorder:
     recorder = Recorder()
     trainer = L.Trainer(
@@ -159,10 +164,10 @@ def test_bad_arguments_are_refused_at_construction(kwargs: dict[str, Any], argum
 def test_tokens_come_from_integer_batches_or_the_override() -> None:
     monitor = SpeedMonitor()
     batch = {"images": torch.zeros(4, 3, 8, 8), "input_ids": torch.zeros(4, 17, dtype=torch.long)}
-    assert monitor._describe(batch) == _BatchInfo(monitor._describe(batch).signature, 4, 68)
+    assert _describe(monitor, batch) == _BatchInfo(_describe(monitor, batch).signature, 4, 68)
     counted = SpeedMonitor(tokens_per_batch=lambda b: int((b["input_ids"] > 0).sum()))
     batch["input_ids"][:, :5] = 1
-    assert counted._describe(batch).tokens == 20
+    assert _describe(counted, batch).tokens == 20
 
 
 def test_unseen_shapes_are_estimated_by_a_linear_fit_in_tokens() -> None:
@@ -258,7 +263,9 @@ def test_ddp_sums_throughput_over_ranks_and_reports_stragglers(tmp_path: Path) -
     assert a["samples_per_sec"] == pytest.approx(b["samples_per_sec"])  # both see the global figure
     per_rank = 8 / (a["step_ms_p50"] / 1e3)
     assert a["samples_per_sec"] == pytest.approx(2 * per_rank, rel=0.3)
-    assert 1.0 <= a["straggler_ratio"] < 1.5
+    # rank 1's 0.12 s of compute a step against rank 0's 0.02 s: 0.12 / 0.07 over the median.
+    # Its step time says nothing: the all-reduce makes rank 0 wait, so both step alike.
+    assert a["straggler_ratio"] == b["straggler_ratio"] > 1.5
     assert ranks[0]["logged_keys"]
     assert "speed/straggler_ratio" in ranks[0]["logged_keys"]
 
@@ -336,7 +343,7 @@ def test_samples_are_found_in_mappings_dataclasses_and_named_tuples(container: s
             return super().training_step(unwrap(batch), batch_idx)
 
     model, monitor = Model(dim=32, hidden=64), SpeedMonitor(peak_flops=1e12)
-    assert monitor._describe(wrap(torch.zeros(8, 32))).samples == 8
+    assert _describe(monitor, wrap(torch.zeros(8, 32))).samples == 8
     trainer = L.Trainer(accelerator="cpu", max_steps=6, logger=False, callbacks=[monitor],
                         enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)  # fmt: skip
@@ -353,11 +360,11 @@ def test_samples_are_found_in_mappings_dataclasses_and_named_tuples(container: s
 def test_a_batch_without_a_sample_count_is_said_once_naming_the_override() -> None:
     monitor = SpeedMonitor()
     with pytest.warns(UserWarning, match="samples_per_batch=") as record:
-        counts = [monitor._describe(b).samples for b in ({"ids": [1, 2, 3]}, torch.tensor(3.0))]
+        counts = [_describe(monitor, b).samples for b in ({"ids": [1, 2, 3]}, torch.tensor(3.0))]
     assert counts == [1, 1]
     assert len(record) == 1
     assert "`dict`" in str(record[0].message)
-    assert SpeedMonitor(samples_per_batch=lambda b: 3)._describe({"a": [1]}).samples == 3
+    assert _describe(SpeedMonitor(samples_per_batch=lambda b: 3), {"a": [1]}).samples == 3
 
 
 # --- bf16 on a CPU without native bf16 ---------------------------------------------------------

@@ -125,3 +125,21 @@ def test_step_times_stay_exact_up_to_the_limit_and_older_checkpoints_load() -> N
     older = Throughput(window=4)  # a checkpoint that kept every step time as a list
     older.load_state_dict({"run": [[4, 0, 0.6, 3, 0, 0, 0, 0]], "run_steps": [0.3, 0.1, 0.2]})
     assert older.summary(peak=None)["step_ms_p50"] == pytest.approx(200.0)
+
+
+def test_the_straggler_is_the_rank_whose_compute_before_the_sync_is_longest() -> None:
+    """Under DDP every rank's step ends in the all-reduce, which waits for the slowest:
+    equal step times, and only the compute before it tells the ranks apart."""
+    fast = _row(samples=40, time=1.0, steps=10, compute=0.2)
+    slow = _row(samples=40, time=1.0, steps=10, compute=0.8)
+    third = _row(samples=40, time=1.0, steps=10, compute=0.2)
+    assert figures([fast, slow, third], [], peak=None)["straggler_ratio"] == 0.08 / 0.02
+    unknown = _row(samples=40, time=1.0, steps=10)  # a rank that saw no backward: step times
+    assert figures([fast, unknown], [], peak=None)["straggler_ratio"] == pytest.approx(1.0)
+
+
+def test_a_checkpoints_rows_from_before_the_compute_field_load() -> None:
+    throughput = Throughput(window=4)
+    throughput.load_state_dict({"run": [[4, 0, 0.5, 2, 0, 0, 0, 0]], "run_steps": [0.25, 0.25]})
+    assert throughput.run == [_row(samples=4, time=0.5, steps=2)]
+    assert throughput.summary(peak=None)["samples_per_sec"] == 8.0
