@@ -366,6 +366,8 @@ PRIVATE_NAMES: list[tuple[str, str, Callable[[], Any]]] = [
     ("dataloader_built_again", "__pl_saved_arg_names", _saved("__pl_saved_arg_names")),
     # torchmetrics (Lightning's)
     ("metric_state", "_defaults", _attribute(lambda: torchmetrics.SumMetric(), "_defaults")),
+    ("before_batch_transfer", "_on_before_batch_transfer",
+     _attribute(lambda: L.LightningModule(), "_on_before_batch_transfer")),
     ("take_over_accumulation", "_accumulated_batches_reached",
      _attribute(lambda: _trainer().fit_loop.epoch_loop, "_accumulated_batches_reached")),
     ("take_over_accumulation", "_make_zero_grad_fn",

@@ -11,6 +11,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from lightning_speedkit._compat._lightning_loop import add_callback_once as add_callback_once
+from lightning_speedkit._compat._lightning_loop import (
+    before_batch_transfer as before_batch_transfer,
+)
 from lightning_speedkit._compat._lightning_loop import change_train_loader as change_train_loader
 from lightning_speedkit._compat._lightning_loop import combined_loader_mode as combined_loader_mode
 from lightning_speedkit._compat._lightning_loop import (

@@ -250,6 +250,12 @@ def reload_train_loader_next_epoch(trainer: L.Trainer) -> Callable[[], None]:
     return restore
 
 
+def before_batch_transfer(trainer: L.Trainer, batch: Any) -> Any:
+    """``on_before_batch_transfer`` of a train batch as Lightning's loops call it: the
+    DataModule's where it overrides the hook, else the LightningModule's."""
+    return trainer.lightning_module._on_before_batch_transfer(batch, dataloader_idx=0)
+
+
 def datamodule(trainer: L.Trainer) -> Any:
     """The Trainer's DataModule or None (a property Lightning's stubs do not declare)."""
     return getattr(trainer, "datamodule", None)

@@ -14,7 +14,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning as L
-from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_speedkit import _compat
 
@@ -27,9 +26,5 @@ def as_the_step_gets_it(trainer: L.Trainer, batch: Any) -> Any:
     ``on_after_batch_transfer`` (the datamodule's hooks where it overrides them, else the
     LightningModule's), as Lightning's training epoch loop does."""
     batch = trainer.precision_plugin.convert_input(batch)
-    data = _compat.datamodule(trainer)
-    if data is not None and is_overridden("on_before_batch_transfer", data):
-        batch = data.on_before_batch_transfer(batch, 0)
-    else:
-        batch = trainer.lightning_module.on_before_batch_transfer(batch, 0)
+    batch = _compat.before_batch_transfer(trainer, batch)
     return trainer.strategy.batch_to_device(batch, dataloader_idx=0)
