@@ -30,7 +30,6 @@ or replaced after the swap is seen.
 
 from __future__ import annotations
 
-import itertools
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -40,7 +39,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_speedkit import _surgery
+from lightning_speedkit import _module_tree, _surgery
 from lightning_speedkit.errors import SpeedkitConfigError
 
 
@@ -111,7 +110,7 @@ class _Learned:
     lists: tuple[tuple[weakref.ref[_Lists], int], ...]  # the lists holding them, and lengths
 
     def current(self) -> bool:
-        if self.generation != _generation:
+        if self.generation != _module_tree.generation():
             return False
         for parent, length in self.lists:
             held = parent()
@@ -121,15 +120,6 @@ class _Learned:
 
 
 _learned: weakref.WeakKeyDictionary[nn.Module, _Learned] = weakref.WeakKeyDictionary()
-_members: weakref.WeakSet[nn.Module] = weakref.WeakSet()  # the modules of learned models
-_registrations = itertools.count(1)
-_generation = 0  # 0: the hook is not installed, nothing learned is current
-
-
-def _registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
-    global _generation
-    if module in _members:
-        _generation = next(_registrations)
 
 
 def _checkpointing_layers(model: nn.Module) -> list[Any]:
@@ -147,21 +137,18 @@ def _checkpointing_layers(model: nn.Module) -> list[Any]:
 
 
 def _learn(model: nn.Module) -> _Learned:
-    global _generation
-    if _generation == 0:
-        torch.nn.modules.module.register_module_module_registration_hook(_registered)
-        _generation = next(_registrations)
+    modules = list(model.modules())
+    generation = _module_tree.watch(modules)
     layers = {id(model): model} if _can_checkpoint(model) else {}
     lists: dict[int, tuple[weakref.ref[_Lists], int]] = {}
-    for parent in model.modules():
-        _members.add(parent)
+    for parent in modules:
         for child in parent.children():
             if _can_checkpoint(child):
                 layers[id(child)] = child
                 if isinstance(parent, (nn.ModuleList, nn.Sequential)):
                     lists[id(parent)] = (weakref.ref(parent), len(parent))
     refs = tuple(weakref.ref(layer) for layer in layers.values())
-    return _Learned(_generation, refs, tuple(lists.values()))
+    return _Learned(generation, refs, tuple(lists.values()))
 
 
 def _can_checkpoint(module: nn.Module) -> bool:

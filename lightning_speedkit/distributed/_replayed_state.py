@@ -17,8 +17,8 @@ kept per block (a plan): where its buffers are (``owner.name``) and which attrib
 each module hold a counter. A later call reads just those: each buffer slot's tensor and
 version counter, and each module's counters by name (one ``itemgetter``, no scan of its
 attributes); the recomputation restores only the counters that differ. The plan is
-learned again after any submodule or new buffer name is registered anywhere (torch's
-global registration hooks count them), and a module's counter names are read again when
+learned again after a submodule or a new buffer name is registered on a module of the
+block (:mod:`lightning_speedkit._module_tree`), and a module's counter names are read again when
 it gains or loses an attribute. Only a buffer the block's forward changes in place is
 copied, each call; which those are is learned at the block's first call (its tensors'
 version counters before and after), where every buffer is copied once; a norm layer's
@@ -40,12 +40,8 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import nn
-from torch.nn.modules.module import (
-    register_module_buffer_registration_hook,
-    register_module_module_registration_hook,
-)
 
-from lightning_speedkit import _compat
+from lightning_speedkit import _compat, _module_tree
 from lightning_speedkit._counters import is_counter
 
 __all__ = ["CallState"]
@@ -58,10 +54,6 @@ _CHANGED_IN_PLACE: weakref.WeakKeyDictionary[nn.Module, frozenset[str]] = (
 )
 _WARNED: set[str] = set()
 _ABSENT = object()
-#: How many submodules and new buffer names were registered (in any module) since the
-#: hooks that count them were installed: a plan learned at another count is learned again.
-_STRUCTURE = [0]
-_HOOKS: list[Any] = []
 _ATTRS = operator.attrgetter("__dict__")  # ``vars(module)``, typed as the dict it is
 
 
@@ -111,7 +103,7 @@ class _Plan:
     parallel, one entry per module, and replaced (not changed) when a module's names are
     read again: a CallState taken before keeps the ones it read."""
 
-    structure: int  # ``_STRUCTURE`` then
+    structure: int  # the module tree's generation then
     slots: list[_Slot]
     modules: list[weakref.ref[nn.Module]]  # weak: the plan is kept per block
     sizes: list[int]  # how many attributes each had: another number, read the names again
@@ -123,11 +115,8 @@ _PLANS: weakref.WeakKeyDictionary[nn.Module, _Plan] = weakref.WeakKeyDictionary(
 
 
 def _plan(block: nn.Module, *, again: bool = False) -> _Plan:
-    if not _HOOKS:
-        _HOOKS.append(register_module_module_registration_hook(_module_registered))
-        _HOOKS.append(register_module_buffer_registration_hook(_buffer_registered))
     plan = _PLANS.get(block)
-    if plan is None or again or plan.structure != _STRUCTURE[0]:
+    if plan is None or again or plan.structure != _module_tree.generation():
         slots = []
         for prefix, owner in block.named_modules():
             stats = _has_running_stats(owner)
@@ -135,23 +124,13 @@ def _plan(block: nn.Module, *, again: bool = False) -> _Plan:
                 key = f"{prefix}.{name}" if prefix else name
                 slots.append(_Slot(weakref.ref(owner), name, key, stats))
         modules = list(block.modules())
+        structure = _module_tree.watch(modules)
         names, getters = zip(*(_counter_names(m.__dict__) for m in modules), strict=True)
         sizes = [len(m.__dict__) for m in modules]
         refs = [weakref.ref(m) for m in modules]
-        plan = _Plan(_STRUCTURE[0], slots, refs, sizes, list(names), list(getters))
+        plan = _Plan(structure, slots, refs, sizes, list(names), list(getters))
         _PLANS[block] = plan
     return plan
-
-
-def _module_registered(module: nn.Module, name: str, submodule: nn.Module | None) -> None:
-    _STRUCTURE[0] += 1
-
-
-def _buffer_registered(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
-    # A buffer reassigned (``self.ema = ...``) stays in its slot; a new name, or a slot
-    # emptied or filled (None), is a new structure.
-    if tensor is None or not isinstance(getattr(module, name, None), torch.Tensor):
-        _STRUCTURE[0] += 1
 
 
 @dataclass

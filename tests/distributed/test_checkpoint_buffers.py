@@ -250,8 +250,19 @@ def test_a_submodule_swapped_after_the_first_step_has_its_buffers_kept() -> None
     assert_same_state(plain, model)
 
 
+class Sliced(Net):
+    """transformers' Llama and Qwen2 loop over ``self.layers[:n]``: a new ``nn.ModuleList``
+    each forward, whose registrations are in no block."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks[: len(self.blocks)]:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("model_type", [Net, Sliced])
 def test_after_the_first_step_no_call_walks_its_block_or_scans_attributes(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, model_type: type[Net]
 ) -> None:
     """What a call keeps is learned once: later calls read the slots and counter names
     learned then, and do not walk the block's modules and buffers or scan their
@@ -269,7 +280,7 @@ def test_after_the_first_step_no_call_walks_its_block_or_scans_attributes(
 
     monkeypatch.setattr(nn.Module, "named_buffers", counted_buffers)
     monkeypatch.setattr(_replayed_state, "_counter_names", counted_names)
-    model = Net()
+    model = model_type()
     checkpoint_blocks(model, blocks=[Block])
     train(model, steps=1)
     assert walks[0] > 0  # learned at the first step
