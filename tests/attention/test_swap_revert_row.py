@@ -7,7 +7,7 @@ import re
 
 import pytest
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from lightning_speedkit import swap_attention
 from lightning_speedkit.attention.backends import auto_candidates
@@ -42,14 +42,8 @@ def test_auto_reports_the_closest_backend_and_names_every_one_tried() -> None:
     assert f"| {entry.backend} | reverted | {entry.parity_error:.1e} |" in row
 
 
-class LateOff(nn.Module):
+class LateOff(HeadMixingAttention):
     """Attention on the synthetic check's batch of 2; on bigger batches something else."""
-
-    def __init__(self, dim: int = 32, num_heads: int = 4) -> None:
-        super().__init__()
-        self.num_heads, self.head_dim = num_heads, dim // num_heads
-        self.q_proj, self.k_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
-        self.v_proj, self.o_proj = nn.Linear(dim, dim), nn.Linear(dim, dim)
 
     def forward(self, x: Tensor) -> Tensor:
         B, N, C = x.shape
