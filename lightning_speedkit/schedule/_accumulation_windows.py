@@ -82,6 +82,7 @@ class AccumulationWindows:
         self.timer = WindowTimer()  # its clock is set when the fit's device is known
         self.measure_steps = measure_steps
         self.accumulation = 0  # 0: no window yet this fit
+        self.length = 0  # the open window's micro-batches: fewer at an epoch's end
         self.count = 0  # micro-batches in the open window, this one included
         self.step = -1  # the optimizer step the open window began at
         self.policy: AccumulationPolicy | None = None
@@ -89,7 +90,7 @@ class AccumulationWindows:
 
     def done(self) -> bool:
         """Whether the micro-batch running now closes its window."""
-        return self.count >= self.accumulation
+        return self.count >= self.length
 
     def starts(self) -> bool:
         """Whether the micro-batch running now opens its window (zero the gradients)."""
@@ -99,8 +100,9 @@ class AccumulationWindows:
         return accumulation * (self.micro or 1) * self.world
 
     def epoch_start(self, carries_over: bool = False) -> None:
-        """A training epoch starts: Lightning stepped on the last batch, so a window starts
-        afresh, unless the window ``carries_over`` (DeepSpeed keeps its own)."""
+        """A training epoch starts: the last window closed at the last epoch's end, so a
+        window starts afresh, unless it ``carries_over`` (DeepSpeed, where an epoch's
+        length is not known: the engine's window runs on)."""
         if not carries_over:
             self.count = 0
         self.timer.gap()
@@ -119,9 +121,12 @@ class AccumulationWindows:
         epoch: int = 0,
         measures: bool = True,
         share: Callable[[CommShare | None], CommShare | None] = lambda measured: measured,
+        left: float = float("inf"),
     ) -> tuple[AccumulationChange | None, CommShare | None]:
         """Open the window at ``step``: (the change, when its accumulation differs from
         the last window's; the adaptive measurement handed to the policy now, if any).
+        ``left``: the epoch's micro-batches from this one on; fewer than the accumulation
+        make a short window (:attr:`length`), which closes at the epoch's last.
 
         The policy is built at the first window. An adaptive policy first gets a
         measurement once enough windows were timed: made where ``measures`` (rank 0)
@@ -137,6 +142,7 @@ class AccumulationWindows:
                 self.policy.observe(measured, step)
         accumulation = self.policy.accumulation(step, epoch)
         self.count, self.step = 1, step
+        self.length = int(min(accumulation, max(left, 1)))
         change = None if accumulation == self.accumulation else self._change(step, accumulation)
         policy = self.policy
         if isinstance(policy, AdaptiveToCommunication) and policy.measures(step):

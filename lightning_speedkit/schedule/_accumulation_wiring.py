@@ -4,11 +4,13 @@ Lightning: ``trainer.accumulate_grad_batches`` is the loss divisor (where window
 and end is taken over by ``_compat.take_over_accumulation``); the last window of an
 epoch, when shorter, gets its gradients scaled back to the mean of the micro-batches
 it had. DeepSpeed: the engine's ``set_train_batch_size`` and accumulation boundary are
-set, and the engine divides the loss itself.
+set, and the engine divides the loss itself; a short last window gets the engine's
+batch size for its length, so its step is the same mean.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -133,6 +135,22 @@ def set_accumulation(trainer: L.Trainer, engine: Any, accumulation: int) -> None
         )
     else:
         trainer.accumulate_grad_batches = accumulation  # Lightning's loss divisor
+
+
+def engine_window_runs_on(trainer: L.Trainer, engine: Any) -> bool:
+    """Whether the DeepSpeed ``engine``'s window runs across an epoch's end: where the
+    epoch's length is not known, no short last window can be made for it."""
+    return engine is not None and not math.isfinite(trainer.num_training_batches)
+
+
+def set_engine_window(engine: Any, length: int) -> None:
+    """The DeepSpeed ``engine``'s window (if any) is ``length`` micro-batches: where it
+    steps, and the divisor of each loss (the engine divides by its accumulation steps):
+    an epoch's short last window is then the mean of its micro-batches, as under DDP."""
+    if engine is not None and engine.gradient_accumulation_steps() != length:
+        engine.set_train_batch_size(
+            engine.train_micro_batch_size_per_gpu() * engine.dp_world_size * length
+        )
 
 
 def rescale_short_window(optimizer: torch.optim.Optimizer, accumulation: int, count: int) -> None:

@@ -202,7 +202,7 @@ class AccumulationScheduler(L.Callback):
         self._loaded = {}
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._windows.epoch_start(carries_over=self._engine is not None)
+        self._windows.epoch_start(carries_over=wiring.engine_window_runs_on(trainer, self._engine))
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._windows.timer.gap()
@@ -211,7 +211,7 @@ class AccumulationScheduler(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self._windows.micro_batch(trainer.global_step):
-            self._start_window(trainer, batch)
+            self._start_window(trainer, batch, left=trainer.num_training_batches - batch_idx)
         if self._engine is not None:
             self._engine.set_gradient_accumulation_boundary(self._windows.done())
         self._windows.timer.micro_batch_start(synchronises=self._windows.done())
@@ -234,20 +234,22 @@ class AccumulationScheduler(L.Callback):
     ) -> None:
         self._windows.timer.micro_batch_end(closes=self._windows.done())
 
-    def _start_window(self, trainer: L.Trainer, batch: Any) -> None:
+    def _start_window(self, trainer: L.Trainer, batch: Any, left: float) -> None:
         """The collective (the broadcast in ``share``) is reached by every rank at the same
-        window start, once per adaptive measurement."""
+        window start, once per adaptive measurement. ``left``: the epoch's micro-batches
+        from this one on."""
         windows = self._windows
         windows.micro = windows.micro or wiring.batch_micro(batch, self._loaders)
         share = wiring.from_rank_zero(trainer)
         change, measured = windows.open(
-            trainer.global_step, trainer.current_epoch, trainer.global_rank == 0, share
+            trainer.global_step, trainer.current_epoch, trainer.global_rank == 0, share, left
         )
         if measured is not None:
             _keep_measurement(trainer, self.measurements, measured, windows)
         if change is not None:
             wiring.set_accumulation(trainer, self._engine, change.accumulation)
             _keep_change(trainer, self.history, change, windows, self.verbose)
+        wiring.set_engine_window(self._engine, windows.length)  # DeepSpeed's, if any
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":

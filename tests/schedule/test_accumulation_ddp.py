@@ -136,6 +136,42 @@ def test_deepspeed_zero2_follows_a_mid_run_schedule(tmp_path: Path) -> None:
             torch.testing.assert_close(params[name], value, rtol=0, atol=1e-6)
 
 
+def reference_epochs(windows: list[int], samples: int, epochs: int) -> dict[str, Any]:
+    """One process, fp32 SGD: per epoch, a step on each window's samples, in order."""
+    steps = [w for _ in range(epochs) for w in windows]
+    assert sum(windows) == samples
+    script = script_module()
+    model = script.Regression(dtype=torch.float32)
+    x, y = script.dataset(samples, torch.float32).tensors
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    start = 0
+    for global_batch in steps:
+        rows = slice(start % samples, start % samples + global_batch)
+        optimizer.zero_grad()
+        torch.nn.functional.mse_loss(model.layer(x[rows]), y[rows]).backward()
+        optimizer.step()
+        start += global_batch
+    return model.state_dict()
+
+
+@pytest.mark.parametrize("strategy", [pytest.param("deepspeed", marks=pytest.mark.deepspeed),
+                                      "fsdp_zero2"])  # fmt: skip
+def test_an_epochs_short_last_window_steps_at_the_epochs_end(tmp_path: Path, strategy: str) -> None:
+    """Two epochs of 3 micro-batches a rank at an accumulation of 2: windows of 2 and 1
+    micro-batches each epoch, 4 steps. DeepSpeed counted its window across epochs (the
+    last micro-batch of epoch 1 and the first of epoch 2 made one step: 3 steps); the
+    engine now gets the short window's length, so it steps and divides as Lightning does."""
+    ranks = run_script("accumulation_ddp.py", tmp_path, "--strategy", strategy,
+                       "--target", "32", "--samples", "48", "--epochs", "2",
+                       "--steps", "-1")  # fmt: skip
+    for result in ranks:
+        assert result["micro_batches"] == 6
+        assert result["global_step"] == 4
+    params = torch.load(tmp_path / "params0.pt", weights_only=True)
+    for name, value in reference_epochs([32, 16], samples=48, epochs=2).items():
+        torch.testing.assert_close(params[name], value, rtol=0, atol=1e-6)
+
+
 @pytest.mark.deepspeed
 def test_the_deepspeed_preset_divides_lightnings_accumulated_loss_once(tmp_path: Path) -> None:
     """Lightning divides the loss by ``accumulate_grad_batches`` and DeepSpeed's backward

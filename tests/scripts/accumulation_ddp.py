@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--target", type=int, default=64)
     parser.add_argument("--max-global-batch", type=int, default=256)
     parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--epochs", type=int, default=None, help="Trainer's max_epochs")
     parser.add_argument("--samples", type=int, default=256)
     parser.add_argument("--slow-comm", type=float, default=0.0)
     parser.add_argument("--step-delay", type=float, default=0.0)
@@ -144,6 +145,7 @@ def main() -> None:
                                          save_top_k=-1))  # fmt: skip
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=strategy, max_steps=args.steps, logger=False,
+        max_epochs=args.epochs,
         callbacks=callbacks, enable_checkpointing=bool(args.save_every),
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
         accumulate_grad_batches=args.accumulate,
