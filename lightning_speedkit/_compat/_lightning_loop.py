@@ -276,8 +276,11 @@ def take_over_accumulation(
     trainer: L.Trainer,
     window_done: Callable[[], bool],
     window_starts: Callable[[], bool],
+    active: Callable[[], bool] = lambda: True,
 ) -> Callable[[], None]:
-    """Let the caller decide where gradient-accumulation windows start and end.
+    """Let the caller decide where gradient-accumulation windows start and end, while
+    ``active``; Lightning's own decides while not (a tuner's sweep, which runs the fit
+    loop with its own callbacks only: the caller's hooks do not run to count windows).
 
     Lightning decides both with ``batch_idx % accumulate_grad_batches`` counted from the
     start of each epoch, so a factor changed mid-epoch puts a window's edges in the wrong
@@ -303,8 +306,11 @@ def take_over_accumulation(
                 f"please report the version."
             )
     lightning_zero_grad_fn = automatic._make_zero_grad_fn
+    lightning_batches_reached = epoch_loop._accumulated_batches_reached
 
     def make_zero_grad_fn(batch_idx: int, optimizer: Any) -> Callable[[], None] | None:
+        if not active():
+            return lightning_zero_grad_fn(batch_idx, optimizer)
         if not window_starts():
             return None
         divisor = trainer.accumulate_grad_batches
@@ -314,7 +320,10 @@ def take_over_accumulation(
         finally:
             trainer.accumulate_grad_batches = divisor
 
-    epoch_loop._accumulated_batches_reached = window_done  # type: ignore[method-assign]
+    def accumulated_batches_reached() -> bool:
+        return window_done() if active() else lightning_batches_reached()
+
+    epoch_loop._accumulated_batches_reached = accumulated_batches_reached  # type: ignore[method-assign]
     automatic._make_zero_grad_fn = make_zero_grad_fn  # type: ignore[method-assign]
 
     def restore() -> None:

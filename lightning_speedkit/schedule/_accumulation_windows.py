@@ -84,13 +84,21 @@ class AccumulationWindows:
         self.accumulation = 0  # 0: no window yet this fit
         self.length = 0  # the open window's micro-batches: fewer at an epoch's end
         self.count = 0  # micro-batches in the open window, this one included
+        self.lost = 0  # of those, run before the checkpoint a resumed fit continues from
         self.step = -1  # the optimizer step the open window began at
         self.policy: AccumulationPolicy | None = None
         self.resumed: dict[str, Any] = {}  # a checkpoint's adaptive state, for the policy
+        self.resumed_window: dict[str, int] | None = None  # the window it was saved in
 
     def done(self) -> bool:
         """Whether the micro-batch running now closes its window."""
         return self.count >= self.length
+
+    def had(self) -> int:
+        """The open window's micro-batches whose gradients the step has: all of them but
+        those run before the checkpoint a resumed fit continued mid-window from (a
+        checkpoint does not hold gradients)."""
+        return self.count - self.lost
 
     def starts(self) -> bool:
         """Whether the micro-batch running now opens its window (zero the gradients)."""
@@ -141,8 +149,12 @@ class AccumulationWindows:
             if ready:
                 self.policy.observe(measured, step)
         accumulation = self.policy.accumulation(step, epoch)
-        self.count, self.step = 1, step
+        self.count, self.step, self.lost = 1, step, 0
         self.length = int(min(accumulation, max(left, 1)))
+        window, self.resumed_window = self.resumed_window, None
+        if window is not None and window["step"] == step:  # continue it, edges kept
+            self.lost, self.length = window["count"], window["length"]
+            self.count += self.lost
         change = None if accumulation == self.accumulation else self._change(step, accumulation)
         policy = self.policy
         if isinstance(policy, AdaptiveToCommunication) and policy.measures(step):
@@ -171,12 +183,16 @@ class AccumulationWindows:
         }
         if adaptive:
             self.resumed["resumed_global_batch"] = state.get("global_batch")
+        self.resumed_window = state.get("window")
 
     def state_dict(self) -> dict[str, Any]:
-        """The accumulation, global batches and adaptive state, as checkpoints keep them."""
+        """The accumulation, global batches and adaptive state, as checkpoints keep them;
+        and the open window's place, where a checkpoint is taken mid-window."""
         policy = self.policy if isinstance(self.policy, AdaptiveToCommunication) else None
         resumed = {"probed": False, "next_check": 0, **self.resumed}
+        window = {"step": self.step, "count": self.count, "length": self.length}
         return {
+            **({"window": window} if 0 < self.count < self.length else {}),
             "accumulation": self.accumulation,
             "global_batch": self.global_batch(self.accumulation) if self.accumulation else None,
             "base_global_batch": self.base,

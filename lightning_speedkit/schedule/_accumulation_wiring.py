@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_speedkit import _combined, _compat
 from lightning_speedkit.errors import SpeedkitConfigError
+from lightning_speedkit.schedule._accumulation_windows import AccumulationWindows
 
 
 def refuse_other_accumulation(trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -137,6 +138,28 @@ def set_accumulation(trainer: L.Trainer, engine: Any, accumulation: int) -> None
         trainer.accumulate_grad_batches = accumulation  # Lightning's loss divisor
 
 
+def take_over_windows(
+    trainer: L.Trainer, windows: AccumulationWindows, scheduler: L.Callback
+) -> Callable[[], None]:
+    """``windows`` place Lightning's accumulation windows while ``scheduler`` is among the
+    Trainer's callbacks (a tuner's sweep runs the fit loop with its own only: the
+    scheduler's hooks, which count the windows, do not run there). Returns the undo."""
+
+    def active() -> bool:  # the list itself is replaced by the tuner, and put back
+        callbacks: list[L.Callback] = trainer.callbacks  # type: ignore[attr-defined]
+        return scheduler in callbacks
+
+    return _compat.take_over_accumulation(trainer, windows.done, windows.starts, active)
+
+
+def window_opened(engine: Any, windows: AccumulationWindows) -> None:
+    """A window opened: DeepSpeed's ``engine`` (if any) takes its length; a window a
+    resumed fit continues is said."""
+    set_engine_window(engine, windows.length - windows.lost)
+    if windows.lost:
+        say_resumed_mid_window(windows)
+
+
 def engine_window_runs_on(trainer: L.Trainer, engine: Any) -> bool:
     """Whether the DeepSpeed ``engine``'s window runs across an epoch's end: where the
     epoch's length is not known, no short last window can be made for it."""
@@ -153,8 +176,23 @@ def set_engine_window(engine: Any, length: int) -> None:
         )
 
 
+def say_resumed_mid_window(windows: AccumulationWindows) -> None:
+    """A fit resumed from a checkpoint taken mid-window (``val_check_interval`` or a
+    checkpoint every n batches that the accumulation does not divide)."""
+    rank_zero_warn(
+        f"AccumulationScheduler: resumed mid-window: {windows.lost} of the {windows.length} "
+        f"micro-batches of step {windows.step} ran before the checkpoint, which does not "
+        f"hold their gradients. The step is the mean over the "
+        f"{windows.length - windows.lost} after it, "
+        f"and the windows keep their places (the run's steps, LR schedule and "
+        f"`max_steps` as the uninterrupted run's). Checkpoint at optimizer steps "
+        f"(`ModelCheckpoint(every_n_train_steps=...)`) to resume exactly."
+    )
+
+
 def rescale_short_window(optimizer: torch.optim.Optimizer, accumulation: int, count: int) -> None:
-    """The epoch's last window ran short (``count`` of ``accumulation`` micro-batches):
+    """The window ran short (``count`` of ``accumulation`` micro-batches: an epoch's last,
+    or one a fit resumed mid-way, whose earlier gradients the checkpoint did not hold):
     Lightning divided each loss by the full accumulation. Make the step the mean over
     the micro-batches it really had."""
     if not 0 < count < accumulation:

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from lightning.pytorch.utilities import rank_zero_info
 
-from lightning_speedkit import _combined, _compat, _validation
+from lightning_speedkit import _combined, _validation
 from lightning_speedkit._loggers import log_metrics
 from lightning_speedkit.errors import SpeedkitConfigError
 from lightning_speedkit.measure._clock import Stamps
@@ -166,7 +166,7 @@ class AccumulationScheduler(L.Callback):
         wiring.refuse_other_accumulation(trainer, pl_module)
         self._reset_fit_state()
         windows = self._windows
-        self._restore_loop = _compat.take_over_accumulation(trainer, windows.done, windows.starts)
+        self._restore_loop = wiring.take_over_windows(trainer, windows, self)
         micro = wiring.given_micro_batch(trainer, windows.micro)
         if micro is not None:
             trainer.accumulate_grad_batches = _first_accumulation(self, micro, trainer.world_size)
@@ -222,7 +222,7 @@ class AccumulationScheduler(L.Callback):
         if self._engine is not None:
             return  # DeepSpeed: called on every micro-batch; the engine keeps its window
         self._windows.timer.optimizer_step()
-        wiring.rescale_short_window(optimizer, self._windows.accumulation, self._windows.count)
+        wiring.rescale_short_window(optimizer, self._windows.accumulation, self._windows.had())
 
     def on_train_batch_end(
         self,
@@ -249,7 +249,7 @@ class AccumulationScheduler(L.Callback):
         if change is not None:
             wiring.set_accumulation(trainer, self._engine, change.accumulation)
             _keep_change(trainer, self.history, change, windows, self.verbose)
-        wiring.set_engine_window(self._engine, windows.length)  # DeepSpeed's, if any
+        wiring.window_opened(self._engine, windows)
 
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":

@@ -170,6 +170,32 @@ def test_base_global_batch_sets_the_lr_reference() -> None:
     assert_same(model, reference([[0, 1], [2, 3]], lrs=[0.2, 0.2]))
 
 
+def test_a_tuners_lr_sweep_accumulates_as_lightnings_own_would(tmp_path: Path) -> None:
+    """``Tuner.lr_find`` runs the fit loop with its own callback only: the scheduler's
+    hooks do not run. Its windows then said "closed" at every micro-batch (the sweep
+    stepped each micro-batch on a loss divided by 4, and recorded a quarter of the
+    points); Lightning's own accumulation now decides there, so the sweep is plain
+    Lightning's with the same accumulation."""
+    from lightning.pytorch.tuner import Tuner
+
+    def sweep(callbacks: list[L.Callback], accumulate: int) -> dict[str, list[float]]:
+        model = Regression()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=callbacks, accumulate_grad_batches=accumulate,
+            default_root_dir=tmp_path,
+        )  # fmt: skip
+        loader = DataLoader(dataset(320), batch_size=MICRO)
+        found = Tuner(trainer).lr_find(model, loader, num_training=8, early_stop_threshold=None)
+        assert found is not None
+        return found.results
+
+    plain = sweep([], accumulate=4)
+    kit = sweep([AccumulationScheduler(target_global_batch=4 * MICRO)], accumulate=1)
+    assert len(plain["lr"]) == 8
+    assert kit == plain
+
+
 class SameBatches(TensorDataset):
     """Every micro-batch holds the same samples: a resumed epoch's data is the same data."""
 
@@ -205,6 +231,48 @@ def test_resume_mid_schedule_continues_it(tmp_path: Path) -> None:
     assert_same(model, expected.layer)
     assert resumed.history == straight.history
     assert [(c.step, c.accumulation) for c in resumed.history] == [(0, 1), (3, 2), (7, 3)]
+
+
+class SaveAfter(L.Callback):
+    """Saves a checkpoint after one micro-batch (``val_check_interval`` and a checkpoint
+    every n batches save mid-window the same way)."""
+
+    def __init__(self, path: Path, batch_idx: int) -> None:
+        self.path, self.batch_idx = path, batch_idx
+
+    def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
+        if args[-1] == self.batch_idx and trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.path)
+
+
+@pytest.mark.filterwarnings("ignore:You're resuming from a checkpoint that ended before")
+def test_resume_mid_window_keeps_the_windows_places(tmp_path: Path) -> None:
+    """A checkpoint after micro-batch 2 at an accumulation of 2 is mid-window (step 1's
+    window is micro-batches 2 and 3). The resumed fit opened a fresh window at micro-batch
+    3: every later window moved by one, and the run took 6 more micro-batches to reach
+    its steps for the uninterrupted run's 4. It now continues the window: micro-batch 3
+    closes step 1, whose gradient is the mean over it alone (the checkpoint does not hold
+    micro-batch 2's), with a warning."""
+
+    def run(callbacks: list[L.Callback], ckpt_path: Path | None = None) -> Regression:
+        model = Regression()
+        trainer = L.Trainer(
+            accelerator="cpu", devices=1, max_steps=4, logger=False, enable_progress_bar=False,
+            enable_model_summary=False, callbacks=callbacks, enable_checkpointing=False,
+        )  # fmt: skip
+        trainer.fit(model, DataLoader(SameBatches(), batch_size=MICRO), ckpt_path=ckpt_path)
+        return model
+
+    expected = run([AccumulationScheduler(target_global_batch=2 * MICRO)])
+    assert len(expected.batch_losses) == 7  # epoch 0: [0, 1] [2, 3] [4]; epoch 1: [0, 1]
+    path = tmp_path / "mid.ckpt"
+    run([AccumulationScheduler(target_global_batch=2 * MICRO), SaveAfter(path, batch_idx=2)])
+    state = torch.load(path, weights_only=True)["callbacks"]["AccumulationScheduler"]
+    assert state["window"] == {"step": 1, "count": 1, "length": 2}
+    with pytest.warns(UserWarning, match=r"resumed mid-window: 1 of the 2 micro-batches of step 1"):
+        model = run([AccumulationScheduler(target_global_batch=2 * MICRO)], ckpt_path=path)
+    assert len(model.batch_losses) == 4  # 3, then [4], then epoch 1's [0, 1]
+    assert_same(model, expected.layer)  # every micro-batch holds the same samples
 
 
 # What an adaptive run's checkpoint held before the modes became policies (the keys are
