@@ -95,7 +95,13 @@ def _register_strategies() -> None:
     """
     from lightning.pytorch.strategies import StrategyRegistry
 
-    registry = SimpleNamespace(register=partial(StrategyRegistry.register, override=True))
+    names: list[str] = []
+
+    def register(name: str, *args: object, **kwargs: object) -> None:
+        names.append(name)
+        StrategyRegistry.register(name, *args, override=True, **kwargs)
+
+    registry = SimpleNamespace(register=register)
     for strategy in (
         DDPPowerSGDStrategy,
         DDPHalfPrecisionStrategy,
@@ -104,6 +110,32 @@ def _register_strategies() -> None:
         FSDP2ZeRO2Strategy,
     ):
         strategy.register_strategies(registry)
+    _refuse_under_pytorch_lightning(names)
+
+
+def _refuse_under_pytorch_lightning(names: list[str]) -> None:
+    """The kit's strategy names in the ``pytorch_lightning`` package's registry too, each
+    refusing with the fix: that package is another copy of Lightning, whose Trainer takes
+    only its own strategy classes, and would say only that the name is unknown."""
+    import importlib.util
+
+    if importlib.util.find_spec("pytorch_lightning") is None:
+        return
+    from pytorch_lightning.strategies import StrategyRegistry as OtherRegistry
+
+    for name in names:
+        if name not in OtherRegistry:
+            refuse = partial(_refuse_strategy, name)
+            OtherRegistry.register(name, refuse, description="lightning_speedkit's, refused here")
+
+
+def _refuse_strategy(name: str, **_: object) -> None:
+    raise SpeedkitConfigError(
+        f"`strategy={name!r}` is a lightning_speedkit strategy, built on `lightning.pytorch`; "
+        f"`pytorch_lightning.Trainer` (the same Lightning under its older package name) "
+        f"cannot run it. Build the Trainer from `lightning.pytorch` (`import lightning.pytorch "
+        f"as pl`); the kit's callbacks work under either."
+    )
 
 
 _register_strategies()

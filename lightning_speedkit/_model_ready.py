@@ -34,7 +34,7 @@ def when_model_ready(pl_module: L.LightningModule, work: Callable[[], None]) -> 
     ``configure_model`` is its own again as soon as they have run (or
     :func:`forget_pending` dropped them: a fit that failed before the hook).
     """
-    if not is_overridden("configure_model", pl_module, L.LightningModule):
+    if not is_overridden("configure_model", pl_module, _lightning_base(pl_module)):
         work()
         return
     pending: tuple[Any, list[Callable[[], None]]] | None = pl_module.__dict__.get(_PENDING)
@@ -52,6 +52,20 @@ def when_model_ready(pl_module: L.LightningModule, work: Callable[[], None]) -> 
 
     pl_module.__dict__[_PENDING] = (pl_module.__dict__.get("configure_model"), [work])
     pl_module.__dict__["configure_model"] = configure_model
+
+
+def _lightning_base(pl_module: L.LightningModule) -> type[Any]:
+    """The ``LightningModule`` class the module derives from: ``lightning.pytorch``'s, or
+    the same class of the ``pytorch_lightning`` package (another copy of the code: its
+    default ``configure_model`` is another function, which would read as the module's own).
+    """
+    for base in type(pl_module).__mro__:
+        if base.__name__ == "LightningModule" and base.__module__.startswith(_PACKAGES):
+            return base
+    return L.LightningModule
+
+
+_PACKAGES = ("lightning.pytorch.", "pytorch_lightning.")
 
 
 def forget_pending(pl_module: L.LightningModule) -> list[Callable[[], None]]:
