@@ -7,6 +7,7 @@ Importing the package registers its strategy names with Lightning
 
 from functools import partial
 from types import SimpleNamespace
+from typing import Any
 
 # First: a torch or Lightning older than the floor is refused, with the upgrade to make.
 from lightning_speedkit import _versions  # noqa: F401
@@ -97,9 +98,9 @@ def _register_strategies() -> None:
 
     names: list[str] = []
 
-    def register(name: str, *args: object, **kwargs: object) -> None:
+    def register(name: str, strategy: Any, description: str, **init_params: Any) -> None:
         names.append(name)
-        StrategyRegistry.register(name, *args, override=True, **kwargs)
+        StrategyRegistry.register(name, strategy, description, override=True, **init_params)
 
     registry = SimpleNamespace(register=register)
     for strategy in (
