@@ -25,6 +25,15 @@ it changes besides its output (a buffer updated in place, said once; a Python
 counter) changes twice. Where the forward cannot run ahead (a module holding FSDP2
 units, whose parameters its own call gathers; a forward that raises on the copies),
 the call is traced as it runs, and what it finds is named in a warning with the fix.
+
+So is a first call with gradients that checkpoints blocks by the model's own gradient
+checkpointing (diffusers' or transformers' ``gradient_checkpointing`` flags,
+:mod:`._hf_checkpointing`): traced as it ran, its checkpoints would recompute, in
+backward, the swaps installed at its end, not the attention it ran (torch's
+``CheckpointError``). Ahead, without gradients, nothing is checkpointed, and the call
+runs swapped and checkpointed as the user asked. A call traced as it runs (one that
+cannot run ahead) has those checkpoint functions, like the kit's own checkpoints, run
+their blocks unchecked.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ from lightning_speedkit import _compat, _surgery
 from lightning_speedkit._random import random_state_kept
 from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._attention_pattern import Found, find_attention
+from lightning_speedkit.attention._hf_checkpointing import checkpoints_itself, checkpoints_paused
 from lightning_speedkit.attention._op_vocabulary import _tensor_args
 from lightning_speedkit.attention._parity import copy_inputs, force_eager, fsdp2_units
 from lightning_speedkit.attention._trace_record import _ById, _Recorder, _Trace  # pickles: _ById
@@ -180,7 +190,11 @@ class Discovery:
             if torch.compiler.is_compiling() or _ById(module) not in self.probes:
                 return
             documents = _documents.active()
-            if documents is not None and self._trace_ahead(module, args, kwargs, documents):
+            # A call that checkpoints its blocks itself (transformers', diffusers' gradient
+            # checkpointing) would recompute, in backward, the swaps installed at its end.
+            grad = torch.is_grad_enabled()
+            ahead = documents is not None or (grad and checkpoints_itself(module))
+            if ahead and self._trace_ahead(module, args, kwargs, documents):
                 return  # decided: the call runs what was swapped
             self.packed = documents is not None
             self._start(module)
@@ -194,6 +208,7 @@ class Discovery:
         # Swaps installed at the trace's end must not be what a checkpoint taken in it
         # recomputes: the kit's checkpoints run their blocks as they are meanwhile.
         self.contexts.enter_context(_surgery.forwards_changing())
+        self.contexts.enter_context(checkpoints_paused(module))  # the model's own, likewise
         self.contexts.enter_context(_Recorder(trace))
         return trace
 
@@ -217,9 +232,10 @@ class Discovery:
         module: nn.Module,
         args: tuple[Any, ...],
         kwargs: dict[str, Any],
-        documents: _documents.Documents,
+        documents: _documents.Documents | None,
     ) -> bool:
-        """Trace a packed batch's first call before it runs (see the module docstring).
+        """Trace a first call before it runs: a packed batch's, or one that checkpoints its
+        blocks itself (see the module docstring).
 
         Returns whether it was traced (its modules decided); ``False`` leaves the call to be
         traced as it runs.
@@ -233,7 +249,7 @@ class Discovery:
             for n, b in module.named_buffers()
             if not b.is_inference()
         ]
-        mixed = "mixed" in documents.seen
+        mixed = documents is not None and "mixed" in documents.seen
         trace = self._start(module, grad)
         ran = False
         try:
@@ -250,7 +266,7 @@ class Discovery:
         except Exception:
             log.debug("tracing ahead of the first call failed", exc_info=True)
         finally:
-            if not mixed:  # the run ahead mixed the rows, not the call: it runs swapped
+            if documents is not None and not mixed:  # the run ahead mixed the rows, not the call
                 documents.seen.pop("mixed", None)
             if not ran:
                 self._stop()  # the call is traced as it runs
@@ -264,8 +280,9 @@ class Discovery:
         if module.forward != forward and _surgery.replaced_forward(module) is not None:
             _replace_output(module, args, kwargs, mixed)  # the call itself was swapped
         if changed:
+            why = "a packed batch's" if documents is not None else "checkpointing its blocks"
             _documents.warn_once(
-                f"The first call of {self._name(module)!r}, a packed batch's, was traced by "
+                f"The first call of {self._name(module)!r}, {why}, was traced by "
                 "running its forward once ahead of it: buffers it changes in place "
                 f"({', '.join(changed)}) changed twice on that step. Call "
                 "`swap_attention(model, sample=...)` before fit to trace it there."

@@ -1,4 +1,4 @@
-"""transformers' own gradient checkpointing under the Hugging Face swap.
+"""A model's own gradient checkpointing (transformers', diffusers') under the swap.
 
 ``model.gradient_checkpointing_enable()`` gives each checkpointed layer a
 ``_gradient_checkpointing_func`` (``torch.utils.checkpoint`` with the user's
@@ -26,6 +26,16 @@ learned model (a global registration hook; the new ``nn.ModuleList`` transformer
 its layers into on each forward belongs to no model and does not count) or a list
 holding one of them changed length (its ``insert`` registers nothing), so a layer added
 or replaced after the swap is seen.
+
+diffusers' ``enable_gradient_checkpointing()`` has the same shape (a
+``gradient_checkpointing`` flag and a ``_gradient_checkpointing_func`` on each module that
+checkpoints its blocks, ``torch.utils.checkpoint`` of ``block.__call__`` by default), and
+diffusers' attention is found by tracing a model's first call, at whose end the swaps are
+installed: a checkpoint taken in that call recomputed, in backward, the swapped attention
+rather than the attention the call ran (``CheckpointError``). Such a call is traced ahead
+of itself, without gradients (:mod:`._discovery`, :func:`checkpoints_itself`), and while a
+call is traced as it runs these functions run their block unchecked
+(:func:`checkpoints_paused`), as the kit's own checkpoints do.
 """
 
 from __future__ import annotations
@@ -89,6 +99,44 @@ def replaying_checkpoints(model: nn.Module, own: _surgery.Setting) -> Iterator[N
             # A plain attribute: into the instance's dict, without nn.Module's __setattr__
             # (the layers of a model, on every call).
             layer.__dict__["_gradient_checkpointing_func"] = _Replaying(checkpoint, own)
+            wrapped.append((layer, checkpoint))
+    try:
+        yield
+    finally:
+        for layer, checkpoint in reversed(wrapped):
+            layer.__dict__["_gradient_checkpointing_func"] = checkpoint
+
+
+class _Unchecked:
+    """A layer's checkpoint function while a call is traced as it runs: the block runs as
+    it is, nothing recomputed (see the module docstring)."""
+
+    def __init__(self, checkpoint: Callable[..., Any]) -> None:
+        self.checkpoint = checkpoint
+
+    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        return function(*args, **kwargs)
+
+
+def checkpoints_itself(model: nn.Module) -> bool:
+    """Whether a layer of ``model`` has its own gradient checkpointing on (transformers'
+    or diffusers' ``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``)."""
+    return any(
+        layer.__dict__.get("_gradient_checkpointing_func") is not None
+        for layer in _checkpointing_layers(model)
+    )
+
+
+@contextmanager
+def checkpoints_paused(model: nn.Module) -> Iterator[None]:
+    """Inside, the layers of ``model`` that checkpoint by their own checkpoint function run
+    their blocks unchecked: the call is traced, and the swaps installed at its end must not
+    be what a checkpoint taken in it recomputes."""
+    wrapped: list[tuple[Any, Any]] = []
+    for layer in _checkpointing_layers(model):
+        checkpoint = layer.__dict__.get("_gradient_checkpointing_func")
+        if checkpoint is not None and not isinstance(checkpoint, _Unchecked):
+            layer.__dict__["_gradient_checkpointing_func"] = _Unchecked(checkpoint)
             wrapped.append((layer, checkpoint))
     try:
         yield
