@@ -112,16 +112,31 @@ def own_sdpa_modules() -> set[nn.Module]:
 def calls_sdpa(module: nn.Module) -> bool:
     """Whether the module's ``forward`` calls ``scaled_dot_product_attention`` by name, or
     under a name its module gave it (``from torch.nn.functional import
-    scaled_dot_product_attention as sdpa``).
+    scaled_dot_product_attention as sdpa``), or hands its work to a ``processor`` that
+    does (diffusers' ``Attention``, whose default ``AttnProcessor2_0`` calls SDPA).
 
     Taken at its word: a forward that calls SDPA on one branch only (nanoGPT's
     ``if self.flash``) counts as calling it.
     """
     forward = type(module).forward
+    if _names_sdpa(forward):
+        return True
     code = getattr(forward, "__code__", None)
+    if code is None or "processor" not in code.co_names:
+        return False
+    processor = vars(module).get("processor", dict(module.named_children()).get("processor"))
+    if processor is None:
+        return False
+    kind = type(processor)  # a module processor (diffusers' IP-Adapter's): its forward too
+    call, forward = (inspect.getattr_static(kind, name, None) for name in ("__call__", "forward"))
+    return _names_sdpa(call) or _names_sdpa(forward)
+
+
+def _names_sdpa(function: Any) -> bool:
+    code = getattr(function, "__code__", None)
     if code is None:
         return False
-    names = getattr(forward, "__globals__", {})
+    names = getattr(function, "__globals__", {})
     return "scaled_dot_product_attention" in code.co_names or any(
         names.get(name) is F.scaled_dot_product_attention for name in code.co_names
     )

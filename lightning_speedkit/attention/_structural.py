@@ -13,7 +13,10 @@ path: ``is_causal=True``, its ``bias`` buffer registered only without flash) is 
 already, and its causality is in the call, not in its structure: it is skipped, with
 that reason in the report, rather than swapped as non-causal attention and reverted by
 its check. Its SDPA calls run per document on a packed batch all the same
-(:mod:`._own_calls`).
+(:mod:`._own_calls`). So is diffusers' ``Attention`` with its default processor
+(``AttnProcessor2_0`` calls SDPA), though its ``to_out`` is a ``ModuleList([Linear,
+Dropout])`` that the structural forward does not run; with the classic processor it is
+left to the ``traced`` family.
 """
 
 from __future__ import annotations
@@ -101,8 +104,10 @@ def structural_match(module: nn.Module) -> Any:
     fused = next((name for name in _FUSED_QKV if name in linear), None)
     separate = next((names for names in _SEPARATE_QKV if set(names) <= linear), None)
     out = next((name for name in _OUT_PROJ if name in linear), None)
-    if (fused is None and separate is None) or out is None:
+    if fused is None and separate is None:
         return None
+    if out is None:
+        return _fused_already(module, children)
     # From here on the module looks like attention: a refusal says why.
     name = type(module).__name__
     causal, max_len = _causal_buffer(module)
@@ -155,6 +160,22 @@ def structural_match(module: nn.Module) -> Any:
         out_dropout=out_dropout,
         scale=float(scale) if isinstance(scale, float) else None,
     )
+
+
+def _fused_already(module: nn.Module, children: dict[str, nn.Module]) -> str | None:
+    """A module with projections whose output projection is a container led by a linear
+    (diffusers' ``to_out = ModuleList([Linear, Dropout])``): not one the structural forward
+    runs, but one that calls SDPA itself (through diffusers' ``AttnProcessor2_0``) is fused
+    already, and says so; otherwise the ``traced`` family may find it (``None``)."""
+    container = (nn.ModuleList, nn.Sequential)
+    led = any(
+        isinstance(child, container) and len(child) > 0 and isinstance(child[0], nn.Linear)
+        for name, child in children.items()
+        if name in _OUT_PROJ
+    )
+    if led and not _causal_buffer(module)[0] and calls_sdpa(module):
+        return f"{type(module).__name__}: calls SDPA itself: fused already"
+    return None
 
 
 def structural_forward(ctx: SwapContext, x: Tensor, *args: Any, **kwargs: Any) -> Any:
