@@ -27,9 +27,11 @@ from lightning_speedkit import _compat
 from lightning_speedkit._surgery import in_side_run, note_served_flops
 from lightning_speedkit.compute._frozen_modules import (
     ModuleWeights,
+    RandomDraws,
     Stamp,
     _chance_layers,
     attributes_changed,
+    drawn_input,
     fingerprint,
     mismatch,
     why_not_now,
@@ -45,14 +47,6 @@ from lightning_speedkit.compute._frozen_store import FeatureStore
 from lightning_speedkit.measure.flops import model_flops_so_far
 
 __all__ = ["CachedModule", "Scope", "Slot"]
-
-_DRAWN = (
-    "its input, the batch's `{field}`, differed between two reads of one sample of the "
-    "dataset (a random augmentation, random crops or flips, noise drawn in the dataset): a "
-    "stored feature would serve one draw in every epoch. Augment after the frozen module "
-    "(on its features), or only with a fixed per-sample transform, or remove "
-    "FrozenFeatureCache"
-)
 
 #: What a module's output is rebuilt from: its tree spec, the slots of its tensors among
 #: the leaves, the leaf count, and each tensor's dtype, device and order of dimensions in
@@ -119,6 +113,7 @@ class Slot:
     #: arguments (``output_hidden_states=True``) may give another structure.
     layouts: dict[Hashable, Layout] = field(default_factory=dict)
     flops_per_row: float | None = None  # its forward's model FLOPs per sample, counted
+    draws_checked: bool = False  # a call was seen to draw no random number (RandomDraws)
 
 
 class CachedModule:
@@ -207,7 +202,7 @@ class CachedModule:
             return self.original(*args, **kwargs)
         slot = self._slot(args, kwargs)
         if slot.source in self.scope.drawn and self.counts.stood_down is None:
-            self.stand_down(_DRAWN.format(field=slot.source))
+            self.stand_down(drawn_input(slot.source))
         if self.counts.stood_down is not None:
             return self._run(args, kwargs, slot=slot)
         signature, why = self._signature(args, kwargs, len(keys))
@@ -222,8 +217,10 @@ class CachedModule:
         hit = [i for i, entry in enumerate(found) if entry is not None]
         miss = [i for i, entry in enumerate(found) if entry is None]
         check = bool(hit) and self.scope.verify and not slot.verified
-        if not hit or check or signature not in slot.layouts:  # none: warm from disk
-            out = self._run(args, kwargs, slot=slot)  # as the plain run computes it
+        if not hit or check or signature not in slot.layouts or not slot.draws_checked:
+            out = self._run(args, kwargs, slot=slot, first=not slot.draws_checked)  # as plain
+            if not slot.draws_checked:  # its forward drew random numbers: stood down
+                return out
             leaves = self._leaves(out, len(keys), slot, signature)
             if leaves is not None and (not check or self._check(leaves, found, hit, slot)):
                 self._keep(leaves, base, [keys[i] for i in miss], miss, slot)
@@ -262,6 +259,7 @@ class CachedModule:
         miss = [i for i, key in enumerate(keys) if self.scope.store.get((*base, key)) is None]
         leaves = self._leaves(out, len(keys), slot, signature)
         if leaves is not None:
+            slot.draws_checked = True  # the step that found it saw its calls draw nothing
             self._keep(leaves, base, [keys[i] for i in miss], miss, slot)
 
     def _base(self, stamp: Stamp, signature: Hashable, slot: Slot) -> tuple[Hashable, ...]:
@@ -291,9 +289,11 @@ class CachedModule:
         kwargs: dict[str, Any],
         rows: list[int] | None = None,
         slot: Slot | None = None,
+        first: bool = False,
     ) -> Any:
         """The module's own forward on ``rows`` of the batch (all when None), with the real
-        inputs of any stand-in row among them read again first."""
+        inputs of any stand-in row among them read again first. ``first``: the slot's first
+        call, which stands the module down if it draws random numbers."""
         keys, stand = self.scope.keys, self.scope.stand_ins
         if keys is not None and stand and (rows is None or set(rows) & set(stand)):
             args, kwargs = self._real_inputs(args, kwargs, keys, slot)
@@ -305,8 +305,14 @@ class CachedModule:
             cut = rows * 2 if lone else rows
             args, kwargs = cut_rows(args, cut, len(keys)), cut_rows(kwargs, cut, len(keys))
         before = model_flops_so_far()  # under a FLOP count: learn what a row costs
+        draws = RandomDraws(self.module, args, kwargs) if first else None
         out = self.original(*args, **kwargs)
         after = model_flops_so_far()
+        if draws is not None and slot is not None:
+            why = draws.why()
+            slot.draws_checked = why is None
+            if why is not None:
+                self.stand_down(why)
         run = len(rows) * (2 if lone else 1) if rows is not None else len(keys or ())
         if slot is not None and before is not None and after is not None and run:
             slot.flops_per_row = (after - before) / run

@@ -20,9 +20,11 @@ from lightning_speedkit.compute._frozen_disk import DiskStore, prepare_directory
 from lightning_speedkit.compute._frozen_lease import PruneReport, prune_frozen_features
 from lightning_speedkit.compute._frozen_loader import dataset_fingerprint
 from lightning_speedkit.compute._frozen_modules import (
+    RandomDraws,
     check_modules,
     choose_modules,
     frozen_candidates,
+    random_draws,
     topmost,
     why_not_cacheable,
 )
@@ -51,6 +53,7 @@ class FrozenFeatures:
         self.cached: dict[str, CachedModule] = {}
         self._found: set[str] = set()
         self._found_flops: dict[str, dict[Hashable, float]] = {}  # per row, by batch field
+        self._drew: dict[str, str] = {}  # found modules whose forward drew random numbers
         self._watched = False  # the first step's calls have been watched
         self._probes: list[Any] = []
         #: The found modules' calls in the step ``"auto"`` watched: stored once chosen.
@@ -236,24 +239,29 @@ class FrozenFeatures:
         under a FLOP count (SpeedMonitor's first step), what each such call costs a row."""
         tree_flatten, _ = _compat.tree_flatten_and_map()
         fields = [t for t in tree_flatten(batch)[0] if isinstance(t, torch.Tensor)]
-        running: dict[str, tuple[Hashable, float | None]] = {}
+        running: dict[str, tuple[Hashable, float | None, bool, RandomDraws | None]] = {}
 
         def before(name: str) -> Any:
             def hook(module: nn.Module, args: Any, kwargs: Any) -> None:
                 given = [*args, *kwargs.values()]
                 if any(same_tensor(value, field) for value in given for field in fields):
                     self._found.add(name)
-                    running[name] = (batch_field(self._scope.fields, given), model_flops_so_far())
+                    watch = self._auto and not self.cached  # a named module checks its call
+                    draws = random_draws(name, module, args, kwargs) if watch else None
+                    field = batch_field(self._scope.fields, given)
+                    running[name] = (field, model_flops_so_far(), watch, draws)
 
             return hook
 
         def after(name: str) -> Any:
             def hook(module: nn.Module, args: Any, kwargs: Any, out: Any) -> None:
-                if name in running and self._auto and not self.cached:  # as it is now: the
-                    _, tree_map = _compat.tree_flatten_and_map()  # step may write it later
+                source, start, watch, draws = running.pop(name, (None, None, False, None))
+                if draws is not None and (why := draws.why()) is not None:
+                    self._drew[name] = why
+                if watch:  # as it is now: the step may write it later
+                    _, tree_map = _compat.tree_flatten_and_map()
                     kept = tree_map(lambda t: t.detach().clone() if _is_tensor(t) else t, out)
                     self._first_calls.setdefault(name, []).append((args, kwargs, kept))
-                source, start = running.pop(name, (None, None))
                 end, rows = model_flops_so_far(), len(self._scope.keys or ())
                 if source is not None and start is not None and end is not None and rows:
                     self._found_flops.setdefault(name, {})[source] = (end - start) / rows
@@ -266,15 +274,17 @@ class FrozenFeatures:
 
     def _choose_found(self) -> None:
         named = dict(self.model.named_modules())
-        for name in topmost(self._found):
-            why = why_not_cacheable(name, named[name])
+        # A module that drew random numbers is left out; its submodules that drew none serve.
+        drew = [n for n in topmost(self._found) if n in self._drew]
+        for name in [*drew, *topmost(self._found - self._drew.keys())]:
+            why = self._drew.get(name) or why_not_cacheable(name, named[name])
             if why is None:
                 self._add(name, named[name])
                 for args, kwargs, out in self._first_calls.get(name, []):  # ran uncached
                     self.cached[name].take(args, kwargs, out)
             else:
                 self._scope.warn_once(f"FrozenFeatureCache leaves `{name}` out: {why}.")
-        if not self.cached:
+        if not self.cached and not self._drew:
             self._scope.warn_once(
                 "FrozenFeatureCache(modules='auto') found no frozen submodule called with a "
                 "tensor of the batch as it is (a module whose input is computed from the batch "

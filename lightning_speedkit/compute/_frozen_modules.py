@@ -10,6 +10,8 @@ weights and plain attributes, so that features computed with other weights (or a
 ``temperature``) are never served, and
 :class:`ModuleWeights` the per-call checks (trainable? written to?) that ask the module's
 own parameters, also where FSDP lends it views of a flat parameter for the forward.
+:class:`RandomDraws` sees a forward that draws random numbers with no layer to show it
+(a sampled posterior, added noise), on its first call.
 """
 
 from __future__ import annotations
@@ -26,14 +28,17 @@ from lightning_speedkit import _compat, _validation
 
 __all__ = [
     "ModuleWeights",
+    "RandomDraws",
     "Stamp",
     "attributes_changed",
     "check_modules",
     "choose_modules",
+    "drawn_input",
     "fingerprint",
     "frozen_candidates",
     "mismatch",
     "plain_attributes",
+    "random_draws",
     "why_not_cacheable",
 ]
 
@@ -119,6 +124,85 @@ def why_not_now(
             f"or leave `{name}` out of `modules`"
         )
     return None
+
+
+class RandomDraws:
+    """The random generators a call of ``module`` may draw from, as they stand before it:
+    torch's CPU generator, the CUDA generator of each CUDA device its tensors or weights
+    are on, and each ``torch.Generator`` passed to it or held by one of its layers. After
+    the call, :meth:`why` says whether it drew from one.
+
+    The cache takes it on a module's first call only (each kind of call's, see
+    ``Slot``). Reading a generator's state draws nothing and waits for no device (a CUDA
+    generator keeps its seed and offset on the host). Not seen: Python's ``random``,
+    NumPy's, other accelerators' generators, and a ``torch.Generator`` the forward reaches
+    otherwise (a module-level global, a field of a config object).
+
+    Example::
+
+        >>> tower = nn.Linear(2, 2)
+        >>> draws = RandomDraws(tower, (torch.zeros(1, 2),), {})
+        >>> _ = tower(torch.zeros(1, 2))
+        >>> draws.why() is None
+        True
+        >>> _ = tower(torch.zeros(1, 2)) + 1e-6 * torch.randn(1, 2)  # a sampled posterior
+        >>> print(draws.why()[:72])
+        its forward draws random numbers (from torch's CPU generator): a sampled
+    """
+
+    def __init__(self, module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]) -> None:
+        values = {**{f"{i}": v for i, v in enumerate(args)}, **kwargs}
+        read: dict[str, Any] = {"torch's CPU generator": torch.get_rng_state}
+        tensors = [v for v in values.values() if isinstance(v, torch.Tensor)]
+        cuda = {t.device for t in [*tensors, *module.parameters()] if t.device.type == "cuda"}
+        for device in cuda if cuda and not torch.cuda.is_current_stream_capturing() else ():
+            read[f"the CUDA generator of {device}"] = lambda d=device: torch.cuda.get_rng_state(d)
+        held = [(f"the generator `{p}.{n}`" if p else f"the generator `{n}`", g)
+                for p, sub in module.named_modules()
+                for n, g in vars(sub).items() if isinstance(g, torch.Generator)]  # fmt: skip
+        given = [(f"the generator passed as `{n}`", g) for n, g in values.items()
+                 if isinstance(g, torch.Generator)]  # fmt: skip
+        for label, generator in held + given:
+            read[label] = generator.get_state
+        self._before = [(label, fn, fn()) for label, fn in read.items()]
+
+    def why(self) -> str | None:
+        """Why the module's output cannot be served, if the call drew random numbers."""
+        moved = [label for label, fn, before in self._before if not torch.equal(fn(), before)]
+        if not moved:
+            return None
+        return (
+            f"its forward draws random numbers (from {', '.join(moved)}): a sampled "
+            f"posterior (`latent_dist.sample()`), added noise, or a dropout applied as a "
+            f"function in train mode. Its output is not a function of the sample, and a "
+            f"served call would draw nothing, so every later draw of the step (noise, "
+            f"timesteps) would differ from the plain run's. Cache the deterministic part "
+            f"instead and sample after it: the module that computes the distribution's "
+            f"parameters (a diffusers VAE: `modules=['vae.encoder']`, as `'auto'` finds it), "
+            f"or return `latent_dist.mode()`"
+        )
+
+
+def random_draws(
+    name: str, module: nn.Module, args: Sequence[Any], kwargs: dict[str, Any]
+) -> RandomDraws | None:
+    """A :class:`RandomDraws` for a call of ``module``, or None when one of its layers in
+    train mode shows its randomness already (:func:`why_not_now` says it at each call)."""
+    if why_not_now(name, module, _chance_layers(module)) is not None:
+        return None
+    return RandomDraws(module, args, kwargs)
+
+
+def drawn_input(field: Any) -> str:
+    """Why a module whose input ``field`` two reads of a dataset's sample disagreed on
+    (see :func:`~._frozen_loader.dataset_fingerprint`) is not served."""
+    return (
+        f"its input, the batch's `{field}`, differed between two reads of one sample of the "
+        f"dataset (a random augmentation, random crops or flips, noise drawn in the dataset): "
+        f"a stored feature would serve one draw in every epoch. Augment after the frozen "
+        f"module (on its features), or only with a fixed per-sample transform, or remove "
+        f"FrozenFeatureCache"
+    )
 
 
 def frozen_candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:

@@ -55,7 +55,8 @@ class FrozenFeatureCache(L.Callback):
         modules: ``"auto"`` (the frozen submodules called with a tensor of the batch as it
             is, found on the first batch), a submodule name (``"model.vision"``), a module
             type, or a list of those. Refused with the reason: a module with a parameter
-            that requires grad, or with dropout or BatchNorm in train mode.
+            that requires grad, or with dropout or BatchNorm in train mode; and from its
+            first call, one whose forward draws random numbers (a sampled posterior).
         key: what identifies a sample across epochs. ``"index"`` (default): its index in
             the train dataset, carried by the train loader, which the callback builds again
             around the same sampler (any sampler, DistributedSampler, bucketing); neither

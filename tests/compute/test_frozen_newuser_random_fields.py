@@ -7,11 +7,13 @@ seeded run differed from the plain run's), and the drawn caption changed the dat
 fingerprint at every fit, so a second fit on a ``directory`` never started warm.
 
 Also: a module named to cache whose forward never runs (diffusers' VAE, called as
-``vae.encode(x)``) is said, with the submodule to name instead.
+``vae.encode(x)``) is said, with the submodule to name instead; and a module whose
+forward samples (a posterior, with noise too small for ``verify`` to see) is never served.
 """
 
 from __future__ import annotations
 
+import contextlib
 import random
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
+from lightning_speedkit.compute._frozen_core import cache_frozen_features
 from lightning_speedkit.compute._frozen_loader import dataset_fingerprint
 from lightning_speedkit.compute.frozen_feature_cache import FrozenFeatureCache
 
@@ -244,3 +247,96 @@ def test_the_fields_two_reads_disagree_on_are_named() -> None:
     drawn.clear()
     dataset_fingerprint(Captioned(), drawn=drawn)
     assert drawn == {"caption"}  # the tower's input is fixed: it may be cached
+
+
+class Posterior(nn.Module):
+    """A user's wrapper of a VAE that samples its posterior in its forward, as
+    ``vae.encode(x).latent_dist.sample()`` does: ``encoder`` computes the mean, and a
+    trained VAE's posterior is nearly deterministic (its noise is far below ``verify``'s
+    tolerance, which therefore passes)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Tower()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        mean = self.encoder(images)
+        return mean + torch.randn_like(mean) * 1e-6
+
+
+class SampledDenoiser(Denoiser):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = Posterior().requires_grad_(False)  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(
+    ("modules", "said", "runs"),
+    [
+        # named: stood down at its first call, before anything is stored; runs every step
+        (["encoder"], "stopped serving `encoder`", [6] * 12),
+        # "auto": left out, and the mean's encoder inside it, which draws nothing, served
+        # (epoch 1 runs it, epoch 2's first batch checks it)
+        ("auto", "leaves `encoder` out", [6] * 5),
+    ],
+)
+def test_a_forward_that_samples_is_never_served_and_draws_as_the_plain_run(
+    modules: Any, said: str, runs: list[int]
+) -> None:
+    # Before: stored, verified (the noise is within 1e-4) and served from epoch 2; the
+    # served calls drew no noise, so the step's own `randn_like` drew other numbers and
+    # every later loss differed from the plain run's, with no warning.
+    plain = fit(SampledDenoiser, _loader, None)
+    cache = FrozenFeatureCache(modules=modules)
+    said += r": its forward draws random numbers \(from torch's CPU generator\).*vae.encoder"
+    with pytest.warns(UserWarning, match=said):
+        cached = fit(SampledDenoiser, _loader, cache)
+    assert same_losses(plain, cached, 12)
+    assert plain.encoder.encoder.rows == [6] * 12
+    assert cached.encoder.encoder.rows == runs
+    counts = cache.counts
+    if modules == "auto":
+        assert list(cache.cache.modules) == ["encoder.encoder"]  # type: ignore[union-attr]
+        assert (counts["hits"], counts["stood_down"]) == (18 + 24, {})
+    else:
+        assert (counts["stored"], counts["hits"]) == (0, 0)
+        assert "draws random numbers" in counts["stood_down"]["encoder"]
+
+
+class OwnNoise(nn.Module):
+    """A frozen layer that adds noise from a generator it holds, or one it is given."""
+
+    def __init__(self, hold: bool) -> None:
+        super().__init__()
+        self.proj = nn.Linear(3, 4).requires_grad_(False)
+        self.generator = torch.Generator().manual_seed(0) if hold else None
+
+    def forward(self, x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        mean = self.proj(x)
+        noise = torch.randn(mean.shape, generator=generator or self.generator)
+        return mean + noise * 1e-6
+
+
+@pytest.mark.parametrize("hold", [True, False])
+def test_a_forward_drawing_from_its_own_generator_is_never_served(hold: bool) -> None:
+    def run(cached: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)  # the same weights
+        holder = nn.Module()
+        holder.noise = OwnNoise(hold)
+        cache = cache_frozen_features(holder, ["noise"]) if cached else None
+        given = {} if hold else {"generator": torch.Generator().manual_seed(0)}
+        x, outs = torch.randn(4, 3, generator=torch.Generator().manual_seed(1)), []
+        for _ in range(3):
+            with cache.keys(range(4)) if cache is not None else contextlib.nullcontext():
+                outs.append(holder.noise(x, **given))
+        if cache is not None:
+            assert cache.counts()["hits"] == 0
+            assert "draws random numbers" in cache.counts()["stood_down"]["noise"]
+        return outs
+
+    plain = run(False)
+    said = "the generator `generator`" if hold else "the generator passed as `generator`"
+    with pytest.warns(UserWarning, match=rf"`noise`: its forward draws .*\(from {said}\)"):
+        cached = run(True)
+    assert all(torch.equal(a, b) for a, b in zip(plain, cached, strict=True))
+    assert not torch.equal(plain[0], plain[1])  # each call drew new noise
