@@ -412,6 +412,10 @@ PRIVATE_NAMES: list[tuple[str, str, Callable[[], Any]]] = [
      lambda: "_compiler_ctx" in vars(L.LightningModule()) or None),
     ("dynamo_recompile_reasons", "torch._dynamo.utils",
      _module_attribute("torch._dynamo.utils", "get_compilation_metrics")),
+    ("dynamo_compiled_code", "torch._dynamo.utils",
+     _module_attribute("torch._dynamo.utils", "get_compilation_metrics")),
+    ("dynamo_recompile_limit", "torch._dynamo",
+     _module_attribute("torch._dynamo.config", "recompile_limit")),
     ("cpp_compiler", "torch._inductor",
      _module_attribute("torch._inductor.cpp_builder", "get_cpp_compiler")),
     ("foreach_kernel_devices", "torch.utils._foreach_utils",
@@ -527,3 +531,18 @@ def test_missing_ddp_kwargs_names_the_version(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.delattr(strategy, "_ddp_kwargs")
     with pytest.raises(RuntimeError, match=r"Lightning \(.*`DDPStrategy._ddp_kwargs`"):
         _compat.ddp_kwargs(strategy)
+
+
+def test_the_recompile_limit_is_read_live_and_a_missing_one_names_the_feature(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from torch._dynamo import config
+
+    assert _compat.dynamo_recompile_limit() == config.recompile_limit
+    with config.patch(recompile_limit=3):  # set by the user after the callback was made
+        assert _compat.dynamo_recompile_limit() == 3
+    monkeypatch.setattr(torch._dynamo, "config", object())  # a torch without the setting
+    with pytest.raises(RuntimeError, match=rf"torch \({re.escape(torch.__version__)}\)") as info:
+        _compat.dynamo_recompile_limit()
+    assert "`torch._dynamo.config.recompile_limit`" in str(info.value)
+    assert "RegionalCompile" in str(info.value)

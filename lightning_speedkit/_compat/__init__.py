@@ -97,6 +97,12 @@ from lightning_speedkit._compat._torch_internals import (
     dynamo_callback_handler as dynamo_callback_handler,
 )
 from lightning_speedkit._compat._torch_internals import (
+    dynamo_compiled_code as dynamo_compiled_code,
+)
+from lightning_speedkit._compat._torch_internals import (
+    dynamo_recompile_limit as dynamo_recompile_limit,
+)
+from lightning_speedkit._compat._torch_internals import (
     dynamo_recompile_reasons as dynamo_recompile_reasons,
 )
 from lightning_speedkit._compat._torch_internals import (

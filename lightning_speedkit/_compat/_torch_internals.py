@@ -208,6 +208,41 @@ def dynamo_recompile_reasons() -> list[tuple[str, str]]:
     ]
 
 
+def dynamo_compiled_code() -> list[tuple[str, str, int]]:
+    """``(compile id "F/N", file, first line)`` of the function each compilation dynamo still
+    records compiled (its last 64, ``torch._dynamo.utils.get_compilation_metrics``), oldest
+    first; an attempt that compiled nothing (a recompile limit hit) is left out."""
+    try:
+        from torch._dynamo.utils import get_compilation_metrics
+    except ImportError:
+        raise _missing(
+            "torch", "torch._dynamo.utils.get_compilation_metrics",
+            "RegionalCompile reads which function recompiled from",
+        ) from None  # fmt: skip
+    return [
+        (str(metrics.compile_id), str(metrics.co_filename), int(metrics.co_firstlineno))
+        for metrics in get_compilation_metrics()
+        if metrics.co_filename is not None and metrics.co_firstlineno is not None
+    ]
+
+
+def dynamo_recompile_limit() -> int:
+    """``torch._dynamo.config.recompile_limit``: the most graphs dynamo keeps for one
+    function (8 by default); a call that fits none of them once it is full runs uncompiled."""
+    try:
+        from torch._dynamo import config
+    except ImportError:
+        raise _missing(
+            "torch", "torch._dynamo.config",
+            "RegionalCompile reads dynamo's recompile limit from",
+        ) from None  # fmt: skip
+    limit = getattr(config, "recompile_limit", None)
+    if limit is None:
+        raise _missing("torch", "torch._dynamo.config.recompile_limit",
+                       "RegionalCompile warns before a block reaches")  # fmt: skip
+    return int(limit)
+
+
 def cpp_compiler() -> Any:
     """The C++ compiler inductor builds CPU kernels with (``torch._inductor.cpp_builder``);
     raises when there is none."""

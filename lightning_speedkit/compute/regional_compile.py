@@ -48,7 +48,7 @@ from lightning_speedkit.compute._block_compile import (
     cpu_compiler_missing,
 )
 from lightning_speedkit.compute._compile_report import first_step_report, no_blocks_message
-from lightning_speedkit.compute._recompile_advice import recompile_advice
+from lightning_speedkit.compute._recompile_advice import recompile_warning, warn_at
 
 # CompileWatch is a measurement and lives in measure/; importable from here as it always was.
 from lightning_speedkit.measure._compile_watch import CompileWatch
@@ -86,13 +86,17 @@ class RegionalCompile(L.Callback):
     What compilation cost is logged every ``log_every_n_steps`` while it changes:
     ``compile/seconds``, ``compile/graphs`` and ``compile/recompiles`` (everything
     dynamo compiled in the process during the fit). When one compiled frame keeps
-    recompiling (``recompile_warning`` times beyond one compilation per block class),
-    one warning names the likely cause and the fix: a KV cache passed to the blocks
-    (``use_cache=False``); new batch shapes (``dynamic=True``, or fewer distinct shapes
-    by length bucketing or sequence packing,
+    recompiling (``recompile_warning`` times beyond one compilation per block class, and
+    at the latest when it holds as many graphs as dynamo keeps of one function,
+    ``torch._dynamo.config.recompile_limit``, 8 by default, past which its calls run
+    uncompiled), one warning names the block class and the likely cause with the fix: a
+    KV cache passed to the blocks (``use_cache=False``); instances with different
+    parameter shapes, a UNet's channel counts (a higher ``recompile_limit``, or fewer
+    block classes named); inputs whose shape depends on the place in the network, seen
+    within the first step (``dynamic=True``); new batch shapes (``dynamic=True``, or fewer
+    distinct shapes by length bucketing or sequence packing,
     :class:`~lightning_speedkit.SpeedDataModuleMixin`); with ``dynamic=True`` already
-    set, a guard that ``TORCH_LOGS=recompiles`` shows. Past dynamo's recompile limit
-    (8) the block would run uncompiled.
+    set, a guard that ``TORCH_LOGS=recompiles`` shows.
 
     Args:
         blocks: ``"auto"`` (the model's repeated blocks) or module classes or names.
@@ -102,7 +106,8 @@ class RegionalCompile(L.Callback):
         backend: ``"inductor"`` (default) or any ``torch.compile`` backend. On CPU
             inductor needs a C++ compiler: without one the blocks are left uncompiled,
             with a warning. A name torch does not register is refused here.
-        recompile_warning: recompilations of one frame that trigger the warning.
+        recompile_warning: recompilations of one frame that trigger the warning (capped
+            at dynamo's ``recompile_limit`` less one, read when it is checked).
         verbose: print what was compiled, and the compile time after the first step.
 
     Example::
@@ -142,6 +147,7 @@ class RegionalCompile(L.Callback):
         self._classes = 1
         self._cache_off = CacheOff()
         self._kinds: list[type[nn.Module]] = []  # the compiled blocks' classes
+        self._first_step: dict[str, int] = {}  # the watch's by_frame after the first step
 
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         if stage != "fit":  # validate, test, predict: blocks a fit compiled stay compiled
@@ -185,7 +191,7 @@ class RegionalCompile(L.Callback):
 
     def _turn_cache_off(self, pl_module: L.LightningModule, names: list[str], stage: str) -> None:
         """``config.use_cache = False`` around the compiled blocks ``names`` for this stage
-        (a KV cache makes each layer compile apart); restored by :meth:`_restore_cache`."""
+        (a KV cache makes each layer compile apart); restored by ``CacheOff.restore``."""
         holders = self._cache_off.turn_off(pl_module, names)
         if holders and self.verbose:
             stage = getattr(stage, "value", stage)  # Lightning passes its TrainerFn
@@ -195,15 +201,11 @@ class RegionalCompile(L.Callback):
                 f"the loss does not use, makes each layer compile a graph of its own"
             )
 
-    def _restore_cache(self) -> None:
-        self._cache_off.restore()
-
-    def _recompile_warning(self, pl_module: L.LightningModule) -> str:
-        watch = self.watch
+    def _recompile_warning(self, pl_module: L.LightningModule, limit: int) -> str:
         blocks = [pl_module.get_submodule(name) for name in self.compiled]
-        return recompile_advice(
-            watch.most_recompiled, watch.recompiles, watch.seconds, watch.last_reason(),
-            cache_called=any(block in CACHE_CALLED for block in blocks), dynamic=self.dynamic,
+        return recompile_warning(
+            self.watch, blocks, cache_called=any(block in CACHE_CALLED for block in blocks),
+            dynamic=self.dynamic, first_step=self._first_step, limit=limit,
         )  # fmt: skip
 
     def on_train_batch_end(
@@ -218,7 +220,7 @@ class RegionalCompile(L.Callback):
             return
         watch = self.watch
         if not self._reported:
-            self._reported = True
+            self._reported, self._first_step = True, dict(watch.by_frame)
             warn, said = first_step_report(
                 watch.graphs, watch.seconds, self._kinds, len(self.compiled)
             )
@@ -226,10 +228,11 @@ class RegionalCompile(L.Callback):
                 rank_zero_warn(said)
             elif self.verbose:
                 rank_zero_info(said)
-        allowed = self.recompile_warning + self._classes - 1
-        if not self._warned and watch.most_recompiled >= allowed:
-            self._warned = True
-            rank_zero_warn(self._recompile_warning(pl_module))
+        if not self._warned:
+            limit = _compat.dynamo_recompile_limit()  # a frame holds at most `limit` graphs
+            if watch.most_recompiled >= warn_at(self.recompile_warning, self._classes, limit):
+                self._warned = True
+                rank_zero_warn(self._recompile_warning(pl_module, limit))
         now = watch.snapshot()
         if now != self._logged and _compat.lightning_logs_now(trainer):
             self._log(trainer)
@@ -249,11 +252,11 @@ class RegionalCompile(L.Callback):
         if stage == "fit":
             self.watch.remove()
         forget_pending(pl_module)
-        self._restore_cache()
+        self._cache_off.restore()
 
     def on_exception(
         self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException
     ) -> None:
         forget_pending(pl_module)  # a fit that failed before configure_model
         self.watch.remove()
-        self._restore_cache()
+        self._cache_off.restore()

@@ -9,7 +9,9 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._dynamo import config as dynamo_config
 from torch._dynamo.utils import counters
 from torch.utils.data import DataLoader
 
@@ -26,7 +28,7 @@ from lightning_speedkit.distributed import checkpoint_blocks, checkpointed_block
 from tests.helpers.fresh_dynamo import fresh_dynamo  # noqa: F401 (autouse)
 
 from ..helpers.recorder import Recorder
-from .models import Block, Losses, Net, dataset, loader, trainer
+from .models import DIM, Block, Losses, Net, dataset, loader, trainer
 
 RTOL = 1e-5
 
@@ -626,3 +628,216 @@ def test_auto_swapped_blocks_of_one_class_compile_to_one_graph(
     watch.remove()
     assert (watch.graphs, watch.recompiles) == (2, 0)  # one per block class
     assert len(timed) == 2  # auto timed once per attention class
+
+
+# --- dynamo's recompile limit; instances whose shapes differ by their place ------------------
+
+
+class Widen(nn.Module):
+    """A block whose instances widen the features: each has its own parameter shapes, as
+    a UNet's ResnetBlock2D has its own channel counts."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(width, width + 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(self.proj(x))
+
+
+class Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(WIDEST)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.norm(x)
+
+
+class Shift(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.shift = nn.Linear(WIDEST, WIDEST)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.shift(x) - x
+
+
+class Gate(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = nn.Linear(WIDEST, WIDEST)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * torch.sigmoid(self.gate(x))
+
+
+class Mix(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mix = nn.Linear(WIDEST, WIDEST)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x + self.mix(x)
+
+
+WIDTHS = [8 + 4 * i for i in range(9)]  # nine Widen blocks, nine parameter shapes
+WIDEST = WIDTHS[-1] + 4
+
+
+class FiveKinds(L.LightningModule):
+    """Five block classes; Widen's nine instances need nine graphs, one past dynamo's 8."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.widen = nn.ModuleList(Widen(width) for width in WIDTHS)
+        self.tail = nn.ModuleList(kind() for kind in (Norm, Norm, Shift, Shift))
+        self.more = nn.ModuleList(kind() for kind in (Gate, Gate, Mix, Mix))
+        self.head = nn.Linear(WIDEST, 1)
+
+    def training_step(self, batch: tuple[Tensor, Tensor], batch_idx: int) -> Tensor:
+        x, y = batch
+        for block in [*self.widen, *self.tail, *self.more]:
+            x = block(x)
+        return F.mse_loss(self.head(x).squeeze(1), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=1e-3)
+
+
+def _vectors(width: int) -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(2)
+    return DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(8, width, generator=g), torch.randn(8)),
+        batch_size=4,
+    )
+
+
+@pytest.fixture
+def no_clock(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The callback's CompileWatch reads a clock that never moves: the warning's seconds
+    are 0.0, so the test can compare its whole text."""
+    monkeypatch.setattr(rc, "CompileWatch", lambda: CompileWatch(clock=lambda: 0.0))
+
+
+def test_a_block_at_dynamos_limit_warns_with_five_block_classes(no_clock: None) -> None:
+    """With five block classes the threshold was 4 + 5 - 1 = 8 recompilations, which one
+    function never reaches (8 graphs, 7 recompilations, is dynamo's limit): the last Widen
+    block ran uncompiled and nothing was said. Now the threshold stops at the limit less one."""
+    callback = RegionalCompile(backend="eager", verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(1, [callback]).fit(FiveKinds(), _vectors(WIDTHS[0]))
+    assert [kind.__name__ for kind in callback._kinds] == ["Gate", "Mix", "Norm", "Shift", "Widen"]
+    assert callback.watch.most_recompiled == 7  # 8 graphs of Widen.forward; the 9th ran eagerly
+    assert callback.watch.graphs == 12  # and one graph for each of the other four classes
+    ours = [str(w.message) for w in caught if "recompiled" in str(w.message)]
+    assert ours == [
+        "RegionalCompile: Widen's compiled forward recompiled 7 times (7 recompilations, 0.0 s "
+        "compiling so far) (dynamo's last reason: `0/6: tensor 'x' size mismatch at index 1. "
+        "expected 32, actual 36`): its 9 instances have 9 different parameter shapes (channel "
+        "counts that change with the place in the network), and dynamo compiles a graph for "
+        "each: it keeps parameter shapes static, so neither `dynamic=True` nor fewer batch "
+        "shapes helps; it now holds 8 graphs, dynamo's limit per function "
+        "(`torch._dynamo.config.recompile_limit`): from now on its calls that fit none of them "
+        "run uncompiled (instances not compiled yet, a new shape). Let dynamo keep more graphs, "
+        "one or two per parameter shape: `torch._dynamo.config.recompile_limit = 18` before "
+        "the fit; or compile only blocks whose instances share their shapes: "
+        "`RegionalCompile(blocks=[Gate, Mix, Norm, Shift])` leaves Widen out."
+    ]
+
+
+def test_the_raised_limit_the_warning_names_compiles_every_instance(no_clock: None) -> None:
+    """The fix the warning gives works: with dynamo keeping 18 graphs, all nine compile,
+    and the warning, at ``recompile_warning`` recompilations, says the limit has room."""
+    callback = RegionalCompile(["Widen"], backend="eager", verbose=False)
+    with warnings.catch_warnings(record=True) as caught, dynamo_config.patch(recompile_limit=18):
+        warnings.simplefilter("always")
+        trainer(2, [callback]).fit(FiveKinds(), _vectors(WIDTHS[0]))
+    assert callback.watch.most_recompiled == 8  # nine graphs, one per instance; then reused
+    assert callback.watch.graphs == 9
+    ours = [str(w.message) for w in caught if "recompiled" in str(w.message)]
+    assert ours == [
+        "RegionalCompile: Widen's compiled forward recompiled 8 times (8 recompilations, 0.0 s "
+        "compiling so far) (dynamo's last reason: `0/7: tensor 'x' size mismatch at index 1. "
+        "expected 36, actual 40`): its 9 instances have 9 different parameter shapes (channel "
+        "counts that change with the place in the network), and dynamo compiles a graph for "
+        "each: it keeps parameter shapes static, so neither `dynamic=True` nor fewer batch "
+        "shapes helps; past dynamo's limit (18) it runs uncompiled. dynamo's limit (18) has "
+        "room for one or two graphs per parameter shape; or compile only blocks whose "
+        "instances share their shapes: name a class that holds the Widen blocks in "
+        "`RegionalCompile(blocks=[...])`."
+    ]
+
+
+def test_the_threshold_follows_the_recompile_limit_torch_has_now(no_clock: None) -> None:
+    """A recompile limit of 4 (read at each check, not the default 8): a threshold of 4
+    recompilations was never reached, and the run went on uncompiled in silence."""
+    callback = RegionalCompile(dynamic=False, backend="eager", verbose=False)
+    with warnings.catch_warnings(record=True) as caught, dynamo_config.patch(recompile_limit=4):
+        warnings.simplefilter("always")
+        trainer(6, [callback]).fit(Net(), DataLoader(Lengths(), batch_size=4, collate_fn=_ragged))
+    assert callback.watch.most_recompiled == 3  # 4 lengths compiled, the next two ran eagerly
+    ours = [str(w.message) for w in caught if "recompiled" in str(w.message)]
+    assert ours == [
+        "RegionalCompile: Block's compiled forward recompiled 3 times (3 recompilations, 0.0 s "
+        "compiling so far) (dynamo's last reason: `0/2: tensor 'x' size mismatch at index 1. "
+        "expected 4, actual 5`): batch shapes keep changing; it now holds 4 graphs, dynamo's "
+        "limit per function (`torch._dynamo.config.recompile_limit`): from now on its calls "
+        "that fit none of them run uncompiled (instances not compiled yet, a new shape). "
+        "Compile for symbolic shapes with `RegionalCompile(dynamic=True)`, or give batches "
+        "fewer distinct shapes: length bucketing or sequence packing (SpeedDataModuleMixin's "
+        "`lengths=` or PackingCollate). `TORCH_LOGS=recompiles` shows the guard that fails."
+    ]
+
+
+class Halve(nn.Module):
+    """The same parameters in every instance; each halves the tokens, so each instance's
+    input is half as long as the one before (a UNet's resolutions, by position)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.proj(x.unflatten(1, (-1, 2)).mean(2))  # a view, as its input: one guard
+
+
+class Halving(Net):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Halve() for _ in range(4))  # 32 tokens in, 2 out
+
+
+def _long(n: int = 16) -> DataLoader[Any]:
+    g = torch.Generator().manual_seed(3)
+    data = torch.utils.data.TensorDataset(torch.randn(n, 32, DIM, generator=g), torch.randn(n))
+    return DataLoader(data, batch_size=4)
+
+
+@pytest.mark.parametrize(("dynamic", "graphs"), [(False, 4), (True, 1)])
+def test_input_shapes_that_differ_by_position_are_not_blamed_on_the_batches(
+    no_clock: None, dynamic: bool, graphs: int
+) -> None:
+    """Every batch alike, the recompilations all in the first step: the advice said "batch
+    shapes keep changing" and offered bucketing. Now it names the position in the network,
+    and its fix (``dynamic=True``) gives one graph."""
+    callback = RegionalCompile(dynamic=dynamic, backend="eager", recompile_warning=3, verbose=False)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer(2, [callback]).fit(Halving(), _long())
+    assert callback.watch.graphs == graphs  # and the second step compiled nothing
+    ours = [str(w.message) for w in caught if "recompiled" in str(w.message)]
+    if dynamic:
+        assert ours == []
+        return
+    assert ours == [
+        "RegionalCompile: Halve's compiled forward recompiled 3 times (3 recompilations, 0.0 s "
+        "compiling so far) (dynamo's last reason: `0/2: tensor 'x' size mismatch at index 1. "
+        "expected 8, actual 4`): all within the first step, so not because batch shapes "
+        "change: its instances get inputs of different shapes by their place in the network "
+        "(a UNet's resolutions); past dynamo's limit (8) it runs uncompiled. Compile for "
+        "symbolic shapes with `RegionalCompile(dynamic=True)`: one graph then serves them "
+        "all. Length bucketing or sequence packing would not help."
+    ]
