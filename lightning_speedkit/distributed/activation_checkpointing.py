@@ -269,11 +269,40 @@ def checkpoint_blocks(
     if not instances:  # "auto" found nothing (named classes the model lacks are refused)
         rank_zero_warn(_none_found(model))
     chosen = _spread([(name, m) for name, m in instances if not _is_checkpointed(m)], fraction)
+    _warn_library_checkpointing(model, [name for name, _ in chosen])
     for _, module in chosen:
         forward = partial(_checkpointed, module)
         forward._speedkit_wrapper = True  # type: ignore[attr-defined]
         _surgery.replace_forward(module, forward)
     return [name for name, _ in chosen]
+
+
+def _warn_library_checkpointing(model: nn.Module, names: list[str]) -> None:
+    """Warn where the model's own library checkpoints layers of these blocks too
+    (transformers' ``gradient_checkpointing_enable()``, diffusers'
+    ``enable_gradient_checkpointing()``: a module's ``gradient_checkpointing = True``):
+    outputs stay exact, but those layers recompute twice in backward, once for each."""
+    flagged = [n for n, m in model.named_modules() if vars(m).get("gradient_checkpointing") is True]
+    both = [n for n in names if any(_nested(n, f) or _nested(f, n) for f in flagged)]
+    if both:
+        rank_zero_warn(
+            f"ActivationCheckpointing: the model's own gradient checkpointing is on too "
+            f"(`gradient_checkpointing = True` on {_few(flagged)}), around or inside "
+            f"{len(both)} of its block(s) ({_few(both)}): the layers both checkpoint "
+            f"recompute twice in backward, once for each (outputs stay exact). Keep one: "
+            f"`model.gradient_checkpointing_disable()` (transformers) or "
+            f"`disable_gradient_checkpointing()` (diffusers), or remove ActivationCheckpointing."
+        )
+
+
+def _nested(name: str, outer: str) -> bool:
+    """Whether module ``name`` is ``outer`` or inside it (qualified names; "" is the root)."""
+    return not outer or name == outer or name.startswith(outer + ".")
+
+
+def _few(names: list[str]) -> str:
+    shown = ", ".join(f"`{n}`" if n else "the model" for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
 
 
 def _spread(instances: list[tuple[str, nn.Module]], fraction: float) -> list[tuple[str, nn.Module]]:

@@ -564,3 +564,35 @@ def test_only_running_statistics_are_copied_around_the_recomputation() -> None:
     # per block: running_mean and running_var (4 channels) and num_batches_tracked; not the mask
     assert sorted(copies.sizes) == [1, 1, 4, 4, 4, 4]
     assert int(model[0].bn.num_batches_tracked) == 1
+
+
+def test_the_models_own_checkpointing_on_too_is_warned_about() -> None:
+    """transformers' ``gradient_checkpointing_enable()`` flags each decoder layer: the kit
+    checkpointing them as well recomputes each twice in backward (exact, but a second
+    forward of every layer for nothing). Said once, naming both switches."""
+    pytest.importorskip("transformers")
+    from tests.helpers.hf_tiny import tiny_model
+
+    build = tiny_model("LlamaConfig", "LlamaForCausalLM", vocab_size=64, hidden_size=32,
+                       intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+                       num_key_value_heads=2)  # fmt: skip
+    model = build()
+    model.gradient_checkpointing_enable()
+    with pytest.warns(UserWarning, match=r"own gradient checkpointing is on too .* 2 of its "
+                      r"block\(s\) \(`model.layers.0`, `model.layers.1`\).*gradient_checkpointing_"
+                      r"disable\(\)"):  # fmt: skip
+        assert checkpoint_blocks(model) == ["model.layers.0", "model.layers.1"]
+
+
+def test_a_parent_flag_diffusers_style_is_seen_and_no_flag_is_silent(
+    recwarn: pytest.WarningsRecorder,
+) -> None:
+    """diffusers sets ``gradient_checkpointing = True`` on the module that checkpoints its
+    children (a UNet's down block around its resnets)."""
+    net = Net()
+    assert checkpoint_blocks(net)
+    assert not [w for w in recwarn if "own gradient" in str(w.message)]
+    uncheckpoint_blocks(net)
+    net.gradient_checkpointing = True  # type: ignore[assignment]
+    with pytest.warns(UserWarning, match=r"`gradient_checkpointing = True` on the model\)"):
+        checkpoint_blocks(net)
