@@ -23,6 +23,8 @@ Under ``torch.compile`` the module's own forward is traced instead, but on a pac
 batch, whose call leaves the graph and runs here eagerly, each document apart.
 
 The parts live apart: the torch calls known by name (:mod:`._op_vocabulary`), the
+first product that becomes a placeholder (:mod:`._first_product`; ``baddbmm``'s first
+tensor is an additive mask, diffusers' classic processor's), the
 placeholder and the replay of the module's own code (:mod:`._deferred_scores`), the
 mapping of operands onto the fused call's layout (:mod:`._sdpa_layout`), and masks
 made from buffers, causal or not (:mod:`._mask_recipes`).
@@ -52,6 +54,7 @@ from lightning_speedkit.attention._deferred_scores import (
     _Placeholder,
     _Scores,
 )
+from lightning_speedkit.attention._first_product import first_product
 from lightning_speedkit.attention._mask_recipes import BufferRecipes, _negative, sdpa_mask
 from lightning_speedkit.attention._op_vocabulary import (
     _ADD,
@@ -145,87 +148,13 @@ class _Fuse(TorchFunctionMode):
                 self.unfused = f"its attention weights are used by `{name}`"
             return func(*_fill(args, None), **_fill(kwargs, None))  # computed as written
         if name in _PRODUCTS:
-            placeholder = self._defer(func, name, args, kwargs)
+            placeholder = first_product(func, name, args, kwargs, self.recipes)
             if placeholder is not None:
                 return placeholder
         out = func(*args, **kwargs)
         if name not in _METADATA:
             self.recipes.note(name, args, kwargs, tensors, out)
         return out
-
-    # ------------------------------------------------------------ first product
-
-    def _defer(
-        self, func: Callable[..., Any], name: str, args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> _Placeholder | None:
-        """A placeholder for ``q @ k^T`` of two activations (else ``None``: computed as written)."""
-        if name in ("matmul", "bmm"):
-            if len(args) != 2 or kwargs or not (_is_plain(args[0]) and _is_plain(args[1])):
-                return None
-            a, b = args
-            if a.ndim < 2 or b.ndim < 2 or a.shape[-1] != b.shape[-2]:
-                return None
-            return self._scores((func, args, kwargs), a, b.transpose(-1, -2), 1.0)
-        if name == "baddbmm":  # diffusers: baddbmm(empty, q, k^T, beta=0, alpha=scale)
-            if len(args) != 3 or not all(_is_plain(t) for t in args):
-                return None
-            alpha = kwargs.get("alpha", 1)
-            if kwargs.get("beta", 1) != 0 or set(kwargs) - {"alpha", "beta"}:
-                return None
-            if not _number(alpha) or not 0 < alpha < math.inf:
-                return None
-            _, a, b = args
-            if a.ndim != 3 or b.ndim != 3 or a.shape[-1] != b.shape[-2]:
-                return None
-            if tuple(args[0].shape) != (a.shape[0], a.shape[1], b.shape[2]):
-                return None
-            return self._scores((func, args, kwargs), a, b.transpose(-1, -2), float(alpha))
-        if name == "einsum":
-            return self._defer_einsum(func, args, kwargs)
-        return None
-
-    def _scores(self, op: Op, q: Tensor, k: Tensor, scale: float) -> _Placeholder | None:
-        try:
-            batch = tuple(torch.broadcast_shapes(q.shape[:-2], k.shape[:-2]))
-        except RuntimeError:
-            return None
-        q = q.expand(*batch, *q.shape[-2:])
-        k = k.expand(*batch, *k.shape[-2:])
-        scores = _Scores(op, None, q, k, scale=scale)
-        dtype = _product_dtype(q.device, q.dtype, k.dtype)
-        return _Placeholder(scores, (*batch, q.shape[-2], k.shape[-2]), dtype)
-
-    def _defer_einsum(
-        self, func: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]
-    ) -> _Placeholder | None:
-        if kwargs or not args or not isinstance(args[0], str):
-            return None
-        operands = _einsum_operands(args)
-        if len(operands) != 2 or not all(_is_plain(t) for t in operands):
-            return None
-        parsed = _einsum_terms(args[0], [t.ndim for t in operands])
-        if parsed is None or len(parsed[1]) < 2:
-            return None
-        (ta, tb), out = parsed
-        i, j, batch = out[-2], out[-1], out[:-2]
-        if i in tb and j in ta:  # key first
-            (ta, tb), operands = (tb, ta), operands[::-1]
-        if i not in ta or j not in tb or i in tb or j in ta:
-            return None
-        contracted = [c for c in ta if c in tb and c not in out]
-        if len(contracted) != 1:
-            return None
-        d = contracted[0]
-        if set(ta) - set(batch) - {i, d} or set(tb) - set(batch) - {j, d}:
-            return None
-        sizes = _letter_sizes([ta, tb], [tuple(t.shape) for t in operands])
-        if any(c not in sizes for c in batch):
-            return None
-        q = _arrange(operands[0], ta, batch + i + d, sizes)
-        k = _arrange(operands[1], tb, batch + j + d, sizes)
-        scores = _Scores((func, args, kwargs), None, q, k)
-        shape = (*q.shape[:-1], k.shape[-2])
-        return _Placeholder(scores, tuple(shape), _product_dtype(q.device, q.dtype, k.dtype))
 
     # ------------------------------------------------------ ops on placeholders
 
