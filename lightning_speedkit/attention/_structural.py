@@ -21,6 +21,7 @@ left to the ``traced`` family.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -70,9 +71,20 @@ class Structure:
     scale: float | None
 
 
+def _attr(module: nn.Module, name: str) -> Any:
+    """``module.<name>`` where the instance or its class holds it (a property's value
+    included), ``None`` elsewhere: never through a class's ``__getattr__``, which every
+    module is asked here, and diffusers' answers with its config and a deprecation
+    warning (``num_attention_heads`` of a top-level model, on every swap)."""
+    value = inspect.getattr_static(module, name, None)
+    if hasattr(type(value), "__get__"):  # a property, or another descriptor: its value
+        return getattr(module, name, None)
+    return value
+
+
 def _int_attr(module: nn.Module, names: tuple[str, ...]) -> int | None:
     for name in names:
-        value = getattr(module, name, None)
+        value = _attr(module, name)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
@@ -144,7 +156,7 @@ def structural_match(module: nn.Module) -> Any:
             child, (nn.Identity, nn.Softmax)
         ):
             return f"{name}: submodule {child_name!r} is not modelled by the structural adapter"
-    scale = getattr(module, "scale", None)
+    scale = _attr(module, "scale")
     return Structure(
         heads=heads,
         kv_heads=kv_heads,

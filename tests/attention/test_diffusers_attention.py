@@ -233,3 +233,47 @@ class _Sample(nn.Module):
 
     def forward(self) -> Tensor:
         return self.model(**self.call).sample  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("processor", ["sdpa", "classic"])
+def test_swapping_reads_no_config_key_as_an_attribute(processor: str) -> None:
+    """diffusers' ``ModelMixin.__getattr__`` serves config keys with a deprecation warning:
+    the structural adapter asked every module for ``num_attention_heads``, and the
+    top-level model warned on every swap."""
+    torch.manual_seed(0)
+    model = Transformer2D(processor={"sdpa": SdpaProcessor, "classic": ClassicProcessor}[processor])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = swap_attention(model, "sdpa", sample=_inputs())
+    assert [str(w.message) for w in caught if "config attribute" in str(w.message)] == []
+    assert len(report.swapped if processor == "classic" else report.skipped) == 4
+
+
+class _HeadsOnTheClass(nn.Module):
+    """A head count on the class, not the instance."""
+
+    n_head = 4
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.proj = nn.Linear(32, 96), nn.Linear(32, 32)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x
+
+
+class _HeadsAsAProperty(_HeadsOnTheClass):
+    """A head count that is a property (read before ``n_head``: its name comes first)."""
+
+    @property
+    def num_heads(self) -> int:
+        return 2
+
+
+def test_head_counts_are_still_read_from_classes_and_properties() -> None:
+    on_class, as_property = (
+        structural_match(_HeadsOnTheClass()),
+        structural_match(_HeadsAsAProperty()),
+    )
+    assert (on_class.heads, on_class.head_dim) == (4, 8)
+    assert (as_property.heads, as_property.head_dim) == (2, 16)
