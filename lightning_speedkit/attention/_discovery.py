@@ -53,8 +53,9 @@ from lightning_speedkit._random import random_state_kept
 from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._attention_pattern import Found, find_attention
 from lightning_speedkit.attention._hf_checkpointing import checkpoints_itself, checkpoints_paused
+from lightning_speedkit.attention._input_copies import copy_inputs
 from lightning_speedkit.attention._op_vocabulary import _tensor_args
-from lightning_speedkit.attention._parity import copy_inputs, force_eager, fsdp2_units
+from lightning_speedkit.attention._parity import force_eager, fsdp2_units
 from lightning_speedkit.attention._trace_record import _ById, _Recorder, _Trace  # pickles: _ById
 from lightning_speedkit.measure.flops import not_counted
 

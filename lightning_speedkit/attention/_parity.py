@@ -1,12 +1,12 @@
 """The parity check's measure: a fused module's outputs and gradients against its own.
 
 A check runs the module's own forward and the fused one on detached copies of the
-same inputs (:func:`copy_inputs`), each as a :class:`Run` (its outputs, and the
-gradients of its inputs and parameters under a fixed random projection of the
-outputs), and :meth:`Run.error` compares two runs. The tolerance a backend must
-meet comes from the outputs' dtype (:data:`DEFAULT_TOLERANCE`); in half precision
-both runs are judged against a float32 run of the module's own forward
-(:func:`upcast`). Plain tensors in, plain numbers out: no module is swapped here.
+same inputs (:mod:`._input_copies`: a cache argument copied for each run), each as a
+:class:`Run` (its outputs, and the gradients of its inputs and parameters under a fixed
+random projection of the outputs), and :meth:`Run.error` compares two runs. The
+tolerance a backend must meet comes from the outputs' dtype (:data:`DEFAULT_TOLERANCE`);
+in half precision both runs are judged against a float32 run of the module's own
+forward (:func:`upcast`). Plain tensors in, plain numbers out: no module is swapped here.
 """
 
 from __future__ import annotations
@@ -69,36 +69,6 @@ def upcast(module: nn.Module) -> Iterator[None]:
     finally:
         for tensor, data in saved:
             tensor.data = data
-
-
-def copy_inputs(
-    args: tuple[Any, ...], kwargs: dict[str, Any], requires_grad: bool, upcast: bool = False
-) -> Inputs:
-    """Detached copies (aliasing kept: ``mha(x, x, x)`` stays self-attention).
-
-    ``upcast``: half-precision tensors become float32 (the reference run).
-    """
-    memo: dict[int, Tensor] = {}
-
-    def copy(value: Any) -> Any:
-        if isinstance(value, Tensor):
-            if id(value) not in memo:
-                clone = value.detach().clone()
-                if upcast and clone.dtype in HALF:
-                    clone = clone.float()
-                if requires_grad and clone.is_floating_point():
-                    # A non-leaf (a view of the leaf): hooks on module inputs, such
-                    # as count_flops' module tracker, refuse leaves in autograd.grad.
-                    clone = clone.requires_grad_(True).view_as(clone)
-                memo[id(value)] = clone
-            return memo[id(value)]
-        if isinstance(value, (tuple, list)):
-            return type(value)(copy(v) for v in value)
-        if isinstance(value, dict):
-            return {k: copy(v) for k, v in value.items()}
-        return value
-
-    return copy(args), copy(kwargs)
 
 
 def force_eager() -> contextlib.AbstractContextManager[Any]:

@@ -36,12 +36,12 @@ from lightning_speedkit._surgery import (
 )
 from lightning_speedkit.attention import _auto_timing, _documents
 from lightning_speedkit.attention._auto_timing import own_is_faster, pick_fastest
+from lightning_speedkit.attention._input_copies import caller, copy_inputs
 from lightning_speedkit.attention._own_calls import warn_own_attention
 from lightning_speedkit.attention._parity import (
     Failure,
     Inputs,
     Run,
-    copy_inputs,
     eval_mode,
     force_eager,
     holds_fsdp2_unit,
@@ -206,9 +206,7 @@ class _SwappedForward:
         copies = copy_inputs(args, kwargs, requires_grad=grad)
         real = real_positions(self.original, self.module, args, kwargs)
         try:
-            own = Run(
-                lambda: self.original(*copies[0], **copies[1]), copies, self.module, grad, real
-            )
+            own = Run(caller(self.original, copies), copies, self.module, grad, real)
         except Exception:
             if label != "synthetic":
                 raise  # the module's own forward fails on its real inputs: the user's error
@@ -390,9 +388,7 @@ class _SwappedForward:
         device = next((t.device for t in tensors(copies)), torch.device("cpu"))
         try:
             with upcast(self.module), torch.autocast(device.type, enabled=False):
-                return Run(
-                    lambda: self.original(*copies[0], **copies[1]), copies, self.module, grad, real
-                )
+                return Run(caller(self.original, copies), copies, self.module, grad, real)
         except Exception:  # a forward that insists on its dtype: compare with eager alone
             log.debug("no float32 reference for %s", self.entry.name, exc_info=True)
             return None
@@ -489,4 +485,5 @@ def _keep_saved_tensors() -> Any:
 
 
 def _bind(forward: Callable[..., Any], ctx: SwapContext, inputs: Inputs) -> Callable[[], Any]:
-    return lambda: forward(ctx, *inputs[0], **inputs[1])
+    """``forward(ctx, *args, **kwargs)`` on the check's inputs, a cache copied per call."""
+    return caller(lambda *args, **kwargs: forward(ctx, *args, **kwargs), inputs)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_speedkit.attention._input_copies import copy_inputs
 from lightning_speedkit.attention._parity import (
     Run,
-    copy_inputs,
     eval_mode,
     is_half,
     relative_errors,

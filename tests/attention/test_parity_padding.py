@@ -17,7 +17,8 @@ import transformers
 from torch import Tensor, nn
 
 from lightning_speedkit import swap_attention
-from lightning_speedkit.attention._parity import Run, copy_inputs, real_positions
+from lightning_speedkit.attention._input_copies import copy_inputs
+from lightning_speedkit.attention._parity import Run, real_positions
 
 # ------------------------------------------------------------------ which positions are real
 
