@@ -18,6 +18,7 @@ no more batches at all ends the timing early.
 from __future__ import annotations
 
 import contextlib
+import re
 import signal
 import threading
 import time
@@ -179,6 +180,10 @@ def measure_loader(
 def describe_failure(exc: BaseException) -> str:
     """Why a candidate failed, in the table's words: pickling, a hang, a crash, or else."""
     text = f"{type(exc).__name__}: {exc}".splitlines()[0]
+    worker = re.match(r"Caught \w+ in (DataLoader worker process \d+)", str(exc))
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if worker is not None and len(lines) > 1:  # a worker's error: its own last line says it
+        text = f"{lines[-1]}, in {worker.group(1)}"
     if "pickle" in text.lower() or (
         isinstance(exc, (TypeError, AttributeError)) and "pickl" in str(exc)
     ):

@@ -57,7 +57,7 @@ from lightning_speedkit.data import _candidates, _result_cache
 from lightning_speedkit.data._candidate_timing import describe_failure
 from lightning_speedkit.data._candidate_timing import measure_loader as _measure
 from lightning_speedkit.data._result_cache import default_cache_dir
-from lightning_speedkit.data._stream_split import repeats_in_each_worker
+from lightning_speedkit.data._stream_split import why_not_split
 from lightning_speedkit.data.rebuild import _settings, rebuild_dataloader
 from lightning_speedkit.data.tune_result import TuneResult
 from lightning_speedkit.data.worker_cores import cpu_budget, spare_cores
@@ -127,6 +127,7 @@ def _search(
     *,
     min_gain: float,
     time_budget: float,
+    timeout: float,
     start: float,
     progress: bool,
 ) -> tuple[list[dict[str, Any]], dict[str, Any], float, float | None]:
@@ -140,12 +141,12 @@ def _search(
     """
     table: list[dict[str, Any]] = []
     given = _settings(loader)
-    repeats = (budget >= 2 or given["num_workers"] >= 2) and _repeats(loader)
-    if repeats:
+    not_split = None
+    if budget >= 2 or given["num_workers"] >= 2:
+        not_split = why_not_split(loader, timeout)
+    if not_split is not None:
         rank_zero_warn(
-            "NumWorkersTuner: the IterableDataset gives every worker the whole stream (two "
-            "workers' first batches are the same), so more than one worker would repeat "
-            "every sample; only 0 and 1 are tried. Split the stream by worker "
+            f"NumWorkersTuner: {not_split}; only 0 and 1 are tried. Split the stream by worker "
             "(`torch.utils.data.get_worker_info()`) to let more workers help."
         )
         budget = min(budget, 1)
@@ -186,21 +187,12 @@ def _search(
                 best, best_rate = deeper, rate
     finally:
         bar.close()
-    # The loader as given, on two workers or more, repeats every sample: never the pick.
-    as_given = None if repeats and given["num_workers"] >= 2 else given_rate
+    # The loader as given, on two workers or more, may repeat every sample: never the pick.
+    as_given = None if not_split is not None and given["num_workers"] >= 2 else given_rate
     best, best_rate = _candidates.choose(
         (given, as_given), (in_process, in_process_rate), (best, best_rate), min_gain
     )
     return table, best, best_rate, given_rate
-
-
-def _repeats(loader: DataLoader[Any]) -> bool:
-    """:func:`repeats_in_each_worker`, False where its two workers fail (a dataset that
-    fails in workers: the candidates with workers fail, and say so, as they are tried)."""
-    try:
-        return repeats_in_each_worker(loader)
-    except Exception:  # a worker's error, whatever the dataset raises
-        return False
 
 
 def _keep(cache_path: Path, result: TuneResult) -> None:
@@ -322,7 +314,7 @@ def tune_num_workers(
 
         table, best, best_rate, given_rate = _search(
             dataloader, budget, measure or timed, min_gain=min_gain, time_budget=time_budget,
-            start=start, progress=progress,
+            timeout=timeout, start=start, progress=progress,
         )  # fmt: skip
 
     if not best:

@@ -181,8 +181,11 @@ def test_a_loader_with_nothing_to_time_says_so(loader: DataLoader[int], message:
         (RuntimeError("DataLoader worker (pid 4242) exited unexpectedly\nmore"),
          "a worker crashed (RuntimeError: DataLoader worker (pid 4242) exited unexpectedly)"),
         (ValueError("bad row 7"), "loading failed (ValueError: bad row 7)"),
+        (RuntimeError("Caught OSError in DataLoader worker process 1.\nOriginal Traceback "
+                      "(most recent call last):\n  File ...\nOSError: no shard at s3://b/0\n"),
+         "loading failed (OSError: no shard at s3://b/0, in DataLoader worker process 1)"),
     ],
-    ids=["pickling", "pickling-attribute", "deadline", "timeout", "crash", "other"],
+    ids=["pickling", "pickling-attribute", "deadline", "timeout", "crash", "other", "in-worker"],
 )  # fmt: skip
 def test_each_failure_is_named_by_its_cause(exc: BaseException, words: str) -> None:
     assert describe_failure(exc) == words
