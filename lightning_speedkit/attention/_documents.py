@@ -387,9 +387,11 @@ def sdpa_per_document() -> Iterator[None]:
 _WARNED: set[str] = set()
 
 
-def warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
+def warn_once(message: str, key: str | None = None) -> None:
+    """Warn once per process per ``key`` (the message where none is given)."""
+    key = message if key is None else key
+    if key not in _WARNED:
+        _WARNED.add(key)
         rank_zero_warn(message)
 
 

@@ -57,6 +57,7 @@ from lightning_speedkit import _compat, _imports, _surgery, _validation
 from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._example_inputs import Inputs, device_of, tokens
 from lightning_speedkit.attention._hf_checkpointing import replaying_checkpoints
+from lightning_speedkit.attention._multimodal_positions import warn_if_multimodal_rope
 from lightning_speedkit.attention._structural import Structure as Structure  # a binding's class
 from lightning_speedkit.attention._structural import (
     structural_example,
@@ -156,6 +157,7 @@ def _hf_forward(ctx: SwapContext, *args: Any, **kwargs: Any) -> Any:
     config = ctx.binding
     if kwargs.get("output_attentions") or getattr(config, "output_attentions", False):
         return NotImplemented  # attention weights exist in eager attention only
+    warn_if_multimodal_rope(ctx.module, config, kwargs)  # a packed batch's positions
     # For the call only (the user's config keeps its implementation, a call asking for
     # attention weights runs eager), and declared: the blocks it encloses are checkpointed
     # perhaps, and recompute in backward, after the call, under this same setting.
