@@ -104,6 +104,10 @@ class AttentionAdapter:
     match: Callable[[nn.Module], Any]
     forward: Callable[..., Any]
     example_inputs: Callable[[nn.Module], Inputs | None] | None = field(default=None)
+    example_decides: bool = field(default=True)
+    """Whether a failed check on ``example_inputs`` reverts the module at once (a look-alike
+    caught before any call). ``False`` where the example cannot stand for the module's real
+    calls: it stays pending, and its first real call's check decides (see ``_hf_example``)."""
 
 
 # ---------------------------------------------------------------- huggingface
@@ -180,6 +184,12 @@ def _hf_setting(ctx: SwapContext) -> Iterator[None]:
 
 
 def _hf_example(module: nn.Module) -> Inputs | None:
+    """A batch of random ``input_ids``: it checks that the model runs the backend, but does
+    not decide a revert (``example_decides=False``). A transformers model builds its mask from
+    the call's inputs and its config, and an outer model may hand a sub-model one of its own:
+    PaliGemma gives its Gemma (``use_bidirectional_attention``) a prefix mask, while that Gemma
+    called alone masks causally in eager and not at all in SDPA (0.04 apart in transformers
+    itself): the example reverted it (parity error 0.12) though its real calls match."""
     config: Any = module.config
     if getattr(module, "main_input_name", None) != "input_ids" or not hasattr(config, "vocab_size"):
         return None
@@ -296,7 +306,7 @@ _structural_match, _structural_forward = structural_match, structural_forward
 _structural_example = structural_example
 
 _BUILTIN: tuple[AttentionAdapter, ...] = (
-    AttentionAdapter("huggingface", _hf_match, _hf_forward, _hf_example),
+    AttentionAdapter("huggingface", _hf_match, _hf_forward, _hf_example, example_decides=False),
     AttentionAdapter("timm", _switch_match, _switch_forward, _switch_example),
     AttentionAdapter("multihead_attention", _mha_match, _mha_forward, _mha_example),
     AttentionAdapter("structural", _structural_match, _structural_forward, _structural_example),

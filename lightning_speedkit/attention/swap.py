@@ -20,7 +20,8 @@ How a swap works:
    call returns the fused output when the check passes (equal within the
    tolerance; a recomputation under activation checkpointing then runs what the
    forward ran) and the module's own output otherwise. Without a sample, each module is
-   also checked at swap time on a small synthetic input of its own.
+   also checked at swap time on a small synthetic input of its own (a Hugging Face model
+   that fails it stays pending: its masks come from its real calls, which decide).
 3. ``backend="auto"`` times the candidate backends on those real inputs, with
    backward, and keeps the fastest that passes: once per kind of call (module class
    and input shapes), so a model's like blocks share one backend and, compiled, one
