@@ -4,16 +4,17 @@ decides when; this module does it, through the few private Trainer names in ``_c
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from functools import partial
 from typing import Any
 
 import lightning as L
-import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch.utils.data import DataLoader
 
 from lightning_speedkit import _compat
+from lightning_speedkit.data._epoch_draws import UntunedDraws, adopt
 from lightning_speedkit.data._switch import switch_loader, why_not_switched
 from lightning_speedkit.data._verdict import not_tuned_message
 from lightning_speedkit.data.mixin import SpeedDataModuleMixin, built_by_speed_dataloader
@@ -22,6 +23,9 @@ from lightning_speedkit.data.tune_result import TuneResult
 
 #: The name the tuner's change of the train loader goes by in the fit loop's source.
 OWNER = "NumWorkersTuner"
+
+#: Each fit's draws of its train loader as given (see `keep_epoch_draws`), by Trainer.
+_DRAWS: weakref.WeakKeyDictionary[L.Trainer, UntunedDraws] = weakref.WeakKeyDictionary()
 
 
 def loader_to_tune(trainer: L.Trainer) -> DataLoader[Any] | None:
@@ -45,12 +49,14 @@ def with_settings(loader: Any, settings: dict[str, Any]) -> Any:
         return loader  # as at setup: only a single torch DataLoader is tuned
     if all(getattr(loader, key) == value for key, value in settings.items()):
         return loader  # its own settings: kept as it is (a stateful subclass stays one)
-    return rebuild_dataloader(loader, **settings)
+    return adopt(rebuild_dataloader(loader, **settings))
 
 
 def use_settings(trainer: L.Trainer, loader: DataLoader[Any] | None, best: dict[str, Any]) -> None:
     """Make ``best`` the settings the fit loop's next train loader is built with:
     ``loader`` rebuilt, or (None) the next loader the user's hook or ``fit`` gives."""
+    if loader is not None:  # the fit's start: the loader as given, whose draws are kept
+        _DRAWS[trainer] = UntunedDraws(loader)
     datamodule = _compat.datamodule(trainer)
     if isinstance(datamodule, SpeedDataModuleMixin):
         datamodule.speed_loader_kwargs = dict(best)  # speed_dataloader builds with them,
@@ -65,28 +71,24 @@ def use_settings(trainer: L.Trainer, loader: DataLoader[Any] | None, best: dict[
 
 
 def keep_epoch_draws(trainer: L.Trainer, given: DataLoader[Any] | None) -> None:
-    """As an epoch ends, draw the number ``given`` would draw as the next one starts and a
-    loader reusing its workers does not, so that a shuffle seeded from the same generator
-    shuffles as the user's loader did.
+    """As an epoch ends, leave the random generators the train loader draws from where
+    ``given`` (the loader as the user gave it) would leave them as the next epoch starts.
 
-    A DataLoader draws a base seed for its workers from its generator (torch's global one
-    when it has none) each time it makes an iterator; a loader with persistent workers makes
-    one for the fit and reuses it, and the next epoch's shuffle seed is drawn as it is
-    reused (before any epoch-start hook). The seed comes from the same generator, so with
-    the tuner's persistent workers every epoch from the second on shuffled otherwise than
-    the loader as given, which made a new iterator each epoch. Not drawn after the last
-    epoch, nor before one that builds its loader again (it draws its own).
+    Persistent workers draw one base seed for the fit where ``given`` drew one an epoch,
+    and workers run the sampler past its end each epoch where Lightning stops an
+    in-process loader at its length: with a seeded shuffle, every epoch from the second
+    on had another order than untuned. The epoch's draws are replayed as ``given`` makes
+    them (:class:`~lightning_speedkit.data._epoch_draws.UntunedDraws`). Nothing is drawn
+    after the last epoch.
     """
-    if given is None or given.persistent_workers or trainer.should_stop:
+    draws = _DRAWS.get(trainer)
+    if draws is None or draws.given is not given or trainer.should_stop:
         return
     if trainer.max_epochs is not None and trainer.current_epoch + 1 >= trainer.max_epochs:
         return
     every = getattr(trainer, "reload_dataloaders_every_n_epochs", 0)  # set on the Trainer
-    if every and (trainer.current_epoch + 1) % every == 0:
-        return
-    loader = trainer.train_dataloader
-    if isinstance(loader, DataLoader) and _compat.reuses_its_workers(loader):
-        torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+    reloads = bool(every) and (trainer.current_epoch + 1) % every == 0
+    draws.epoch_ended(trainer.train_dataloader, trainer.num_training_batches, reloads)
 
 
 def switch_running_epoch(trainer: L.Trainer, settings: dict[str, Any]) -> str | None:
@@ -99,7 +101,10 @@ def switch_running_epoch(trainer: L.Trainer, settings: dict[str, Any]) -> str | 
     if why is not None:
         return why
     loader, rest = switch_loader(running[0], running[1], settings)
-    _compat.continue_train_epoch(trainer, loader, rest)
+    _compat.continue_train_epoch(trainer, adopt(loader, starts_an_epoch=False), rest)
+    draws = _DRAWS.get(trainer)
+    if draws is not None:
+        draws.switched = True  # the rest of the epoch ran its sampler otherwise
     return None
 
 

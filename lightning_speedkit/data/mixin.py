@@ -12,6 +12,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch.utils.data import DataLoader, Dataset
 
 from lightning_speedkit import _validation
+from lightning_speedkit.data._epoch_draws import adopt
 from lightning_speedkit.data.bucketing import LengthBucketBatchSampler
 from lightning_speedkit.data.cache import SampleCache
 from lightning_speedkit.data.worker_search import cpu_budget
@@ -168,6 +169,8 @@ class SpeedDataModuleMixin:
                 collate_fn=collate_fn, **options,
             )  # fmt: skip
         _BUILT.add(loader)
+        if tuned:  # built for the fit loop with the tuner's settings
+            adopt(loader)
         return loader
 
     def _warming_reaches_the_loader(self, options: dict[str, Any]) -> bool:

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from torch.utils.data import DataLoader
+import torch
+from torch.utils.data import DataLoader, RandomSampler, Sampler
 
 from lightning_speedkit import _compat
+from lightning_speedkit.data._epoch_draws import UntunedDraws, adopt
 from lightning_speedkit.data._train_loader import NextEpochSwitch, with_settings
 from lightning_speedkit.data.tune_result import TuneResult
 
@@ -63,3 +66,63 @@ def test_a_fit_that_ends_before_the_next_epoch_puts_the_setting_back(
     assert events == ["restored"]
     switch.forget()
     assert switch.waiting is None
+
+
+class _Lazy(Sampler[int]):
+    """Draws from its generator one number per index, as it goes (not a permutation up
+    front): how far its iterator is asked decides how much it draws."""
+
+    def __init__(self, n: int, generator: torch.Generator) -> None:
+        self.n, self.generator = n, generator
+
+    def __iter__(self) -> Iterator[int]:
+        for _ in range(self.n):
+            yield int(torch.randint(0, self.n, (1,), generator=self.generator))
+
+    def __len__(self) -> int:
+        return self.n
+
+
+def _epochs(loader: DataLoader[Any], epochs: int, batches: int, *, ahead: int = 0,
+            draws: UntunedDraws | None = None) -> list[list[list[int]]]:  # fmt: skip
+    """Each epoch's batches of indices: the sampler asked ``ahead`` batches past those
+    trained (workers asking ahead), a base seed drawn only by the first iterator when
+    ``draws`` stands for the untuned loader's, else one an epoch (in-process)."""
+    seen = []
+    for epoch in range(epochs):
+        if draws is None or epoch == 0:
+            torch.empty((), dtype=torch.int64).random_(generator=loader.generator)
+        order = iter(loader.batch_sampler)  # type: ignore[arg-type]
+        asked = [next(order, None) for _ in range(batches + ahead)]
+        seen.append([list(batch) for batch in asked[:batches] if batch is not None])
+        if draws is not None:
+            draws.epoch_ended(loader, batches)
+    return seen
+
+
+@pytest.mark.parametrize(
+    "sampler",
+    [
+        lambda g: RandomSampler(range(40), generator=g),
+        lambda g: RandomSampler(range(40), replacement=True, num_samples=40, generator=g),
+        lambda g: _Lazy(40, g),
+    ],
+    ids=["permutation", "with-replacement", "draws-as-it-goes"],
+)
+@pytest.mark.parametrize("batches", [5, 3], ids=["epoch", "limit_train_batches"])
+def test_the_tuned_loaders_epochs_draw_the_given_loaders_shuffles(
+    sampler: Any, batches: int
+) -> None:
+    """Given in-process (an iterator an epoch, stopped at the batches trained) and tuned to
+    a persistent worker (one iterator, the sampler asked 3 batches further): whatever the
+    sampler draws from its generator, the epochs are the given loader's."""
+    g = torch.Generator().manual_seed(5)
+    given: DataLoader[Any] = DataLoader(range(40), batch_size=8, sampler=sampler(g), generator=g)
+    untuned = _epochs(given, epochs=3, batches=batches)
+    g.manual_seed(5)
+    draws = UntunedDraws(given)
+    tuned = adopt(DataLoader(range(40), batch_size=8, sampler=given.sampler, generator=g,
+                             num_workers=1, persistent_workers=True))  # fmt: skip
+    assert _epochs(tuned, epochs=3, batches=batches, ahead=3, draws=draws) == untuned
+    assert untuned[1] != untuned[0]
+    assert tuned.generator is not g  # its later iterators' base seeds: its own generator
