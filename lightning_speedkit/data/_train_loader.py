@@ -26,6 +26,8 @@ OWNER = "NumWorkersTuner"
 
 #: Each fit's draws of its train loader as given (see `keep_epoch_draws`), by Trainer.
 _DRAWS: weakref.WeakKeyDictionary[L.Trainer, UntunedDraws] = weakref.WeakKeyDictionary()
+#: Each fit's stateful train loader as given, for a resume (see `_CheckpointWorkers`).
+_RESUMES: weakref.WeakKeyDictionary[L.Trainer, _Resume] = weakref.WeakKeyDictionary()
 
 
 def loader_to_tune(trainer: L.Trainer) -> DataLoader[Any] | None:
@@ -68,6 +70,92 @@ def use_settings(trainer: L.Trainer, loader: DataLoader[Any] | None, best: dict[
     change = partial(with_settings, settings=dict(best))
     first = None if loader is None else change(loader)
     _compat.change_train_loader(trainer, OWNER, change, first)
+    if loader is not None and callable(getattr(loader, "load_state_dict", None)):
+        # A checkpoint may hold its state, taken under other workers than the tuned ones.
+        _RESUMES[trainer] = _Resume(loader, change, best["num_workers"])
+        _compat.add_callback_once(trainer, _CheckpointWorkers())
+
+
+def saved_workers(state: Any) -> int | None:
+    """The workers a torchdata ``StatefulDataLoader`` had when it saved ``state`` (its
+    format: an in-process loader's state counts what it yielded, a multi-process one holds
+    a snapshot of the main process); None for another loader's state."""
+    if not isinstance(state, dict):
+        return None
+    if "_num_yielded" in state:
+        return 0
+    snapshot = state.get("_snapshot")
+    main = snapshot.get("_main_snapshot") if isinstance(snapshot, dict) else None
+    workers = main.get("_num_workers") if isinstance(main, dict) else None
+    return workers if isinstance(workers, int) else None
+
+
+class _Resume:
+    """A fit's train loader with a ``state_dict``, as given, and the tuner's change to it."""
+
+    def __init__(self, given: DataLoader[Any], change: Callable[[Any], Any], workers: int) -> None:
+        self.given, self.change, self.workers = given, change, workers  # workers: tuned
+        self.waiting = False  # the tuned loader waits for the epoch after the resumed one
+        self.restore: Callable[[], None] | None = None  # the Trainer's reload setting
+
+
+class _CheckpointWorkers(L.Callback):
+    """Resumes a stateful train loader with the workers its checkpoint was taken with.
+
+    torchdata's ``StatefulDataLoader`` refuses a state saved under another worker count
+    (``AssertionError: State doesn't contain key ...``), and the tuner's pick differs from
+    the checkpoint's wherever it measures again: another machine, ``force=True``,
+    ``cache=False``. The epoch the fit resumes in trains on the loader rebuilt with the
+    checkpoint's workers; the fit loop requests its train loader again as the next epoch
+    starts, and gets the tuned one. NumWorkersTuner adds it to the Trainer at setup.
+    """
+
+    def on_load_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule,
+                           checkpoint: dict[str, Any]) -> None:  # fmt: skip
+        resume = _RESUMES.get(trainer)
+        fit_loop = checkpoint.get("loops", {}).get("fit_loop", {})
+        states = fit_loop.get("state_dict", {}).get("combined_loader") or []
+        if resume is None or len(states) != 1:
+            return
+        saved = saved_workers(states[0])
+        if saved is None or saved == resume.workers:
+            return
+        prefetch = resume.given.prefetch_factor if resume.given.num_workers else 2
+        again = rebuild_dataloader(resume.given, num_workers=saved, persistent_workers=False,
+                                   prefetch_factor=prefetch if saved else None)  # fmt: skip
+        _compat.change_train_loader(trainer, OWNER, resume.change, again)
+        resume.waiting = True
+        rank_zero_info(
+            f"{OWNER}: the checkpoint's train loader state was saved with num_workers={saved}, "
+            f"and a {type(again).__name__} resumes it only with as many; the resumed epoch "
+            f"keeps {saved}, the next one starts with the tuned num_workers={resume.workers}."
+        )
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        resume = _RESUMES.get(trainer)
+        if resume is not None and resume.waiting:  # after the epoch's validation
+            resume.waiting = False
+            resume.restore = _compat.reload_train_loader_next_epoch(trainer)
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._put_back(trainer)  # the loop has requested the tuned loader
+
+    def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        self._put_back(trainer)
+        _RESUMES.pop(trainer, None)
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, *_: Any) -> None:
+        self.teardown(trainer, pl_module, "fit")  # Lightning calls no teardown after a raise
+
+    @staticmethod
+    def _put_back(trainer: L.Trainer) -> None:
+        """The Trainer's reload setting as it was, unless the tuner's own switch to the
+        next epoch's loader (set before this callback's) has put it back already."""
+        resume = _RESUMES.get(trainer)
+        if resume is not None and resume.restore is not None:
+            if getattr(trainer, "reload_dataloaders_every_n_epochs", 0) == 1:  # still ours
+                resume.restore()
+            resume.restore = None
 
 
 def keep_epoch_draws(trainer: L.Trainer, given: DataLoader[Any] | None) -> None:

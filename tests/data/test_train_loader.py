@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader, RandomSampler, Sampler
 
-from lightning_speedkit import _compat
+from lightning_speedkit import NumWorkersTuner, _compat
 from lightning_speedkit.data._epoch_draws import UntunedDraws, adopt
 from lightning_speedkit.data._train_loader import NextEpochSwitch, with_settings
 from lightning_speedkit.data.tune_result import TuneResult
@@ -126,3 +129,57 @@ def test_the_tuned_loaders_epochs_draw_the_given_loaders_shuffles(
     assert _epochs(tuned, epochs=3, batches=batches, ahead=3, draws=draws) == untuned
     assert untuned[1] != untuned[0]
     assert tuned.generator is not g  # its later iterators' base seeds: its own generator
+
+
+class _Indices(L.LightningModule):
+    """Records each batch's sample indices and the train loader's workers."""
+
+    def __init__(self, make: Any) -> None:
+        super().__init__()
+        self.make = make
+        self.layer = torch.nn.Linear(1, 1)
+        self.seen: list[tuple[int, list[int], int]] = []  # (epoch, indices, workers)
+
+    def train_dataloader(self) -> Any:
+        return self.make()
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        workers = self.trainer.train_dataloader.num_workers  # type: ignore[union-attr]
+        self.seen.append((self.current_epoch, batch.tolist(), workers))
+        return self.layer(batch.float()[:, None]).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_stateful_loader_resumes_with_its_checkpoints_workers_then_switches(
+    tmp_path: Path, figures: Callable[..., Any]
+) -> None:
+    """A StatefulDataLoader checkpointed mid-epoch with one worker, resumed where the tuner
+    picks loading in-process (another machine, ``force=True``, ``cache=False``): torchdata
+    refused the state (``AssertionError: State doesn't contain key '_num_yielded'``) and the
+    fit crashed. The resumed epoch keeps one worker and the checkpoint's place; the next
+    epoch trains in-process."""
+    stateful = pytest.importorskip("torchdata.stateful_dataloader")
+
+    def loader() -> Any:
+        return stateful.StatefulDataLoader(list(range(32)), batch_size=4, num_workers=1)
+
+    common: dict[str, Any] = dict(accelerator="cpu", logger=False, enable_progress_bar=False,
+                                  enable_model_summary=False)  # fmt: skip
+    every = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=3, save_top_k=-1)
+    L.Trainer(max_steps=3, callbacks=[every], **common).fit(_Indices(loader))
+    (path,) = tmp_path.glob("*.ckpt")
+    figures({0: 30.0, 1: 10.0})  # in-process is the pick
+    tuner = NumWorkersTuner(max_workers=1, cache=False, progress=False, verdict_steps=0)
+    trainer = L.Trainer(max_epochs=2, callbacks=[tuner], enable_checkpointing=False, **common)
+    model = _Indices(loader)
+    trainer.fit(model, ckpt_path=str(path))
+    assert tuner.result is not None
+    assert tuner.result.best["num_workers"] == 0
+    first = [i for epoch, batch, _ in model.seen if epoch == 0 for i in batch]
+    assert first == list(range(12, 32))  # the rest of the epoch, from the checkpoint's place
+    assert [w for epoch, _, w in model.seen if epoch == 0] == [1] * 5  # the checkpoint's worker
+    assert [w for epoch, _, w in model.seen if epoch == 1] == [0] * 8  # then the tuned loader
+    assert [i for epoch, b, _ in model.seen if epoch == 1 for i in b] == list(range(32))
+    assert trainer.reload_dataloaders_every_n_epochs == 0  # the Trainer's setting, put back
