@@ -25,6 +25,12 @@ from torch import nn
 
 from lightning_speedkit import _compat
 from lightning_speedkit._surgery import in_side_run, note_served_flops
+from lightning_speedkit.compute._frozen_layout import (
+    NO_ROW,
+    ROWS_UNCHECKED,
+    FieldLayout,
+    why_not_rows,
+)
 from lightning_speedkit.compute._frozen_modules import (
     ModuleWeights,
     RandomDraws,
@@ -37,22 +43,18 @@ from lightning_speedkit.compute._frozen_modules import (
     why_not_now,
 )
 from lightning_speedkit.compute._frozen_rows import (
+    OutputLayout,
+    assemble,
     batch_field,
+    call_signature,
     cut_rows,
     first_row,
-    numerics,
     same_tensor,
 )
 from lightning_speedkit.compute._frozen_store import FeatureStore
 from lightning_speedkit.measure.flops import model_flops_so_far
 
 __all__ = ["CachedModule", "Scope", "Slot"]
-
-#: What a module's output is rebuilt from: its tree spec, the slots of its tensors among
-#: the leaves, the leaf count, and each tensor's dtype, device and order of dimensions in
-#: memory (a transformers hidden state may be a transposed view: a reduction over it
-#: adds in that order, so a served copy is laid out the same).
-Layout = tuple[Any, list[int], int, list[torch.dtype], list[torch.device], list[tuple[int, ...]]]
 
 
 @dataclass
@@ -64,6 +66,9 @@ class Scope:
     and ``refetch(keys, field)`` what reads their real inputs again. ``data`` is the
     dataset's fingerprint (empty when the keys identify samples by themselves), and
     ``drawn`` the sample fields its two reads of a sample disagreed on (random).
+    ``layouts``: how the loader's collate made each field from the samples (None when not
+    seen: no Trainer, or ``key="<field>"``), and ``seen`` the tensors the model was called
+    with in a step given no batch (:mod:`._frozen_layout`).
     """
 
     store: FeatureStore
@@ -76,10 +81,13 @@ class Scope:
     refetch: Callable[[Sequence[Hashable], Hashable], Any] | None = None
     data: str = ""
     drawn: set[Hashable] = field(default_factory=set)
+    layouts: dict[Hashable, FieldLayout] | None = None
+    seen: dict[Hashable, torch.Tensor] = field(default_factory=dict)
 
-    def warn_once(self, message: str) -> None:
-        if message not in self.warned:
-            self.warned.add(message)
+    def warn_once(self, message: str, key: str | None = None) -> None:
+        """Say ``message`` once (once per ``key``, when given)."""
+        if (key or message) not in self.warned:
+            self.warned.add(key or message)
             rank_zero_warn(message)
 
 
@@ -111,7 +119,7 @@ class Slot:
     verified: bool = False
     #: Its output's layout by what else it is called with: one field read with other
     #: arguments (``output_hidden_states=True``) may give another structure.
-    layouts: dict[Hashable, Layout] = field(default_factory=dict)
+    layouts: dict[Hashable, OutputLayout] = field(default_factory=dict)
     flops_per_row: float | None = None  # its forward's model FLOPs per sample, counted
     draws_checked: bool = False  # a call was seen to draw no random number (RandomDraws)
 
@@ -205,12 +213,16 @@ class CachedModule:
             self.stand_down(drawn_input(slot.source))
         if self.counts.stood_down is not None:
             return self._run(args, kwargs, slot=slot)
-        signature, why = self._signature(args, kwargs, len(keys))
+        signature, why = call_signature(args, kwargs, len(keys))
         stamp = self._weights.stamp()  # one walk of the weights: trainable? changed?
         why = why or why_not_now(self.name, self.module, self._chance) or self._trainable(stamp)
         if why is not None:
             self.counts.plain_calls += 1
-            self.scope.warn_once(f"FrozenFeatureCache runs `{self.name}` without the store: {why}.")
+            once = f"{self.name} {NO_ROW}" if NO_ROW in why else None  # any batch shape: once
+            message = f"FrozenFeatureCache runs `{self.name}` without the store: {why}."
+            self.scope.warn_once(message, once)
+            return self._run(args, kwargs, slot=slot)
+        if self._misaligned(args, kwargs, slot):
             return self._run(args, kwargs, slot=slot)
         base = self._base(stamp, signature, slot)
         found = [self.scope.store.get((*base, key)) for key in keys]
@@ -238,7 +250,7 @@ class CachedModule:
         slot.ready.update(keys[i] for i in hit)  # also those found on disk
         if slot.flops_per_row is not None:  # a FLOP count of this step must leave them out
             note_served_flops(slot.flops_per_row * len(hit))
-        return self._assemble(found, hit, miss, computed, len(keys), slot.layouts[signature])
+        return assemble(found, hit, miss, computed, len(keys), slot.layouts[signature])
 
     def take(self, args: tuple[Any, ...], kwargs: dict[str, Any], out: Any) -> None:
         """Store what a call that ran before the module was cached computed (the step in
@@ -251,16 +263,31 @@ class CachedModule:
         slot = self._slot(args, kwargs)
         if slot.source in self.scope.drawn:
             return  # its next call stands down
-        signature, why = self._signature(args, kwargs, len(keys))
+        signature, why = call_signature(args, kwargs, len(keys))
         stamp = self._weights.stamp()
         if why or why_not_now(self.name, self.module, self._chance) or self._trainable(stamp):
             return  # its next call runs it as it is, and says why
+        if self._misaligned(args, kwargs, slot):
+            return
         base = self._base(stamp, signature, slot)
         miss = [i for i, key in enumerate(keys) if self.scope.store.get((*base, key)) is None]
         leaves = self._leaves(out, len(keys), slot, signature)
         if leaves is not None:
             slot.draws_checked = True  # the step that found it saw its calls draw nothing
             self._keep(leaves, base, [keys[i] for i in miss], miss, slot)
+
+    def _misaligned(self, args: tuple[Any, ...], kwargs: dict[str, Any], slot: Slot) -> bool:
+        """Whether the batch shows that the call's rows may not be its samples in order (and
+        then stand down for good: its rows are images, or cannot be told apart)."""
+        scope = self.scope
+        fields, of = (
+            (scope.fields, "the batch's") if scope.fields else (scope.seen, "the model's input")
+        )
+        inputs, rows = [*args, *kwargs.values()], len(scope.keys or ())
+        why = why_not_rows(slot.source, inputs, fields, scope.layouts, rows, of)
+        if why is not None:
+            self.stand_down(why)
+        return why is not None
 
     def _base(self, stamp: Stamp, signature: Hashable, slot: Slot) -> tuple[Hashable, ...]:
         """The store key of this call's features, but the sample's key."""
@@ -337,9 +364,14 @@ class CachedModule:
                 f"FrozenFeatureCache: `{self.name}` must run on rows whose inputs the loader "
                 f"left out, and its input is not a batch field it can read again"
             )
-        real = self.scope.refetch([keys[i] for i in stand], source)
-        whole = tensor.clone()
-        whole[torch.tensor(stand, device=whole.device)] = real.to(whole.device, whole.dtype)
+        layouts = self.scope.layouts
+        laid = layouts.get(source) if layouts is not None else None
+        if laid is None or laid.counts == (1,) * len(keys):
+            real = self.scope.refetch([keys[i] for i in stand], source)
+            whole = tensor.clone()
+            whole[torch.tensor(stand, device=whole.device)] = real.to(whole.device, whole.dtype)
+        else:  # its rows are not the samples: the whole field, every sample built in full
+            whole = self.scope.refetch(keys, source).to(tensor.device, tensor.dtype)
         self.counts.refetched += len(stand)
 
         def swap(value: Any) -> Any:
@@ -374,32 +406,6 @@ class CachedModule:
                 self.drops += 1
             self._stamp, self._fingerprint = stamp, fresh
         return self._fingerprint
-
-    def _signature(
-        self, args: tuple[Any, ...], kwargs: dict[str, Any], rows: int
-    ) -> tuple[Hashable, str | None]:
-        """What, besides the sample, the output depends on; or why the call cannot be served."""
-        parts: list[Hashable] = []
-        batched, device = False, "cpu"
-        for where, value in [*enumerate(args), *sorted(kwargs.items())]:
-            if isinstance(value, torch.Tensor):
-                if value.requires_grad:
-                    return None, (
-                        f"its input `{where}` requires grad (it comes from a trainable "
-                        f"module), and a stored output would cut that gradient"
-                    )
-                if value.ndim == 0 or value.shape[0] != rows:
-                    return None, (
-                        f"its input `{where}` (shape {tuple(value.shape)}) has no row per "
-                        f"sample of the batch's {rows} keys"
-                    )
-                batched, device = True, value.device.type
-                parts.append((where, tuple(value.shape[1:]), str(value.dtype), value.device.type))
-            else:
-                parts.append((where, repr(value)[:200]))
-        if not batched:
-            return None, "it was called with no tensor that has a row per sample"
-        return (*parts, *numerics(device)), None
 
     # -- storing, checking, serving -------------------------------------------------------
 
@@ -460,36 +466,9 @@ class CachedModule:
                 again.float(), stored.float(), rtol=tolerance, atol=tolerance
             ):
                 largest = float((again.float() - stored.float()).abs().max())
-                self.stand_down(mismatch(largest), wrong=True)
+                unchecked = self.scope.layouts is None or slot.source is None
+                self.stand_down(mismatch(largest, ROWS_UNCHECKED if unchecked else ""), wrong=True)
                 return False
         slot.verified = True
         self.counts.verified = self.verified
         return True
-
-    def _assemble(
-        self, found: list[Any], hit: list[int], miss: list[int], computed: Any, rows: int,
-        layout: Layout,
-    ) -> Any:  # fmt: skip
-        spec, places, count, dtypes, devices, orders = layout
-        leaves = []
-        fresh: list[torch.Tensor] | None = computed
-        for j, (dtype, device) in enumerate(zip(dtypes, devices, strict=True)):
-            served = torch.stack([found[i][j] for i in hit]).to(
-                device=device, dtype=dtype, non_blocking=True
-            )
-            if fresh is None and served.dim_order() == orders[j]:  # stacked rows lie as computed
-                leaves.append(served)
-                continue
-            whole = torch.empty_permuted(
-                (rows, *served.shape[1:]), orders[j], dtype=dtype, device=device
-            )
-            if fresh is None:
-                leaves.append(whole.copy_(served))
-                continue
-            whole[torch.tensor(hit, device=device)] = served
-            whole[torch.tensor(miss, device=device)] = fresh[j].to(dtype)
-            leaves.append(whole)
-        full: list[torch.Tensor | None] = [None] * count
-        for place, leaf in zip(places, leaves, strict=True):
-            full[place] = leaf
-        return spec.unflatten(full)

@@ -8,7 +8,7 @@ samples the current batch holds, and the modules serve those already stored.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from torch import nn
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit.compute._frozen_call import CachedModule, ModuleCounts, Scope
 from lightning_speedkit.compute._frozen_disk import DiskStore, prepare_directory
+from lightning_speedkit.compute._frozen_layout import FieldLayout, batch_fields
 from lightning_speedkit.compute._frozen_lease import PruneReport, prune_frozen_features
 from lightning_speedkit.compute._frozen_loader import dataset_fingerprint
 from lightning_speedkit.compute._frozen_modules import (
@@ -29,7 +30,7 @@ from lightning_speedkit.compute._frozen_modules import (
     why_not_cacheable,
 )
 from lightning_speedkit.compute._frozen_rows import batch_field, same_tensor
-from lightning_speedkit.compute._frozen_skip import SkipPlan
+from lightning_speedkit.compute._frozen_skip import LoaderPlan, SkipPlan
 from lightning_speedkit.compute._frozen_store import FeatureStore, budget_bytes
 from lightning_speedkit.measure.flops import model_flops_so_far
 
@@ -59,10 +60,9 @@ class FrozenFeatures:
         #: The found modules' calls in the step ``"auto"`` watched: stored once chosen.
         self._first_calls: dict[str, list[tuple[Any, Any, Any]]] = {}
         self._loaded: dict[str, Any] = {}  # counters of modules "auto" has not found yet
-        self._plan: SkipPlan | None = None  # the loader's: which samples come without inputs
-        self._primed = False  # the plan holds every sample ready before it was given
-        self._drops = 0  # the modules' drops of stored features the plan has taken in
+        self._plan = LoaderPlan(scope)  # the loader's: which samples come without inputs
         self.skipped = 0  # rows that came with their cached inputs left out
+        self._call_hook: Any = model.register_forward_pre_hook(self._note_call, with_kwargs=True)
         if not self._auto:
             for name, module in choose_modules(model, modules):
                 why = why_not_cacheable(name, module)
@@ -96,21 +96,30 @@ class FrozenFeatures:
     ) -> None:
         """The loader's plan of which samples come without the cached modules' inputs
         (:mod:`._frozen_skip`), and what reads a left-out input again; None: no plan."""
-        self._plan, self._scope.refetch, self._primed = plan, refetch, False
+        self._plan.use(plan)
+        self._scope.refetch = refetch
 
     def start_step(
-        self, keys: Sequence[Hashable], batch: Any = None, stand_ins: Sequence[int] = ()
+        self,
+        keys: Sequence[Hashable],
+        batch: Any = None,
+        stand_ins: Sequence[int] = (),
+        layouts: dict[Hashable, FieldLayout] | None = None,
     ) -> None:
-        """The batch about to run holds the samples ``keys`` (one per row, in order).
+        """The batch about to run holds the samples ``keys``: one per row of each cached
+        module's input, in order (with a varying number of images per sample, one per
+        image: see :mod:`._frozen_layout`).
 
         ``stand_ins`` are the rows whose cached inputs the loader left out (a module never
-        runs on them: their real inputs are read again first). With ``modules="auto"`` and
-        nothing found yet, ``batch`` is watched: the frozen submodules called with one of
-        its tensors are cached at :meth:`end_step`.
+        runs on them: their real inputs are read again first); ``layouts`` how the loader's
+        collate made each batch field from the samples, which the rows are checked against.
+        With ``modules="auto"`` and nothing found yet, ``batch`` is watched: the frozen
+        submodules called with one of its tensors are cached at :meth:`end_step`.
         """
         self._scope.keys = list(keys)
         self._scope.stand_ins = list(stand_ins)
-        self._scope.fields = _fields(batch)
+        self._scope.fields = batch_fields(batch)
+        self._scope.layouts, self._scope.seen = layouts, {}
         self.skipped += len(stand_ins)
         for cached in self.cached.values():
             cached.new_step()
@@ -132,35 +141,17 @@ class FrozenFeatures:
                 self._warn_not_called()
         self._first_calls = {}
         self._scope.keys, self._scope.fields, self._scope.stand_ins = None, {}, ()
+        self._scope.layouts, self._scope.seen = None, {}
         self._forget_lost()
-        if self._plan is not None and keys:
-            self._plan_ready(keys)
+        if keys:
+            self._plan.update(list(self.cached.values()), keys)
 
-    def _plan_ready(self, keys: Sequence[Hashable]) -> None:
-        """Tell the loader which samples may now come without the cached modules' inputs:
-        those every module has stored (and checked), when each module's input is a field."""
-        plan, cached = self._plan, list(self.cached.values())
-        assert plan is not None
-        drops = sum(c.drops for c in cached)
-        if drops != self._drops:  # features dropped: those samples need their inputs again
-            self._drops, self._primed = drops, False
-            plan.clear()
-        usable = bool(cached) and all(
-            c.sources is not None
-            and c.counts.stood_down is None
-            and (c.verified or not self._scope.verify)
-            for c in cached
-        )
-        if not usable:
-            if plan.ready_count():
-                plan.clear()
-            self._primed = False
-            return
-        if not self._primed:  # newly usable (checked, or a new loader): all stored so far
-            self._primed = plan.set_fields({str(f) for c in cached for f in c.sources or ()})
-            keys = list(set.intersection(*(c.ready for c in cached)))
-        ready = [k for k in keys if all(c.holds(k) for c in cached)]
-        plan.mark([int(k) for k in ready if isinstance(k, int)])
+    def _note_call(self, model: nn.Module, args: Any, kwargs: Any) -> None:
+        """A step given no batch: the tensors the model is called with stand for it, to
+        check the cached modules' rows against (:func:`~._frozen_layout.why_not_rows`)."""
+        if self._scope.keys is not None and not self._scope.fields:
+            seen = {**dict(enumerate(args)), **kwargs}
+            self._scope.seen = {k: v for k, v in seen.items() if isinstance(v, torch.Tensor)}
 
     def _forget_lost(self) -> None:
         """Samples whose features were only in a disk shard that failed to write are no
@@ -345,11 +336,17 @@ class FrozenFeatures:
             self.store.disk.close()
         for cached in self.cached.values():
             cached.detach()
+        if self._call_hook is not None:
+            self._call_hook.remove()
+            self._call_hook = None
 
     def attach(self) -> None:
         """Put the store in front of the modules again after :meth:`remove`."""
         if self.store.disk is not None:
             self.store.disk.reopen()
+        if self._call_hook is None:
+            hook = self.model.register_forward_pre_hook(self._note_call, with_kwargs=True)
+            self._call_hook = hook
         for cached in self.cached.values():
             if vars(cached.module).get("_speedkit_frozen") is not cached:
                 cached.attach()
@@ -402,15 +399,6 @@ def _is_tensor(value: Any) -> bool:
     return isinstance(value, torch.Tensor)
 
 
-def _fields(batch: Any) -> dict[Hashable, torch.Tensor]:
-    """A batch's tensors by field: a dict's keys, a list's or tuple's positions."""
-    if isinstance(batch, Mapping):
-        return {k: v for k, v in batch.items() if isinstance(v, torch.Tensor)}
-    if isinstance(batch, (list, tuple)):
-        return {i: v for i, v in enumerate(batch) if isinstance(v, torch.Tensor)}
-    return {}
-
-
 def check_dtype(dtype: Any) -> torch.dtype | None:
     """A store dtype: a floating ``torch.dtype``, or None (the output's)."""
     if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
@@ -435,8 +423,9 @@ def cache_frozen_features(
 ) -> FrozenFeatures:
     """Serve frozen submodules' outputs from a per-sample store instead of running them.
 
-    While keys are set (``with cache.keys(batch_keys):``, one key per sample of the batch,
-    the same key for the same sample in every epoch), each cached module serves the
+    While keys are set (``with cache.keys(batch_keys):``, one key per row of the cached
+    modules' input, the same key for the same sample in every epoch: one per image where
+    the batch concatenates each sample's images), each cached module serves the
     samples it has stored and runs only for the others, which it stores. Without keys
     (validation, inference) it runs as it is.
 
@@ -455,8 +444,9 @@ def cache_frozen_features(
             dtype, which serves bit-for-bit what the module computed. ``torch.bfloat16``
             halves a float32 store but changes the numerics: served features are rounded.
         verify: on the first reuse, run the module anyway and compare with the stored
-            features; on a mismatch (a random augmentation of the input, or state the
-            forward reads that the key does not hold) stop serving, with a warning.
+            features; on a mismatch (a random augmentation of the input, state the
+            forward reads that the key does not hold, or keys that are not one per row)
+            stop serving, with a warning.
             Costs one batch's forward, once.
         directory: a folder for a disk store (created if missing): every stored feature
             is also written there, in memory-mapped shards, and what passes the budget is

@@ -30,6 +30,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, default_colla
 from lightning_speedkit import _compat, _validation
 from lightning_speedkit._random import random_state_kept
 from lightning_speedkit._surgery import in_side_run
+from lightning_speedkit.compute._frozen_layout import FieldLayout, layout
 from lightning_speedkit.compute._frozen_skip import SkipPlan
 from lightning_speedkit.data.rebuild import _batching
 from lightning_speedkit.measure._tensor_walk import named_fields
@@ -43,6 +44,7 @@ __all__ = [
     "batch_keys",
     "batch_rows",
     "dataset_fingerprint",
+    "sample_index",
     "with_sample_index",
 ]
 
@@ -51,18 +53,24 @@ INDEX_FIELD = "speedkit_index"
 
 
 class SampleIndex:
-    """The dataset indices of a batch's samples, and the rows whose cached inputs are
-    stand-ins (:mod:`._frozen_skip`): a plain object, so that moving the batch to a device,
-    pinning it or measuring its size leaves it alone."""
+    """The dataset indices of a batch's samples, the rows whose cached inputs are
+    stand-ins (:mod:`._frozen_skip`), and how each field's rows came from the samples
+    (:mod:`._frozen_layout`; None: not seen): a plain object, so that moving the batch to a
+    device, pinning it or measuring its size leaves it alone."""
 
-    __slots__ = ("indices", "stand_ins", "tuple_batch")
+    __slots__ = ("indices", "layouts", "stand_ins", "tuple_batch")
 
     def __init__(
-        self, indices: list[Hashable], stand_ins: list[int] | None = None, tuple_batch: bool = False
+        self,
+        indices: list[Hashable],
+        stand_ins: list[int] | None = None,
+        tuple_batch: bool = False,
+        layouts: dict[Hashable, FieldLayout] | None = None,
     ) -> None:
         self.indices = indices
         self.stand_ins = stand_ins or []
         self.tuple_batch = tuple_batch  # the collate_fn's batch was a tuple: give one back
+        self.layouts = layouts
 
     def __repr__(self) -> str:
         return f"SampleIndex({self.indices}, stand_ins={self.stand_ins})"
@@ -163,7 +171,8 @@ class IndexedCollate:
         batch = self.collate_fn([t[1] for t in triples])
         kept = [t for t in triples if t[1] is not None]  # what the user's collate keeps
         stand_ins = [row for row, t in enumerate(kept) if len(t) > 2 and t[2]]
-        index = SampleIndex([t[0] for t in kept], stand_ins, tuple_batch=isinstance(batch, tuple))
+        shapes = layout([t[1] for t in kept], batch)  # which rows each sample gave each field
+        index = SampleIndex([t[0] for t in kept], stand_ins, isinstance(batch, tuple), shapes)
         if isinstance(batch, MutableMapping):
             batch[INDEX_FIELD] = index
             return batch
@@ -319,10 +328,17 @@ def batch_rows(
         >>> batch_rows({"id": torch.tensor([5, 6])}, "id")
         ([5, 6], [])
     """
+    index = sample_index(batch, key, taken)
+    return list(index.indices), list(index.stand_ins)
+
+
+def sample_index(batch: Any, key: str, taken: SampleIndex | None = None) -> SampleIndex:
+    """The samples ``batch`` holds, by ``key``, as a :class:`SampleIndex` (see
+    :func:`batch_rows`); by a field, it knows nothing of the batch's layout."""
     if key == "index":
         index = taken if taken is not None else take_index(batch)[1]
         if index is not None:
-            return list(index.indices), list(index.stand_ins)
+            return index
         _validation.fail(
             "key",
             key,
@@ -351,8 +367,8 @@ def batch_rows(
     value = batch[key]
     if isinstance(value, torch.Tensor):
         # SYNC: a field on an accelerator is read to the host; keep ids in a list to avoid it.
-        return list(value.tolist()), []
-    return list(value), []
+        return SampleIndex(list(value.tolist()))
+    return SampleIndex(list(value))
 
 
 def dataset_fingerprint(dataset: Any, probes: int = 3, drawn: set[Hashable] | None = None) -> str:

@@ -470,13 +470,13 @@ def attributes_changed(name: str, changed: list[str]) -> str:
     )
 
 
-def mismatch(largest: float) -> str:
+def mismatch(largest: float, first: str = "") -> str:
     """Why a cached module's stored features differ from the ones computed again on their
     first reuse (``largest``: the largest difference): the likely causes, first the two
-    most common, and the fixes."""
+    most common (after ``first``, a cause that applies to this call), and the fixes."""
     return (
         f"on its first reuse, recomputed features differ from the stored ones (largest "
-        f"difference {largest:.3g}): most likely a random augmentation of its input (random "
+        f"difference {largest:.3g}): most likely {first}a random augmentation of its input (random "
         f"crops, flips, color jitter), or state its forward reads that a feature's key does "
         f"not hold (the key holds the weights and buffers, the call's arguments and the "
         f"public number and string attributes, read again as each epoch starts; not a list, "

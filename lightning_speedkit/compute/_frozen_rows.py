@@ -1,5 +1,5 @@
 """Which rows and batch fields a cached module's call holds, cutting rows out of it, and
-what else its output's numbers depend on."""
+what else its output's numbers depend on (its signature)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,25 @@ from typing import Any
 import torch
 
 from lightning_speedkit import _compat
+from lightning_speedkit.compute._frozen_layout import no_row_per_sample
 
 __all__ = [
+    "OutputLayout",
+    "assemble",
     "batch_field",
+    "call_signature",
     "cut_rows",
     "first_row",
     "numerics",
     "same_tensor",
+]
+
+#: What a module's output is rebuilt from: its tree spec, the slots of its tensors among
+#: the leaves, the leaf count, and each tensor's dtype, device and order of dimensions in
+#: memory (a transformers hidden state may be a transposed view: a reduction over it
+#: adds in that order, so a served copy is laid out the same).
+OutputLayout = tuple[
+    Any, list[int], int, list[torch.dtype], list[torch.device], list[tuple[int, ...]]
 ]
 
 
@@ -72,3 +84,59 @@ def numerics(device: str) -> tuple[Hashable, ...]:
     if torch.get_float32_matmul_precision() != "highest":
         parts.append(("float32_matmul", torch.get_float32_matmul_precision()))
     return tuple(parts)
+
+
+def call_signature(
+    args: tuple[Any, ...], kwargs: dict[str, Any], rows: int
+) -> tuple[Hashable, str | None]:
+    """What, besides the sample, a call's output depends on; or why the call cannot be
+    served (an input that requires grad, or has not ``rows`` rows)."""
+    parts: list[Hashable] = []
+    batched, device = False, "cpu"
+    for where, value in [*enumerate(args), *sorted(kwargs.items())]:
+        if isinstance(value, torch.Tensor):
+            if value.requires_grad:
+                return None, (
+                    f"its input `{where}` requires grad (it comes from a trainable "
+                    f"module), and a stored output would cut that gradient"
+                )
+            if value.ndim == 0 or value.shape[0] != rows:
+                return None, no_row_per_sample(where, tuple(value.shape), rows)
+            batched, device = True, value.device.type
+            parts.append((where, tuple(value.shape[1:]), str(value.dtype), value.device.type))
+        else:
+            parts.append((where, repr(value)[:200]))
+    if not batched:
+        return None, "it was called with no tensor that has a row per sample"
+    return (*parts, *numerics(device)), None
+
+
+def assemble(
+    found: list[Any], hit: list[int], miss: list[int], computed: Any, rows: int,
+    layout: OutputLayout,
+) -> Any:  # fmt: skip
+    """A call's output of ``rows`` rows: the stored rows ``found`` at ``hit``, the rows
+    ``computed`` for the misses at ``miss``, laid out as ``layout`` says."""
+    spec, places, count, dtypes, devices, orders = layout
+    leaves = []
+    fresh: list[torch.Tensor] | None = computed
+    for j, (dtype, device) in enumerate(zip(dtypes, devices, strict=True)):
+        served = torch.stack([found[i][j] for i in hit]).to(
+            device=device, dtype=dtype, non_blocking=True
+        )
+        if fresh is None and served.dim_order() == orders[j]:  # stacked rows lie as computed
+            leaves.append(served)
+            continue
+        whole = torch.empty_permuted(
+            (rows, *served.shape[1:]), orders[j], dtype=dtype, device=device
+        )
+        if fresh is None:
+            leaves.append(whole.copy_(served))
+            continue
+        whole[torch.tensor(hit, device=device)] = served
+        whole[torch.tensor(miss, device=device)] = fresh[j].to(dtype)
+        leaves.append(whole)
+    full: list[torch.Tensor | None] = [None] * count
+    for place, leaf in zip(places, leaves, strict=True):
+        full[place] = leaf
+    return spec.unflatten(full)

@@ -27,12 +27,17 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Hashable, Iterable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils.data import Dataset, default_collate
 
-__all__ = ["SkipPlan", "can_skip", "refetch_field"]
+from lightning_speedkit.compute._frozen_layout import loader_keeps_inputs
+
+if TYPE_CHECKING:
+    from lightning_speedkit.compute._frozen_call import CachedModule, Scope
+
+__all__ = ["LoaderPlan", "SkipPlan", "can_skip", "refetch_field"]
 
 #: Bytes of shared memory for the names of the fields left out (JSON).
 _NAME_BYTES = 1024
@@ -99,6 +104,47 @@ class SkipPlan:
         if not 0 <= index < len(self.ready) or not bool(self.ready[index]):
             return frozenset()
         return self.fields()
+
+
+class LoaderPlan:
+    """The training process's side of a :class:`SkipPlan`: after each step, which samples
+    the loader may now build without the cached modules' inputs."""
+
+    def __init__(self, scope: Scope) -> None:
+        self.scope = scope
+        self.plan: SkipPlan | None = None
+        self.primed = False  # the plan holds every sample ready before it was given
+        self.drops = 0  # the modules' drops of stored features the plan has taken in
+
+    def use(self, plan: SkipPlan | None) -> None:
+        self.plan, self.primed = plan, False
+
+    def update(self, cached: list[CachedModule], keys: Sequence[Hashable]) -> None:
+        """Mark the samples every module has stored (and checked), when each module's
+        input is a batch field; clear the plan when features were dropped."""
+        plan = self.plan
+        if plan is None:
+            return
+        drops = sum(c.drops for c in cached)
+        if drops != self.drops:  # features dropped: those samples need their inputs again
+            self.drops, self.primed = drops, False
+            plan.clear()
+        serving = bool(cached) and all(
+            c.counts.stood_down is None and (c.verified or not self.scope.verify) for c in cached
+        )
+        for c in cached if serving else ():
+            if c.slots and c.sources is None:  # called, on an input made in the model
+                self.scope.warn_once(loader_keeps_inputs(c.name))
+        if not serving or any(c.sources is None for c in cached):
+            if plan.ready_count():
+                plan.clear()
+            self.primed = False
+            return
+        if not self.primed:  # newly usable (checked, or a new loader): all stored so far
+            self.primed = plan.set_fields({str(f) for c in cached for f in c.sources or ()})
+            keys = list(set.intersection(*(c.ready for c in cached)))
+        ready = [k for k in keys if all(c.holds(k) for c in cached)]
+        plan.mark([int(k) for k in ready if isinstance(k, int)])
 
 
 def refetch_field(

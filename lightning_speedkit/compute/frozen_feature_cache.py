@@ -27,7 +27,7 @@ from lightning_speedkit.compute._frozen_lease import PruneReport, prune_frozen_f
 from lightning_speedkit.compute._frozen_loader import (
     IndexedDataset,
     IndexTaker,
-    batch_rows,
+    sample_index,
     with_sample_index,
 )
 from lightning_speedkit.compute._frozen_modules import check_modules
@@ -60,9 +60,12 @@ class FrozenFeatureCache(L.Callback):
         key: what identifies a sample across epochs. ``"index"`` (default): its index in
             the train dataset, carried by the train loader, which the callback builds again
             around the same sampler (any sampler, DistributedSampler, bucketing); neither
-            the batch hooks nor the model see the index. Or the name of a batch field with
-            one id per sample (a list, or a tensor: on an accelerator that tensor is read to
-            the host, a sync).
+            the batch hooks nor the model see the index; the loader also notes how each
+            field's rows came from the samples, and a module whose input's rows are not
+            one per sample (a varying number of images per sample) is refused. Or the name
+            of a batch field with one id per row of the cached module's input (a list, or a
+            tensor: on an accelerator that tensor is read to the host, a sync): one per
+            image to cache a tower fed every image of the batch.
         budget: host memory the store may use: bytes, or a share of the free memory
             (``"50%"``). Past it nothing more is kept in memory: those samples run every
             time, or with a ``directory`` are served from disk.
@@ -163,8 +166,8 @@ class FrozenFeatureCache(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         if self.cache is not None:
-            keys, stand_ins = batch_rows(batch, self.key, self._taker.take())
-            self.cache.start_step(keys, batch, stand_ins)
+            index = sample_index(batch, self.key, self._taker.take())
+            self.cache.start_step(index.indices, batch, index.stand_ins, index.layouts)
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any
