@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, Sampler
 from lightning_speedkit import _compat
 from lightning_speedkit._random import loader_generators, random_state_kept
 from lightning_speedkit.data._fork import garbage_kept_from_children
+from lightning_speedkit.data.mixin import _ResumableBucketLoader, _served_by
 from lightning_speedkit.data.rebuild import _TAKES_IN_ORDER, rebuild_dataloader
 
 
@@ -29,6 +30,9 @@ def why_not_switched(loader: Any, iterator: Any) -> str | None:
     go on with other settings; None if it can."""
     if not isinstance(loader, DataLoader):
         return f"the train loader is a {type(loader).__name__}, not a torch DataLoader"
+    counts = isinstance(loader, _ResumableBucketLoader)  # its place holds for any workers
+    if counts:
+        iterator = _served_by(iterator)
     if not _compat.is_dataloader_iterator(iterator):
         return f"its iterator, a {type(iterator).__name__}, is not a torch DataLoader's"
     if isinstance(loader.dataset, IterableDataset):
@@ -36,7 +40,7 @@ def why_not_switched(loader: Any, iterator: Any) -> str | None:
             "its dataset is an IterableDataset, whose place in the epoch lives inside its own "
             "iteration (in each worker), where a loader with other workers cannot pick it up"
         )
-    if callable(getattr(loader, "state_dict", None)):
+    if callable(getattr(loader, "state_dict", None)) and not counts:
         return (
             f"the train loader, a {type(loader).__name__}, saves its place in the epoch for "
             f"mid-epoch resume, and that state holds only for the worker count it was taken "
@@ -101,6 +105,7 @@ def switch_loader(
     why = why_not_switched(loader, iterator)
     if why is not None:
         raise ValueError(f"The epoch cannot switch loaders: {why}.")
+    counted, iterator = iterator, _served_by(iterator)  # (speed_dataloader's bucketed loader)
     taken = _compat.take_sampler_iterator(iterator)
     again = rebuild_dataloader(loader, **settings)
     # The rest of this epoch: the same dataset, collate_fn and settings, drawing from the
@@ -132,4 +137,6 @@ def switch_loader(
     # made mid-epoch, which would change every later number of a seeded run.
     with garbage_kept_from_children(), random_state_kept(loader_generators(rest)):
         started = iter(rest)
+    if isinstance(again, _ResumableBucketLoader):  # its count of the epoch's batches goes on
+        return again, again.go_on_with(counted, _EpochRest(iterator, started))
     return again, _EpochRest(iterator, started)

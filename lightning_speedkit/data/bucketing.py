@@ -150,6 +150,7 @@ class LengthBucketBatchSampler(BatchSampler):
         self.drop_last = drop_last
         self.pool_batches = pool_batches
         self._built: tuple[int, list[list[int]]] | None = None  # (epoch, its batches)
+        self._resume: tuple[int, int] | None = None  # (epoch, its batches already served)
 
     @property
     def epoch(self) -> int:
@@ -210,8 +211,26 @@ class LengthBucketBatchSampler(BatchSampler):
             batches = [batches[i] for i in perm]
         return batches
 
+    def resume(self, epoch: int, served: int) -> None:
+        """Have the next iteration go on with ``epoch`` after its first ``served`` batches
+        (of this rank): where a run stopped in the middle of an epoch left it, since the
+        batches depend only on ``seed`` and the epoch. Its length stays the epoch's.
+
+        Example::
+
+            >>> s = LengthBucketBatchSampler([5, 1, 9, 3, 7, 2], batch_size=2, seed=1)
+            >>> epoch = list(s)
+            >>> s.resume(0, 1)
+            >>> list(s) == epoch[1:], len(s)
+            (True, 3)
+        """
+        self.set_epoch(epoch)  # before an iterator runs ahead (workers), whatever sets it
+        self._resume = (epoch, served)
+
     def __iter__(self) -> Iterator[list[int]]:
-        yield from self._all_batches()[self.rank :: self.num_replicas]
+        resume, self._resume = self._resume, None
+        start = resume[1] if resume is not None and resume[0] == self.epoch else 0
+        yield from self._all_batches()[self.rank :: self.num_replicas][start:]
 
     def __len__(self) -> int:
         return len(self._all_batches()) // self.num_replicas

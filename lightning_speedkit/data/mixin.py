@@ -5,7 +5,7 @@ from __future__ import annotations
 import inspect
 import multiprocessing
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from lightning.pytorch.utilities import rank_zero_warn
@@ -30,6 +30,70 @@ def built_by_speed_dataloader(loader: Any) -> bool:
     return loader in _BUILT
 
 
+class _Served(Iterator[Any]):
+    """A loader's iterator of the epoch under way, counting the batches it has served."""
+
+    def __init__(self, batches: Iterator[Any], served: int = 0) -> None:
+        self.batches, self.served = batches, served
+
+    def __iter__(self) -> _Served:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self.batches)
+        self.served += 1
+        return batch
+
+
+class _ResumableBucketLoader(DataLoader):  # type: ignore[type-arg]
+    """``speed_dataloader``'s loader over a :class:`LengthBucketBatchSampler`: a fit resumed
+    from a checkpoint taken in the middle of an epoch goes on with the batches the epoch
+    had left, in its order, whatever the workers.
+
+    Lightning saves a train loader's ``state_dict`` in every checkpoint and, resuming,
+    loads it before it iterates and runs only the epoch's remaining batch count. The
+    state is the epoch and the batches served in it (each iterator counts them); since
+    the bucketed batches depend only on the sampler's seed and the epoch, loading it has
+    the batch sampler skip those served (:meth:`LengthBucketBatchSampler.resume`).
+    """
+
+    _served: _Served | None = None
+
+    def __iter__(self) -> Iterator[Any]:  # type: ignore[override]
+        self._served = _Served(super().__iter__())
+        return self._served
+
+    def state_dict(self) -> dict[str, int]:
+        """The epoch and the batches of it this loader has served (all: the epoch ended)."""
+        sampler = self.batch_sampler
+        served = self._served.served if self._served is not None else 0
+        return {"epoch": int(getattr(sampler, "epoch", 0)), "batches": served}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        """Go on where ``state`` was taken: after its served batches, or with the next
+        epoch where it had served them all."""
+        sampler = self.batch_sampler
+        if not isinstance(sampler, LengthBucketBatchSampler) or not state:
+            return
+        epoch, served = int(state["epoch"]), int(state["batches"])
+        if served >= len(sampler):
+            epoch, served = epoch + 1, 0
+        sampler.resume(epoch, served)
+
+    def go_on_with(self, running: Iterator[Any], rest: Iterator[Any]) -> Iterator[Any]:
+        """The rest of the epoch that ``running`` (this class's iterator, in another loader
+        like this one) was in, served by ``rest``, counted on as this loader's."""
+        served = running.served if isinstance(running, _Served) else 0
+        self._served = _Served(rest, served)
+        return self._served
+
+
+def _served_by(iterator: Any) -> Any:
+    """The torch iterator a :class:`_ResumableBucketLoader`'s iterator counts (``iterator``
+    itself for another loader's)."""
+    return iterator.batches if isinstance(iterator, _Served) else iterator
+
+
 def _default_start_method() -> str:
     """The start method multiprocessing would pick now (without fixing it for the process)."""
     return multiprocessing.get_context().get_start_method()
@@ -43,7 +107,8 @@ class SpeedDataModuleMixin:
       reloading loaders (``reload_dataloaders_every_n_epochs``) keeps the tuning.
     - ``lengths=`` turns on length bucketing with a distributed-aware
       :class:`~lightning_speedkit.data.LengthBucketBatchSampler` (every sample
-      once per epoch across ranks).
+      once per epoch across ranks), in a loader that a fit resumed from a mid-epoch
+      checkpoint continues where it stopped.
     - Pass a :class:`~lightning_speedkit.data.PackingCollate` as ``collate_fn`` to
       pack sequences instead of padding them.
     - ``cache=True`` (or a byte budget) keeps decoded samples in memory after their
@@ -152,6 +217,7 @@ class SpeedDataModuleMixin:
         if options.get("num_workers", 0) == 0:
             options.pop("prefetch_factor", None)
             options["persistent_workers"] = False
+        loader: DataLoader[Any]
         if lengths is not None:
             if len(lengths) != len(dataset):  # type: ignore[arg-type]
                 raise SpeedkitConfigError(
@@ -162,7 +228,9 @@ class SpeedDataModuleMixin:
                 lengths, batch_size, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
                 seed=seed, drop_last=drop_last,
             )  # fmt: skip
-            loader = DataLoader(dataset, batch_sampler=sampler, collate_fn=collate_fn, **options)
+            loader = _ResumableBucketLoader(
+                dataset, batch_sampler=sampler, collate_fn=collate_fn, **options
+            )
         else:
             loader = DataLoader(
                 dataset, batch_size=batch_size, shuffle=shuffle, drop_last=drop_last,

@@ -1,14 +1,18 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from typing import Any
 
+import lightning as L
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from lightning.pytorch.callbacks import ModelCheckpoint
+from torch.utils.data import DataLoader
 
-from lightning_speedkit import SpeedkitConfigError
+from lightning_speedkit import SpeedDataModuleMixin, SpeedkitConfigError
 from lightning_speedkit.data import LengthBucketBatchSampler
 
 
@@ -244,3 +248,107 @@ def test_lengths_that_are_not_finite_and_non_negative_are_refused_by_index(
 def test_lengths_that_are_not_numbers_are_refused() -> None:
     with pytest.raises(SpeedkitConfigError, match=r"^`lengths` must be one number per sample"):
         LengthBucketBatchSampler(["a", "bb"], 1)  # type: ignore[list-item]
+
+
+class _Bucketed(SpeedDataModuleMixin, L.LightningDataModule):
+    """The mixin's bucketed loader: 40 samples of lengths 1..7, 10 batches an epoch."""
+
+    def __init__(self, **loader: Any) -> None:
+        super().__init__()
+        self.loader = loader
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        lengths = [i % 7 + 1 for i in range(40)]
+        return self.speed_dataloader(list(range(40)), batch_size=4, shuffle=True, seed=3,
+                                     lengths=lengths, collate_fn=torch.tensor,
+                                     **self.loader)  # fmt: skip
+
+
+class _Indices(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.seen: list[list[int]] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.seen.append(batch.tolist())
+        return self.layer(batch.float()[:, None]).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _batches(data: _Bucketed, tmp_path: Path, steps: int = -1, ckpt: Path | None = None,
+             every: int = 0) -> list[list[int]]:  # fmt: skip
+    """The batches a fit of 2 epochs (or ``steps``) trains on, saving a checkpoint
+    ``every`` steps and resuming from ``ckpt``."""
+    model = _Indices()
+    saves = [ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=every, save_top_k=-1)]
+    trainer = L.Trainer(accelerator="cpu", max_epochs=2, max_steps=steps, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=bool(every),
+                        callbacks=saves if every else [])  # fmt: skip
+    trainer.fit(model, datamodule=data, ckpt_path=str(ckpt) if ckpt else None)
+    return model.seen
+
+
+@pytest.mark.parametrize("stop", [3, 13, 10], ids=["epoch-0", "epoch-1", "at-an-epoch-end"])
+@pytest.mark.parametrize(
+    "loader", [{}, {"num_workers": 1, "persistent_workers": True}], ids=["in-process", "worker"]
+)
+def test_the_mixins_bucketed_loader_resumes_mid_epoch_where_it_stopped(
+    tmp_path: Path, stop: int, loader: dict[str, Any]
+) -> None:
+    """Lightning loads a train loader's state before it iterates and runs only the epoch's
+    remaining batch count. A plain DataLoader started the epoch's order again: the resumed
+    epoch trained its first batches twice and its last never. Now the resumed run's batches
+    are exactly the uninterrupted run's, in the order it had them."""
+    uninterrupted = _batches(_Bucketed(**loader), tmp_path / "full")
+    _batches(_Bucketed(**loader), tmp_path / "part", steps=stop, every=stop)
+    (ckpt,) = (tmp_path / "part").glob("*.ckpt")
+    resumed = _batches(_Bucketed(**loader), tmp_path / "rest", ckpt=ckpt, every=stop)
+    assert uninterrupted[:stop] + resumed == uninterrupted
+    assert len(uninterrupted) == 20
+    epoch = sorted(i for batch in uninterrupted[:10] for i in batch)
+    assert epoch == list(range(40))
+
+
+def test_the_bucketed_loaders_state_goes_on_after_the_batches_served() -> None:
+    """Without a Trainer: the state says the epoch and the batches served; a loader that
+    loads it serves the rest of that epoch, or, where all were served, the next epoch."""
+    data = _Bucketed()
+    full = data.train_dataloader()
+    epoch = [batch.tolist() for batch in full]
+    interrupted = data.train_dataloader()
+    served = iter(interrupted)
+    first = [next(served).tolist() for _ in range(4)]
+    assert interrupted.state_dict() == {"epoch": 0, "batches": 4}
+    resumed = data.train_dataloader()
+    resumed.load_state_dict(interrupted.state_dict())
+    assert first + [batch.tolist() for batch in resumed] == epoch
+    assert len(resumed) == 10  # the epoch's length, as Lightning counts it
+    ended = data.train_dataloader()
+    ended.load_state_dict({"epoch": 0, "batches": 10})
+    full.batch_sampler.set_epoch(1)  # type: ignore[union-attr]
+    assert [batch.tolist() for batch in ended] == [batch.tolist() for batch in full]
+
+
+def test_lightnings_distributed_rebuild_keeps_the_loader_resumable() -> None:
+    """Under DDP Lightning builds the loader again around a ``DistributedSampler`` (as its
+    own class, from the arguments the hook gave it): each rank's loader resumes its share."""
+    from lightning.fabric.utilities.data import _replace_dunder_methods
+    from lightning.pytorch.utilities.data import _update_dataloader
+    from torch.utils.data import BatchSampler, DistributedSampler
+
+    with _replace_dunder_methods(DataLoader, "dataset"), _replace_dunder_methods(BatchSampler):
+        built = _Bucketed().train_dataloader()  # as Lightning calls train_dataloader()
+    for rank in (0, 1):
+        sampler = DistributedSampler(range(40), num_replicas=2, rank=rank, shuffle=False)
+        share = [b.tolist() for b in _update_dataloader(built, sampler)]
+        interrupted = _update_dataloader(built, sampler)
+        served = iter(interrupted)
+        first = [next(served).tolist() for _ in range(2)]
+        resumed = _update_dataloader(built, sampler)
+        resumed.load_state_dict(interrupted.state_dict())
+        assert first + [b.tolist() for b in resumed] == share
+        assert len(share) == 5

@@ -119,3 +119,30 @@ def test_what_cannot_switch_mid_epoch_says_why() -> None:
     assert why_not_switched(plain, iter(plain)) is None
     with pytest.raises(ValueError, match="IterableDataset"):
         switch_loader(stream, iter(stream), _settings(1))
+
+
+def test_the_mixins_resumable_bucketed_loader_switches_and_counts_on() -> None:
+    """``speed_dataloader(lengths=...)``'s loader saves its place as the batches served of
+    the epoch, which hold for any workers: it switches in the middle of an epoch (a
+    ``state_dict`` alone no longer makes it wait), and the new loader counts on."""
+    import lightning as L
+
+    from lightning_speedkit import SpeedDataModuleMixin
+
+    class Data(SpeedDataModuleMixin, L.LightningDataModule):
+        pass
+
+    def loader() -> DataLoader[Any]:
+        return Data().speed_dataloader(Where(), batch_size=4, shuffle=True, seed=2,
+                                       lengths=[i % 5 + 1 for i in range(40)])  # fmt: skip
+
+    expected = [batch["index"].tolist() for batch in loader()]
+    old = loader()
+    running = iter(old)
+    assert why_not_switched(old, running) is None
+    seen = [next(running)["index"].tolist() for _ in range(3)]
+    new, rest = switch_loader(old, running, _settings(2))
+    seen += [next(rest)["index"].tolist() for _ in range(2)]
+    assert new.state_dict() == {"epoch": 0, "batches": 5}  # type: ignore[attr-defined]
+    assert seen + [batch["index"].tolist() for batch in rest] == expected
+    assert new.num_workers == 2
