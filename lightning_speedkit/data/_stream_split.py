@@ -20,17 +20,31 @@ order comes from a source no seed reaches (the clock, ``os.urandom``) and that d
 split is told apart only when the two workers' first samples meet, as they do over a short
 stream; that is the one case this check can miss. Where the check cannot run (the
 workers fail), more than one worker is not tried either.
+
+A stream must also start again with each iterator: the search reads the dataset itself
+(its in-process trials) and copies of it (its workers), before training reads it. One
+that reads from a source opened once, in ``__init__`` (an iterator, an open file, a
+socket, a queue), gives the trials samples that training then never sees: all of them,
+where the trials reach its end. :func:`held_source` finds such a source among the
+dataset's attributes without reading anything, so that the loader is left untuned.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
+import io
 import itertools
+import multiprocessing.connection
+import multiprocessing.queues
 import pickle
+import queue
 import random
+import socket
 import sys
-from collections.abc import Callable, Mapping
+import types
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -38,7 +52,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_speedkit.data._candidate_timing import describe_failure
 
-__all__ = ["SAMPLES", "why_not_split"]
+__all__ = ["SAMPLES", "held_source", "why_not_split"]
 
 #: Samples read from each of the two workers.
 SAMPLES = 8
@@ -166,3 +180,94 @@ def _feed(digest: Any, value: Any) -> None:
         digest.update(f"{type(value).__name__} {value!r}".encode())
     else:  # a PIL image, an object of the user's: as it came from the worker
         digest.update(pickle.dumps(value))
+
+
+_QUEUES = (queue.Queue, queue.SimpleQueue, multiprocessing.queues.Queue,
+           multiprocessing.queues.SimpleQueue)  # fmt: skip
+#: Sources a reader uses up, by what the message calls them (an iterator last: files are).
+_SOURCES: tuple[tuple[tuple[type, ...], str], ...] = (
+    ((io.IOBase,), "an open file"),
+    ((socket.socket,), "a socket"),
+    (_QUEUES, "a queue"),
+    ((multiprocessing.connection.Connection,), "a pipe"),
+    ((types.GeneratorType,), "a generator"),
+)
+
+
+def held_source(dataset: Any, depth: int = 3) -> str | None:
+    """Where ``dataset``, an ``IterableDataset``, holds a source that reading uses up (an
+    iterator, a generator, an open file, a socket, a queue, a pipe), said as an attribute
+    path and a kind; None when there is none (or it is no ``IterableDataset``). Looks
+    ``depth`` levels into the attributes, lists, tuples and dicts, of objects, and
+    ``functools.partial`` arguments and closures; reads nothing.
+
+    Example::
+
+        >>> class Stream(IterableDataset):
+        ...     def __init__(self):
+        ...         self.lines = iter(["a", "b"])
+        ...     def __iter__(self):
+        ...         return self.lines
+        >>> held_source(Stream())
+        '`lines`, an iterator (list_iterator)'
+    """
+    if not isinstance(dataset, IterableDataset):
+        return None
+    seen: set[int] = {id(dataset)}
+    for path, value in _parts(dataset, "", depth, seen):
+        kind = _source_kind(value)
+        if kind is not None:
+            name = type(value).__name__
+            return f"`{path}`, {kind}" + ("" if name in kind else f" ({name})")
+    return None
+
+
+def _source_kind(value: Any) -> str | None:
+    for types_, kind in _SOURCES:
+        if isinstance(value, types_):
+            closed = getattr(value, "closed", False)
+            return None if closed is True else kind
+    if hasattr(type(value), "__next__") and not isinstance(value, type):
+        return "an iterator"
+    return None
+
+
+_LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), type, types.ModuleType,
+           torch.Tensor, torch.Generator)  # fmt: skip
+
+
+def _parts(value: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[str, Any]]:
+    """``(path, part)`` for each part of ``value`` down to ``depth`` levels, each once."""
+    if depth == 0:
+        return
+    children: list[tuple[str, Any]] = []
+    if isinstance(value, Mapping):
+        children = [(f"{path}[{key!r}]", item) for key, item in itertools.islice(value.items(), 64)]
+    elif isinstance(value, (list, tuple, set, frozenset)):
+        children = [(f"{path}[{i}]", item) for i, item in enumerate(itertools.islice(value, 64))]
+    elif isinstance(value, functools.partial):
+        children = [(f"{path}.args[{i}]", a) for i, a in enumerate(value.args)]
+        children += [(f"{path}.keywords[{k!r}]", v) for k, v in value.keywords.items()]
+    elif isinstance(value, types.FunctionType):
+        cells = value.__closure__ or ()
+        names = value.__code__.co_freevars
+        children = [
+            (f"{path}.<{name}>", _cell(cell)) for name, cell in zip(names, cells, strict=True)
+        ]
+    elif isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, _LEAVES):
+        prefix = f"{path}." if path else ""
+        children = [(prefix + name, item) for name, item in vars(value).items()]
+    for child_path, child in children:
+        if id(child) in seen or isinstance(child, _LEAVES):
+            continue
+        seen.add(id(child))
+        yield child_path, child
+        if _source_kind(child) is None:
+            yield from _parts(child, child_path, depth - 1, seen)
+
+
+def _cell(cell: Any) -> Any:
+    try:
+        return cell.cell_contents
+    except ValueError:  # an empty cell
+        return None

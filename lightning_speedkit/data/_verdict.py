@@ -95,7 +95,7 @@ def verdict_message(bottleneck: dict[str, Any]) -> str:
 def start_metrics(best: dict[str, Any], in_use: TuneResult | None) -> dict[str, float]:
     """What is logged as training starts: the workers in use and, when measured, their rate."""
     metrics = {"data/num_workers": float(best.get("num_workers", 0))}
-    if in_use is not None:
+    if in_use is not None and in_use.untuned is None:  # an untuned loader has no rate
         metrics["data/loader_batches_per_sec"] = in_use.best_batches_per_sec
     return metrics
 
@@ -111,6 +111,8 @@ def not_tuned_message(loader: Any) -> str:
 def tuned_message(result: TuneResult, best: dict[str, Any]) -> str:
     """What the search at setup chose (``best``, the settings every rank uses) and how fast."""
     r = result
+    if r.untuned is not None:  # a warning said why
+        return f"NumWorkersTuner: {describe(best)}: the loader as given, untuned."
     gain = ""
     if r.given_batches_per_sec:
         gain = f", {r.best_batches_per_sec / r.given_batches_per_sec:.2f}x the loader as given"

@@ -24,7 +24,7 @@ from lightning_speedkit.data._train_loader import (
     switch_running_epoch,
     use_settings,
 )
-from lightning_speedkit.data.tune_result import TuneResult
+from lightning_speedkit.data.tune_result import TuneResult, measured
 from lightning_speedkit.data.worker_cores import cpu_budget
 from lightning_speedkit.data.worker_search import _check_worker_arguments, tune_num_workers
 
@@ -185,7 +185,7 @@ class NumWorkersTuner(L.Callback):
         self._t = _clock()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
-        if self.verdict_steps == 0 or self.bottleneck is not None or self.result is None:
+        if self.verdict_steps == 0 or self.bottleneck is not None or not measured(self.result):
             return
         # Host time of the step; on CUDA, the pace the host keeps.
         if not self._pace.add(_clock() - self._t if self._pace.timing() else None):

@@ -4,11 +4,11 @@ returns it and its cache keeps it."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
 
 from torch.utils.data import DataLoader
 
-__all__ = ["TuneResult"]
+__all__ = ["TuneResult", "measured"]
 
 
 @dataclass
@@ -30,6 +30,8 @@ class TuneResult:
             cannot switch in the middle of an epoch): ``best`` stays the loader in use
             until the next epoch starts with ``pending``. None otherwise.
         pending_reason: why ``pending`` waits for the next epoch.
+        untuned: why nothing was measured and the loader is left as given (an
+            ``IterableDataset`` whose source reading uses up); None when it was measured.
 
     Example::
 
@@ -47,8 +49,15 @@ class TuneResult:
     dataloader: DataLoader[Any] | None = field(default=None, repr=False)
     pending: dict[str, Any] | None = None
     pending_reason: str | None = None
+    untuned: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data.pop("dataloader")
         return data
+
+
+def measured(result: TuneResult | None) -> TypeGuard[TuneResult]:
+    """Whether ``result`` holds measured rates, as the verdict needs: it is there and the
+    loader was not left untuned (see ``TuneResult.untuned``)."""
+    return result is not None and result.untuned is None

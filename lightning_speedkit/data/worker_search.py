@@ -25,6 +25,13 @@ loader as given is kept instead.
 Only a measured result is cached: when a candidate failed, the next run measures
 again (the dataset may have been fixed in between).
 
+An ``IterableDataset`` that reads from a source opened once (an iterator, an open file,
+a socket, a queue held by the dataset) is not measured at all: every trial would take
+samples from training. The loader is left as given, with a warning naming the attribute
+(``TuneResult.untuned`` says why). A source held where the attributes do not show it (a
+module's global) is found only when the trials use it up: a fresh iterator gives nothing
+after them, and a warning says so.
+
 A candidate whose workers crash, hang (past ``timeout``) or cannot receive the
 dataset (pickling, under spawn) is skipped with a warning saying why. The
 rebuilt loader keeps everything else of the user's (see
@@ -48,7 +55,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 from tqdm.auto import tqdm
 
 from lightning_speedkit import _validation
@@ -57,7 +64,7 @@ from lightning_speedkit.data import _candidates, _result_cache
 from lightning_speedkit.data._candidate_timing import describe_failure
 from lightning_speedkit.data._candidate_timing import measure_loader as _measure
 from lightning_speedkit.data._result_cache import default_cache_dir
-from lightning_speedkit.data._stream_split import why_not_split
+from lightning_speedkit.data._stream_split import held_source, why_not_split
 from lightning_speedkit.data.rebuild import _settings, rebuild_dataloader
 from lightning_speedkit.data.tune_result import TuneResult
 from lightning_speedkit.data.worker_cores import cpu_budget, spare_cores
@@ -195,6 +202,46 @@ def _search(
     return table, best, best_rate, given_rate
 
 
+def _left_as_given(loader: DataLoader[Any], held: str) -> TuneResult:
+    """``loader`` untuned, as given, because its ``IterableDataset`` reads from ``held``, a
+    source reading uses up: every trial would take samples from training."""
+    why = (
+        f"the IterableDataset reads from {held}, which reading uses up: a trial would take "
+        "its samples from training (a fresh `iter()` of the dataset goes on where the last "
+        "stopped), so the loader is left as given, untuned. Open the source in `__iter__`, "
+        "so that each iterator reads the stream from its start, to let it be tuned"
+    )
+    rank_zero_warn(f"NumWorkersTuner: {why}.")
+    result = TuneResult(_settings(loader), [], 0.0, untuned=why)
+    result.dataloader = loader
+    return result
+
+
+def _used_up(loader: DataLoader[Any], table: list[dict[str, Any]]) -> bool:
+    """Whether trials in this process read batches from ``loader``'s ``IterableDataset``
+    and a fresh iterator of it now gives none: a stream that goes on where the last
+    iterator stopped, used up by the trials (and said so)."""
+    if not isinstance(loader.dataset, IterableDataset):
+        return False
+    if not any(row["num_workers"] == 0 and row["batches_per_sec"] for row in table):
+        return False
+    try:
+        next(iter(loader.dataset))
+    except StopIteration:
+        pass
+    except Exception:  # its own error, met again where training reads it
+        return False
+    else:
+        return False
+    rank_zero_warn(
+        "NumWorkersTuner: the IterableDataset gives no sample after the trials, which read "
+        "batches from it: its stream goes on where the last iterator stopped, and the trials "
+        "used it up, so training gets none of it. Open the source in `__iter__`, so that each "
+        "iterator reads the stream from its start."
+    )
+    return True
+
+
 def _keep(cache_path: Path, result: TuneResult) -> None:
     """Cache ``result`` if every candidate was measured; else say why it is not kept."""
     failed = sum(1 for row in result.table if row["skipped"])
@@ -230,7 +277,10 @@ def tune_num_workers(
     The choice is never a setting measured slower than ``dataloader`` as given by
     more than ``min_gain`` (the noise band): then the loader as given is kept. A
     result is cached only when every candidate was measured; one reached because
-    candidates failed (crash, hang, pickling) is measured again next time.
+    candidates failed (crash, hang, pickling) is measured again next time. An
+    ``IterableDataset`` holding a source that reading uses up (an iterator, a file, a
+    socket, a queue opened in ``__init__``) is not measured: the loader is returned as
+    given, with ``untuned`` saying why.
 
     Args:
         dataloader: the loader to tune; it is not modified.
@@ -290,6 +340,9 @@ def tune_num_workers(
         force=force, progress=progress,
     )  # fmt: skip
 
+    held = held_source(dataloader.dataset)
+    if held is not None:
+        return _left_as_given(dataloader, held)
     budget = cpu_budget(local_world_size) if max_workers is None else max_workers
     cache_path = (
         Path(cache_dir or default_cache_dir())
@@ -316,12 +369,13 @@ def tune_num_workers(
             dataloader, budget, measure or timed, min_gain=min_gain, time_budget=time_budget,
             timeout=timeout, start=start, progress=progress,
         )  # fmt: skip
+        used_up = _used_up(dataloader, table)
 
     if not best:
         best = dict(_candidates.IN_PROCESS)
         rank_zero_warn("NumWorkersTuner: every candidate failed; keeping num_workers=0.")
     result = TuneResult(best, table, best_rate, given_rate, seconds=_clock() - start)
-    if cache:
+    if cache and not used_up:
         _keep(cache_path, result)
     result.dataloader = rebuild_dataloader(dataloader, **best)
     return result

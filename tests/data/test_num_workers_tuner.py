@@ -4,14 +4,14 @@ on set figures and a fake step clock; DDP and a real DataModule."""
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from lightning_speedkit import NumWorkersTuner, SpeedkitConfigError
 from lightning_speedkit.data import num_workers_tuner, worker_search
@@ -457,3 +457,49 @@ def test_under_ddp_every_rank_switches_mid_epoch_and_every_sample_is_seen_once(
         assert rank["workers"] == [0] * 7 + [2] * 5
         assert rank["best"]["num_workers"] == 2
     assert sorted(ranks[0]["indices"] + ranks[1]["indices"]) == list(range(96))
+
+
+class _OneShot(IterableDataset[torch.Tensor]):
+    """64 samples from an iterator opened in ``__init__`` (a queue, a socket, a file read
+    once): each iterator of the dataset goes on where the last stopped."""
+
+    def __init__(self) -> None:
+        self.src = iter(range(64))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (torch.tensor([float(i)]) for i in self.src)
+
+
+class _Reads(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layer = torch.nn.Linear(1, 1)
+        self.seen: list[float] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.seen.extend(batch.flatten().tolist())
+        return self.layer(batch).sum()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_a_stream_from_a_source_opened_once_trains_on_every_sample(tmp_path: Path) -> None:
+    """The tuner's trials read the stream before training: the fit trained on 0 of its 400
+    samples, and nothing said so. It is left untuned now, and the verdict, with no loader
+    rate to judge, is not given."""
+    tuner = NumWorkersTuner(max_workers=2, batches=4, cache_dir=str(tmp_path / "cache"),
+                            progress=False, verdict_steps=2)  # fmt: skip
+    trainer = L.Trainer(
+        accelerator="cpu", max_epochs=1, logger=False, callbacks=[tuner],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    model = _Reads()
+    with pytest.warns(UserWarning, match=r"reads from `src`, an iterator .* untuned"):
+        trainer.fit(model, DataLoader(_OneShot(), batch_size=4))
+    assert sorted(model.seen) == [float(i) for i in range(64)]  # every sample, once
+    assert tuner.result is not None
+    assert tuner.result.untuned is not None
+    assert tuner.result.table == []
+    assert tuner.bottleneck is None  # no verdict against a rate never measured
+    assert not (tmp_path / "cache").exists()

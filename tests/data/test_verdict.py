@@ -96,6 +96,15 @@ def test_what_setup_found_is_said_with_its_gain_and_logged() -> None:
     assert start_metrics({"num_workers": 1}, None) == {"data/num_workers": 1.0}
 
 
+def test_a_loader_left_untuned_is_said_so_and_logs_no_rate() -> None:
+    """A stream from a source opened once is never measured: no 0.0 batches/s said or logged."""
+    untuned = TuneResult({"num_workers": 0}, [], 0.0, untuned="the IterableDataset reads ...")
+    assert tuned_message(untuned, untuned.best) == (
+        "NumWorkersTuner: num_workers=0: the loader as given, untuned."
+    )
+    assert start_metrics(untuned.best, untuned) == {"data/num_workers": 0.0}
+
+
 @pytest.mark.parametrize(
     ("in_use", "model_rate", "searched", "spare"),
     [

@@ -10,8 +10,11 @@ is what is tested, not this machine's speed): two workers are the fastest.
 from __future__ import annotations
 
 import collections
+import queue
 import random
-from collections.abc import Iterator
+import re
+from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,7 +23,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_speedkit import tune_num_workers
-from lightning_speedkit.data._stream_split import SAMPLES, why_not_split
+from lightning_speedkit.data._stream_split import SAMPLES, held_source, why_not_split
+
+from .conftest import Figures, Rates
 
 RATES = {0: 10.0, 1: 12.0, 2: 30.0, 3: 45.0}  # batches/s by worker count: more would win
 
@@ -184,3 +189,95 @@ def test_a_stream_that_fails_in_workers_is_tuned_without_them() -> None:
                                   measure=measure)  # fmt: skip
     assert result.best["num_workers"] == 0
     assert max(row["num_workers"] for row in result.table) == 1
+
+
+class OneShot(IterableDataset[torch.Tensor]):
+    """64 samples from a source opened once, in ``__init__``: each iterator goes on where
+    the last stopped. ``source`` picks which kind, held where ``holder`` says."""
+
+    def __init__(self, source: str, tmp_path: Path) -> None:
+        if source == "iterator":
+            self.src: Any = iter(range(64))
+        elif source == "generator":
+            self.src = (i for i in range(64))
+        elif source == "file":
+            (tmp_path / "lines.txt").write_text("".join(f"{i}\n" for i in range(64)))
+            self.src = open(tmp_path / "lines.txt")  # noqa: SIM115 - held open, as such code does
+        elif source == "queue":
+            self.src = queue.Queue()
+            for i in range(64):
+                self.src.put(i)
+            self.src.put(None)
+        else:  # an iterator inside an object of the user's
+            self.reader = OneShotReader(iter(range(64)))
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        source = self.reader.rows if hasattr(self, "reader") else self.src
+        if isinstance(source, queue.Queue):
+            source = iter(source.get, None)
+        return (torch.tensor([int(i)]) for i in source)
+
+
+class OneShotReader:
+    def __init__(self, rows: Iterator[int]) -> None:
+        self.rows = rows
+
+
+@pytest.mark.parametrize(
+    ("source", "where"),
+    [("iterator", "`src`, an iterator (range_iterator)"),
+     ("generator", "`src`, a generator"),
+     ("file", "`src`, an open file (TextIOWrapper)"),
+     ("queue", "`src`, a queue (Queue)"),
+     ("nested", "`reader.rows`, an iterator (range_iterator)")],
+    ids=["iterator", "generator", "file", "queue", "nested"],
+)  # fmt: skip
+def test_a_stream_from_a_source_opened_once_is_left_untuned(
+    source: str, where: str, tmp_path: Path, paced: Callable[[Rates], Figures]
+) -> None:
+    """The trials read the dataset itself before training: in-process they used up the
+    stream, and training got none of it, without a word."""
+    figures = paced({0: 10.0, 1: 12.0, 2: 30.0})
+    dataset = OneShot(source, tmp_path)
+    loader = DataLoader(dataset, batch_size=8)
+    match = rf"reads from {re.escape(where)}, which reading uses up: .* left as given, untuned"
+    with pytest.warns(UserWarning, match=match):
+        result = tune_num_workers(loader, max_workers=2, cache_dir=tmp_path / "cache",
+                                  progress=False)  # fmt: skip
+    assert figures.seen == []  # nothing measured
+    assert (result.table, result.best_batches_per_sec) == ([], 0.0)
+    assert result.untuned is not None
+    assert where in result.untuned
+    assert result.dataloader is loader
+    assert not (tmp_path / "cache").exists()  # nothing cached
+    seen = _samples(loader)
+    assert sum(seen.values()) == len(seen) == 64  # training gets every sample
+
+
+def test_a_stream_whose_source_restarts_is_tuned() -> None:
+    assert held_source(Stream(split=False)) is None
+    assert held_source(Shuffled("random")) is None
+    assert held_source(Ranged()) is None
+
+
+_GLOBAL: dict[str, Iterator[int]] = {}
+
+
+class FromGlobal(IterableDataset[torch.Tensor]):
+    """A one-shot source no attribute shows: a module's global."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (torch.tensor([i]) for i in _GLOBAL["rows"])
+
+
+def test_a_stream_the_trials_used_up_is_said_and_not_cached(
+    tmp_path: Path, paced: Callable[[Rates], Figures]
+) -> None:
+    paced({0: 10.0, 1: 12.0, 2: 30.0})
+    _GLOBAL["rows"] = iter(range(64))
+    loader = DataLoader(FromGlobal(), batch_size=8)
+    said = r"gives no sample after the trials, which read batches from it: .* used it up"
+    with pytest.warns(UserWarning, match=said):
+        tune_num_workers(loader, max_workers=2, cache_dir=tmp_path, progress=False)
+    assert list(tmp_path.glob("*.json")) == []  # a measure of a stream used up is not kept
+    assert _samples(loader) == collections.Counter()
