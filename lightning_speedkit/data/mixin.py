@@ -94,6 +94,20 @@ def _served_by(iterator: Any) -> Any:
     return iterator.batches if isinstance(iterator, _Served) else iterator
 
 
+def _bucket_sampler(
+    dataset: Any, lengths: Sequence[int], batch_size: int, num_replicas: int | None,
+    rank: int | None, **kwargs: Any,
+) -> LengthBucketBatchSampler:  # fmt: skip
+    """``speed_dataloader``'s bucketing batch sampler, ``lengths`` one per sample."""
+    if len(lengths) != len(dataset):
+        raise SpeedkitConfigError(
+            f"`lengths` has {len(lengths)} entries but the dataset has "
+            f"{len(dataset)} samples; give one length per sample."
+        )
+    return LengthBucketBatchSampler(lengths, batch_size, num_replicas=num_replicas, rank=rank,
+                                    **kwargs)  # fmt: skip
+
+
 def _default_start_method() -> str:
     """The start method multiprocessing would pick now (without fixing it for the process)."""
     return multiprocessing.get_context().get_start_method()
@@ -217,18 +231,10 @@ class SpeedDataModuleMixin:
         if options.get("num_workers", 0) == 0:
             options.pop("prefetch_factor", None)
             options["persistent_workers"] = False
-        loader: DataLoader[Any]
         if lengths is not None:
-            if len(lengths) != len(dataset):  # type: ignore[arg-type]
-                raise SpeedkitConfigError(
-                    f"`lengths` has {len(lengths)} entries but the dataset has "
-                    f"{len(dataset)} samples; give one length per sample."  # type: ignore[arg-type]
-                )
-            sampler = LengthBucketBatchSampler(
-                lengths, batch_size, num_replicas=num_replicas, rank=rank, shuffle=shuffle,
-                seed=seed, drop_last=drop_last,
-            )  # fmt: skip
-            loader = _ResumableBucketLoader(
+            sampler = _bucket_sampler(dataset, lengths, batch_size, num_replicas, rank,
+                                      shuffle=shuffle, seed=seed, drop_last=drop_last)  # fmt: skip
+            loader: DataLoader[Any] = _ResumableBucketLoader(
                 dataset, batch_sampler=sampler, collate_fn=collate_fn, **options
             )
         else:
