@@ -119,6 +119,8 @@ class SpeedDataModuleMixin:
     - :class:`~lightning_speedkit.data.NumWorkersTuner` writes its choice to
       ``speed_loader_kwargs``, and every loader built afterwards uses it, so
       reloading loaders (``reload_dataloaders_every_n_epochs``) keeps the tuning.
+      The hook runs once more per fit with the tuner (once to be measured, once to
+      build with the tuned settings): keep costly work in ``setup()``.
     - ``lengths=`` turns on length bucketing with a distributed-aware
       :class:`~lightning_speedkit.data.LengthBucketBatchSampler` (every sample
       once per epoch across ranks), in a loader that a fit resumed from a mid-epoch

@@ -183,3 +183,36 @@ def test_a_stateful_loader_resumes_with_its_checkpoints_workers_then_switches(
     assert [w for epoch, _, w in model.seen if epoch == 1] == [0] * 8  # then the tuned loader
     assert [i for epoch, b, _ in model.seen if epoch == 1 for i in b] == list(range(32))
     assert trainer.reload_dataloaders_every_n_epochs == 0  # the Trainer's setting, put back
+
+
+def test_a_mixin_hook_runs_once_more_with_the_tuner_as_the_docs_say(
+    figures: Callable[..., Any],
+) -> None:
+    """docs/data.md: once at setup, to be measured, and once for the fit loop with the
+    tuned settings; later reloads once each, as without the tuner (3 epochs, reloading
+    each: 4 calls against 3)."""
+    from lightning_speedkit import SpeedDataModuleMixin
+
+    class Data(SpeedDataModuleMixin, L.LightningDataModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.built: list[dict[str, Any]] = []  # the tuned settings each call saw
+
+        def train_dataloader(self) -> DataLoader[Any]:
+            self.built.append(dict(getattr(self, "speed_loader_kwargs", None) or {}))
+            return self.speed_dataloader(list(range(16)), batch_size=4, collate_fn=torch.tensor)
+
+    figures({0: 10.0, 1: 30.0})
+
+    def calls(tuner: NumWorkersTuner | None) -> list[dict[str, Any]]:
+        data = Data()
+        trainer = L.Trainer(accelerator="cpu", max_epochs=3, logger=False,
+                            enable_checkpointing=False, enable_progress_bar=False,
+                            enable_model_summary=False, reload_dataloaders_every_n_epochs=1,
+                            callbacks=[tuner] if tuner else [])  # fmt: skip
+        trainer.fit(_Indices(lambda: None), datamodule=data)
+        return data.built
+
+    assert len(calls(None)) == 3
+    tuned = calls(NumWorkersTuner(max_workers=1, cache=False, progress=False, verdict_steps=0))
+    assert [call.get("num_workers") for call in tuned] == [None, 1, 1, 1]
