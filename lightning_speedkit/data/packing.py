@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import functools
 import numbers
+import sys
 from collections.abc import Mapping, Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities import rank_zero_warn
@@ -19,6 +20,14 @@ __all__ = ["TOKEN_FIELDS", "PackingCollate", "document_mask"]
 #: A tokenizer's fields of one value per token, which :class:`PackingCollate` packs with
 #: the tokens by default.
 TOKEN_FIELDS = ("labels", "attention_mask", "token_type_ids", "special_tokens_mask")
+
+
+def _numeric_numpy(value: Any) -> bool:
+    """Whether ``value`` is a NumPy array or number of numbers (booleans included), which
+    ``default_collate`` makes a tensor (NumPy is looked up only where it is imported)."""
+    numpy = sys.modules.get("numpy")
+    numeric = isinstance(value, (numpy.ndarray, numpy.generic)) if numpy is not None else False
+    return numeric and value.dtype.kind in "biufc"
 
 
 class PackingCollate:
@@ -45,8 +54,9 @@ class PackingCollate:
       packed with the tokens, into the same rows and places; their padding is
       ``pad_values[field]``, by default -100 for ``labels`` (the loss's ignore index in
       torch and Hugging Face) and 0 for the others;
-    - other tensors (an image, a class label) are stacked in document order, and
-      numbers become a tensor of one per document;
+    - other tensors and NumPy arrays (an image, a class label) are stacked in document
+      order, and numbers (NumPy's too) become a tensor of one per document, as
+      ``default_collate`` makes them;
     - anything else (strings, ids) is a list in document order.
 
     Which fields are packed goes by name, not by length, so a field's shape never
@@ -203,9 +213,11 @@ class PackingCollate:
             if field in self.token_fields:
                 batch[field] = self._pack(self._per_token(field, values, tokens), places,
                                           n_rows, self.pad_values.get(field, 0))  # fmt: skip
-            elif all(isinstance(v, Tensor) for v in values):
+            elif all(isinstance(v, Tensor) or _numeric_numpy(v) for v in values):
+                # As default_collate: tensors and NumPy arrays stacked, NumPy numbers (0-d)
+                # made a tensor of one per document, NumPy's dtype kept.
                 try:
-                    batch[field] = torch.stack(cast("list[Tensor]", values))
+                    batch[field] = torch.stack([torch.as_tensor(v) for v in values])
                 except RuntimeError as exc:
                     raise SpeedkitConfigError(
                         f"PackingCollate cannot stack the samples' {field!r} ({exc}): name "

@@ -209,3 +209,28 @@ def test_samples_tokenized_with_padding_are_packed_without_it() -> None:
         warnings.simplefilter("error")  # said once
         collate(padded)
     assert int(real_tokens(got, [got["input_ids"]])) == 5
+
+
+def test_numpy_fields_become_tensors_as_default_collate_makes_them() -> None:
+    """A dataset of NumPy samples (an image array, an ``np.int64`` class label): its other
+    fields were kept as lists, where ``default_collate``, which such a dataset was written
+    against, stacks arrays and makes NumPy numbers a tensor, NumPy's dtype kept."""
+    from torch.utils.data import default_collate
+
+    samples = [
+        {"input_ids": np.array([1, 2, 3], dtype=np.int32), "image": np.full((2, 2), 0.5),
+         "label": np.int64(3), "score": np.float32(0.25), "flag": np.bool_(True), "name": "a"},
+        {"input_ids": np.array([4], dtype=np.int32), "image": np.ones((2, 2)),
+         "label": np.int64(4), "score": np.float32(1.5), "flag": np.bool_(False), "name": "b"},
+    ]  # fmt: skip
+    batch = PackingCollate(max_tokens=8)(samples)
+    for field in ("image", "label", "score", "flag"):
+        expected = default_collate([sample[field] for sample in samples])
+        assert isinstance(batch[field], torch.Tensor), field
+        assert batch[field].dtype == expected.dtype, field
+        assert torch.equal(batch[field], expected), field
+    assert batch["image"].shape == (2, 2, 2)
+    assert batch["label"].tolist() == [3, 4]
+    assert batch["name"] == ["a", "b"]  # not numbers: listed, as before
+    words = [{"input_ids": [1], "tag": np.array(["x"])}, {"input_ids": [2], "tag": np.array(["y"])}]
+    assert [t.tolist() for t in PackingCollate(max_tokens=4)(words)["tag"]] == [["x"], ["y"]]
