@@ -3,11 +3,17 @@ failures reached or a damaged file is not, and the fingerprint names what the re
 
 from __future__ import annotations
 
+import functools
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
-from torch.utils.data import DataLoader
+import torch
+from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from lightning_speedkit.data._result_cache import (
     CACHE_VERSION,
@@ -19,6 +25,7 @@ from lightning_speedkit.data._result_cache import (
 from lightning_speedkit.data.tune_result import TuneResult
 
 from ..helpers.models import SlowDataset
+from ..helpers.multiprocess import REPO, clean_env
 
 _BEST = {"num_workers": 2, "pin_memory": False, "persistent_workers": True, "prefetch_factor": 2}
 
@@ -88,3 +95,117 @@ def test_the_cache_lives_under_xdg_cache_home(
     monkeypatch.delenv("XDG_CACHE_HOME")
     monkeypatch.setenv("HOME", str(tmp_path))
     assert default_cache_dir() == tmp_path / ".cache" / "lightning_speedkit" / "num_workers"
+
+
+class Images(Dataset[torch.Tensor]):
+    """512 samples through ``transform``: what a sample costs is the transform's."""
+
+    def __init__(self, transform: Any) -> None:
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return 512
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.transform(torch.full((8,), float(i)))
+
+
+class Photos(Images):
+    """Another class, read the same way."""
+
+
+def cheap(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def heavy(x: torch.Tensor) -> torch.Tensor:
+    time.sleep(0.004)  # a decode
+    return x
+
+
+def _stack(batch: list[torch.Tensor]) -> torch.Tensor:
+    return torch.stack(batch)
+
+
+def _init(worker_id: int) -> None:
+    torch.manual_seed(worker_id)
+
+
+def _get_slow(self: Any, i: int) -> torch.Tensor:
+    time.sleep(0.004)
+    return torch.full((8,), float(i))
+
+
+def _get_fast(self: Any, i: int) -> torch.Tensor:
+    return torch.full((8,), float(i))
+
+
+def _same_name(getitem: Any) -> type:
+    """A class named ``Images`` like the one above, whose ``__getitem__`` is ``getitem``."""
+    return type("Images", (Images,), {"__getitem__": getitem, "__module__": __name__})
+
+
+def _key(dataset: Dataset[Any], **kwargs: Any) -> str:
+    return fingerprint(DataLoader(dataset, **{"batch_size": 8, **kwargs}), 1, 2)
+
+
+def test_loaders_that_differ_in_what_loading_costs_have_their_own_entries() -> None:
+    """Two Subsets of 256 samples of one class, a cheap and a 4 ms transform, shared one
+    entry (class name, length, batch size, collate name): the heavy one got the cheap
+    one's num_workers=0, 'cached' at 32,246 batches/s where it made 57."""
+    base = _key(Subset(Images(cheap), range(256)), shuffle=True)
+    assert base == _key(Subset(Images(cheap), range(256)), shuffle=True)  # new objects alike
+    others = {
+        "transform": _key(Subset(Images(heavy), range(256)), shuffle=True),
+        "indices": _key(Subset(Images(cheap), range(256, 512)), shuffle=True),
+        "index list": _key(Subset(Images(cheap), list(range(1, 257))), shuffle=True),
+        "wrapped class": _key(Subset(Photos(cheap), range(256)), shuffle=True),
+        "getitem code": _key(Subset(_same_name(_get_slow)(cheap), range(256)), shuffle=True),
+        "sampler": _key(Subset(Images(cheap), range(256))),
+        "collate": _key(Subset(Images(cheap), range(256)), shuffle=True, collate_fn=_stack),
+        "init": _key(Subset(Images(cheap), range(256)), shuffle=True, worker_init_fn=_init),
+        "pin": _key(Subset(Images(cheap), range(256)), shuffle=True, pin_memory=True),
+        "workers": _key(Subset(Images(cheap), range(256)), shuffle=True, num_workers=2),
+        "prefetch": _key(Subset(Images(cheap), range(256)), shuffle=True, num_workers=2,
+                         prefetch_factor=4),
+        "context": _key(Subset(Images(cheap), range(256)), shuffle=True, num_workers=2,
+                        multiprocessing_context="spawn"),
+        "partial": _key(Subset(Images(functools.partial(torch.clamp, min=0)), range(256)),
+                        shuffle=True),
+        "lambda": _key(Subset(Images(lambda x: x * 2), range(256)), shuffle=True),
+    }  # fmt: skip
+    assert base not in others.values()
+    assert len(set(others.values())) == len(others)
+    assert (
+        _key(Subset(_same_name(_get_fast)(cheap), range(256)), shuffle=True)
+        != others["getitem code"]
+    )
+    parts = [Subset(Images(cheap), range(256)), Subset(Images(cheap), range(256, 512))]
+    mixed = [Subset(Images(cheap), range(256)), Subset(Images(heavy), range(256, 512))]
+    assert _key(ConcatDataset(parts)) != _key(ConcatDataset(mixed))
+
+
+class Tagged(Images):
+    """Attributes whose order in memory differs from run to run (a set of strings, a
+    constant set in code) and a closure: the key must not."""
+
+    def __init__(self) -> None:
+        size = 224
+        super().__init__(lambda x: x * size if str(x.dtype) in {"float", "half", "int"} else x)
+        self.fields = {"image", "caption", "label", "id"}
+
+
+def stable_key() -> str:
+    """The key of a loader over :class:`Tagged` (a subprocess prints it)."""
+    return _key(Subset(Tagged(), [5, 3, 1]), shuffle=True, collate_fn=_stack)
+
+
+@pytest.mark.parametrize("hash_seed", ["0", "1"])
+def test_the_key_is_the_same_from_one_run_to_the_next(hash_seed: str) -> None:
+    """A cross-run cache: another interpreter (its strings hashed with another seed, its
+    objects at other addresses) computes the same key."""
+    code = "from tests.data.test_result_cache import stable_key; print(stable_key())"
+    env = {**clean_env(), "PYTHONHASHSEED": hash_seed}
+    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
+                         text=True, timeout=300, check=True)  # fmt: skip
+    assert run.stdout.strip() == stable_key()
