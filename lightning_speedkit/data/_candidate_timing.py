@@ -18,6 +18,7 @@ no more batches at all ends the timing early.
 from __future__ import annotations
 
 import contextlib
+import pickle
 import re
 import signal
 import threading
@@ -177,8 +178,13 @@ def measure_loader(
     return seen / elapsed
 
 
-def describe_failure(exc: BaseException) -> str:
-    """Why a candidate failed, in the table's words: pickling, a hang, a crash, or else."""
+def describe_failure(exc: BaseException, loader: DataLoader[Any] | None = None) -> str:
+    """Why a candidate failed, in the table's words: pickling, a hang, a crash, or else.
+
+    A pickling failure names what workers could not receive: of what ``loader`` sends them
+    (its dataset, ``collate_fn`` and ``worker_init_fn``), the ``collate_fn`` or the
+    ``worker_init_fn`` where it is the one that cannot be pickled, else the dataset.
+    """
     text = f"{type(exc).__name__}: {exc}".splitlines()[0]
     worker = re.match(r"Caught \w+ in (DataLoader worker process \d+)", str(exc))
     lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
@@ -187,9 +193,46 @@ def describe_failure(exc: BaseException) -> str:
     if "pickle" in text.lower() or (
         isinstance(exc, (TypeError, AttributeError)) and "pickl" in str(exc)
     ):
-        return f"the dataset cannot be sent to worker processes ({text})"
+        what = "the dataset" if loader is None else unpicklable_part(loader)
+        fix = (
+            "each of its attributes must pickle (not a lambda, a local function, an open file)"
+            if what == "the dataset"
+            else "define it at module level (a lambda or a function defined in another cannot)"
+        )
+        return (
+            f"{what} cannot be sent to worker processes ({text}): workers started by `spawn` "
+            f"or `forkserver` get it pickled, so {fix}"
+        )
     if isinstance(exc, _TimeoutError) or "timed out" in text.lower():
         return f"workers hung ({text})"
     if "exited unexpectedly" in text or "killed" in text.lower():
         return f"a worker crashed ({text})"
     return f"loading failed ({text})"
+
+
+class _Discard:
+    def write(self, data: bytes) -> int:
+        return len(data)
+
+
+def unpicklable_part(loader: DataLoader[Any]) -> str:
+    """Which of what ``loader`` sends its workers cannot be pickled: ``the collate_fn``,
+    ``the worker_init_fn``, or else the dataset (not pickled here: it may be large).
+
+    Example::
+
+        >>> unpicklable_part(DataLoader(range(4), collate_fn=lambda batch: batch))
+        'the collate_fn (<lambda>)'
+        >>> unpicklable_part(DataLoader(range(4)))
+        'the dataset'
+    """
+    for name in ("collate_fn", "worker_init_fn"):
+        part = getattr(loader, name, None)
+        if part is None:
+            continue
+        try:
+            pickle.Pickler(_Discard()).dump(part)
+        except Exception:  # whatever pickling it raises
+            label = getattr(part, "__qualname__", type(part).__qualname__)
+            return f"the {name} ({label})"
+    return "the dataset"

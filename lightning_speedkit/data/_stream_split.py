@@ -66,13 +66,18 @@ def why_not_split(loader: DataLoader[Any], timeout: float = 30.0) -> str | None:
     fails the check."""
     if not isinstance(loader.dataset, IterableDataset):
         return None
+    two = DataLoader(
+        loader.dataset, batch_size=None, num_workers=2, collate_fn=_tagged, timeout=timeout,
+        worker_init_fn=_SameSeeds(loader.worker_init_fn),
+        multiprocessing_context=loader.multiprocessing_context,
+    )  # fmt: skip
     try:
-        first, second = _first_samples(loader, SAMPLES, timeout)
+        first, second = _first_samples(two, SAMPLES)
     except Exception as exc:  # a worker's error, whatever the dataset raises
         return (
             "could not tell whether the IterableDataset splits its stream among workers (two "
-            f"workers reading it: {describe_failure(exc)}), so more than one worker might repeat "
-            "every sample"
+            f"workers reading it: {describe_failure(exc, two)}), so more than one worker might "
+            "repeat every sample"
         )
     shared = len(set(first) & set(second))
     if not shared:
@@ -84,13 +89,9 @@ def why_not_split(loader: DataLoader[Any], timeout: float = 30.0) -> str | None:
     )
 
 
-def _first_samples(loader: DataLoader[Any], per_worker: int, timeout: float) -> list[list[bytes]]:
-    """The keys of the first ``per_worker`` samples each of two workers reads, in order."""
-    two = DataLoader(
-        loader.dataset, batch_size=None, num_workers=2, collate_fn=_tagged, timeout=timeout,
-        worker_init_fn=_SameSeeds(loader.worker_init_fn),
-        multiprocessing_context=loader.multiprocessing_context,
-    )  # fmt: skip
+def _first_samples(two: DataLoader[Any], per_worker: int) -> list[list[bytes]]:
+    """The keys of the first ``per_worker`` samples each of ``two``'s workers reads, in order
+    (``two`` reads samples one by one, each with its worker's id: :func:`_tagged`)."""
     samples: list[list[bytes]] = [[], []]
     iterator = iter(two)  # samples come from the workers in turn while both have some
     try:

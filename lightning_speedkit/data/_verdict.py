@@ -182,10 +182,15 @@ def cores_to_search(
         return None
     return spare, (
         f"NumWorkersTuner: at the loader's pace the model needs about "
-        f"{threads * min(1.0, cores * per_process / model_rate):.2g} of this rank's {cores} "
-        f"cores, not the {min(threads, cores)} its threads were left; measuring loader "
-        f"workers on {spare} cores (training waits)."
+        f"{threads * min(1.0, cores * per_process / model_rate):.2g} of this rank's "
+        f"{_cores(cores)}, not the {min(threads, cores)} its threads were left; measuring "
+        f"loader workers on {_cores(spare)} (training waits)."
     )
+
+
+def _cores(count: int) -> str:
+    """``count`` cores, in words: ``1 core``, ``2 cores``."""
+    return f"{count} core" if count == 1 else f"{count} cores"
 
 
 def judge_found(found: TuneResult, in_use: TuneResult) -> tuple[bool, str]:

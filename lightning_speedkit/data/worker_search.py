@@ -32,8 +32,9 @@ samples from training. The loader is left as given, with a warning naming the at
 module's global) is found only when the trials use it up: a fresh iterator gives nothing
 after them, and a warning says so.
 
-A candidate whose workers crash, hang (past ``timeout``) or cannot receive the
-dataset (pickling, under spawn) is skipped with a warning saying why. The
+A candidate whose workers crash, hang (past ``timeout``) or cannot receive the dataset,
+``collate_fn`` or ``worker_init_fn`` (pickling, under spawn) is skipped with a warning
+saying why (and which of them). The
 rebuilt loader keeps everything else of the user's (see
 :func:`~lightning_speedkit.data.rebuild.rebuild_dataloader`). The random state that
 measuring consumed is restored, so training sees the batches it would have seen.
@@ -120,7 +121,7 @@ def _attempt(
     try:
         rate = measure(rebuild_dataloader(loader, **settings))
     except Exception as exc:
-        row["skipped"] = describe_failure(exc)
+        row["skipped"] = describe_failure(exc, loader)
         rank_zero_warn(f"NumWorkersTuner: skipped {settings}: {row['skipped']}.")
         return None
     row["batches_per_sec"] = rate

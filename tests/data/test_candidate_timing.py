@@ -19,6 +19,14 @@ from lightning_speedkit.data._candidate_timing import (
 
 from .conftest import StepClock
 
+_SPAWNED = ": workers started by `spawn` or `forkserver` get it pickled, so "
+_DATASET_FIX = (
+    f"{_SPAWNED}each of its attributes must pickle (not a lambda, a local function, an open file)"
+)
+_FUNCTION_FIX = (
+    f"{_SPAWNED}define it at module level (a lambda or a function defined in another cannot)"
+)
+
 
 class _Counting(Dataset[int]):
     """Forty samples; remembers how many were read (in this process: no workers)."""
@@ -171,10 +179,10 @@ def test_a_loader_with_nothing_to_time_says_so(loader: DataLoader[int], message:
     [
         (pickle.PicklingError("Can't pickle <function <lambda>>"),
          "the dataset cannot be sent to worker processes (PicklingError: Can't pickle "
-         "<function <lambda>>)"),
+         f"<function <lambda>>){_DATASET_FIX}"),
         (AttributeError("Can't get local object: cannot pickle 'x'"),
          "the dataset cannot be sent to worker processes (AttributeError: Can't get local "
-         "object: cannot pickle 'x')"),
+         f"object: cannot pickle 'x'){_DATASET_FIX}"),
         (_TimeoutError("no batch within 2 s"), "workers hung (_TimeoutError: no batch within 2 s)"),
         (RuntimeError("DataLoader timed out after 2 seconds"),
          "workers hung (RuntimeError: DataLoader timed out after 2 seconds)"),
@@ -189,3 +197,30 @@ def test_a_loader_with_nothing_to_time_says_so(loader: DataLoader[int], message:
 )  # fmt: skip
 def test_each_failure_is_named_by_its_cause(exc: BaseException, words: str) -> None:
     assert describe_failure(exc) == words
+
+
+def _module_level(batch: list[int]) -> list[int]:
+    return batch
+
+
+@pytest.mark.parametrize(
+    ("loader", "words"),
+    [
+        (DataLoader(range(8), collate_fn=lambda batch: batch),
+         "the collate_fn (<lambda>) cannot be sent to worker processes (PicklingError: Can't "
+         f"pickle <function <lambda>>){_FUNCTION_FIX}"),
+        (DataLoader(range(8), collate_fn=_module_level, worker_init_fn=lambda worker: None),
+         "the worker_init_fn (<lambda>) cannot be sent to worker processes (PicklingError: "
+         f"Can't pickle <function <lambda>>){_FUNCTION_FIX}"),
+        (DataLoader(range(8), collate_fn=_module_level),
+         "the dataset cannot be sent to worker processes (PicklingError: Can't pickle "
+         f"<function <lambda>>){_DATASET_FIX}"),
+    ],
+    ids=["collate_fn", "worker_init_fn", "dataset"],
+)  # fmt: skip
+def test_a_pickling_failure_names_what_cannot_be_pickled(
+    loader: DataLoader[int], words: str
+) -> None:
+    """Under spawn with a lambda collate_fn the skip blamed the dataset."""
+    exc = pickle.PicklingError("Can't pickle <function <lambda>>")
+    assert describe_failure(exc, loader) == words

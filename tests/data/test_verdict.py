@@ -120,7 +120,18 @@ def test_a_search_on_spare_cores_only_when_there_are_more_than_were_searched(
     search = cores_to_search(2, 2, model_rate, in_use, searched)
     assert (None if search is None else search[0]) == spare
     if search is not None:
-        assert search[1].endswith(f"measuring loader workers on {spare} cores (training waits).")
+        cores = "1 core" if spare == 1 else f"{spare} cores"
+        assert search[1].endswith(f"measuring loader workers on {cores} (training waits).")
+
+
+def test_one_core_is_said_as_one() -> None:
+    """It read 'of this rank's 1 cores' and 'on 1 cores'."""
+    search = cores_to_search(1, 1, 731.0, _in_use(10.3), searched=0)
+    assert search == (1, (
+        "NumWorkersTuner: at the loader's pace the model needs about 0.014 of this rank's "
+        "1 core, not the 1 its threads were left; measuring loader workers on 1 core "
+        "(training waits)."
+    ))  # fmt: skip
 
 
 def test_a_found_setting_counts_only_when_it_differs_and_was_measured() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import time
 import warnings
 from collections.abc import Callable
@@ -273,6 +274,25 @@ def test_failing_candidates_are_skipped_with_the_reason(
     assert any(reason in str(w.message) for w in caught)
     assert result.dataloader is not None
     assert len(list(result.dataloader)) == 16  # and the data is all there
+
+
+def test_a_collate_fn_that_cannot_be_pickled_is_named_in_the_skip(
+    paced: Callable[[Rates], Figures],
+) -> None:
+    """Under spawn with a lambda collate_fn the skip said the dataset could not be sent."""
+    paced(lambda trial: 20.0)
+    bad = DataLoader(SlowDataset(n=64), batch_size=4, num_workers=1,
+                     multiprocessing_context="spawn",
+                     collate_fn=lambda b: torch.stack(b))  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = tune_num_workers(bad, max_workers=2, batches=3, cache=False, progress=False)
+    skipped = [row["skipped"] for row in result.table if row["skipped"]]
+    assert len(skipped) == 3  # the loader as given, one worker, two
+    named = r"the collate_fn \(\S*<lambda>\) cannot be sent to worker processes \(.*\): "
+    assert all(re.match(named + ".* define it at module level", reason) for reason in skipped)
+    assert any(re.search(f"skipped .*: {named}", str(w.message)) for w in caught)
+    assert result.best["num_workers"] == 0
 
 
 def test_results_are_cached_and_force_retunes(
