@@ -117,10 +117,15 @@ def _register_strategies() -> None:
 def _refuse_under_pytorch_lightning(names: list[str]) -> None:
     """The kit's strategy names in the ``pytorch_lightning`` package's registry too, each
     refusing with the fix: that package is another copy of Lightning, whose Trainer takes
-    only its own strategy classes, and would say only that the name is unknown."""
-    import importlib.util
+    only its own strategy classes, and would say only that the name is unknown.
 
-    if importlib.util.find_spec("pytorch_lightning") is None:
+    Only where the user imported that package already: importing it moves every one of
+    Lightning's own log messages (``rank_zero_info``) to the ``pytorch_lightning`` logger,
+    which a ``lightning.pytorch`` user's logging settings would no longer reach.
+    """
+    import sys
+
+    if "pytorch_lightning.strategies" not in sys.modules:
         return
     from pytorch_lightning.strategies import StrategyRegistry as OtherRegistry
 

@@ -249,8 +249,9 @@ def _quiet_third_party() -> Iterator[None]:
     """Leave out of the demo's output what its user cannot act on: Lightning's tip, and
     the FutureWarning that Lightning's own code draws from torch about ``LeafSpec``."""
     tip = _DropLightningTip()
-    loggers = [
-        logging.getLogger(f"lightning.{p}.utilities.rank_zero") for p in ("pytorch", "fabric")
+    names = ("lightning.pytorch", "lightning.fabric", "pytorch_lightning")  # the last: where
+    loggers = [  # Lightning logs once `pytorch_lightning` is imported
+        logging.getLogger(f"{package}.utilities.rank_zero") for package in names
     ]
     for logger in loggers:
         logger.addFilter(tip)

@@ -4,16 +4,25 @@ with the fix."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from typing import Any
 
 import pytest
 import torch
+from lightning_utilities.core import rank_zero as rank_zero_module
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import lightning_speedkit
 from lightning_speedkit import ActivationCheckpointing, AttentionSwap, SpeedkitConfigError
 
+_lightnings_log = rank_zero_module.log
 pl = pytest.importorskip("pytorch_lightning")
+# Importing it rebinds the log of Lightning's rank-zero messages to its own logger; put it
+# back for the tests that run after these in this process.
+rank_zero_module.log = _lightnings_log
+lightning_speedkit._register_strategies()  # as an import after pytorch_lightning's does
 
 
 class Block(nn.Module):
@@ -67,6 +76,14 @@ def test_the_attention_swap_reaches_a_pytorch_lightning_module() -> None:
     fit(callback)
     assert callback.report is not None
     assert len(callback.report.swapped) == 2
+
+
+def test_the_kit_does_not_import_pytorch_lightning_itself() -> None:
+    """Importing it moves Lightning's own log messages to its logger (their module's
+    ``log`` is rebound), out of reach of a ``lightning.pytorch`` user's settings."""
+    code = "import sys, lightning_speedkit; print('pytorch_lightning' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("name", ["ddp_powersgd", "fsdp_zero2", "deepspeed_zero2"])
