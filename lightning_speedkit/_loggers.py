@@ -9,8 +9,9 @@ from lightning_speedkit import _compat
 
 def log_metrics(trainer: L.Trainer, metrics: dict[str, float]) -> None:
     """Hand ``metrics`` to every logger of the Trainer at the step Lightning's own rows
-    carry (:func:`~lightning_speedkit._compat.logged_step`), so that a CSV or TensorBoard
-    row holds both; ``global_step`` is one ahead at a batch's end, and counts each
+    carry (:func:`~lightning_speedkit._compat.logged_step`), so that both share a step (a
+    CSV file has a row per call, of that step); ``global_step`` is one ahead at a batch's
+    end, and counts each
     optimizer of a manual step.
 
     The tuners and schedulers log from hooks where ``self.log`` is not allowed (setup,

@@ -67,7 +67,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         args = build_parser().parse_args(argv)
         prog = f"speedkit {args.command}"
         return _COMMANDS[args.command].run(args)
-    except CommandLineError as exc:
+    except CommandLineError as exc:  # unknown flags are found by the top parser: name the command
+        named = next((a for a in argv or sys.argv[1:] if not a.startswith("-")), None)
+        if exc.prog == "speedkit" and named in _COMMANDS:
+            exc.prog = f"speedkit {named}"
         message = f"{exc.prog or prog}: error: {exc}"
     except SpeedkitConfigError as exc:  # the kit refused what it was given
         command = _COMMANDS.get(prog.removeprefix("speedkit "))

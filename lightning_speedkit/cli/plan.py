@@ -30,11 +30,22 @@ FLAGS = {
 
 
 def _parameter_count(text: str) -> float:
-    return real(text, "a number of parameters of at least 1, e.g. 7e9", 1.0, open_low=False)
+    return _whole(text, real(text, _COUNT, 1.0, open_low=False), _COUNT)
 
 
 def _trainable_count(text: str) -> float:
-    return real(text, "a number of parameters of 0 or more, e.g. 1e9", 0.0, open_low=False)
+    what = "a whole number of parameters of 0 or more, e.g. 1e9"
+    return _whole(text, real(text, what, 0.0, open_low=False), what)
+
+
+_COUNT = "a whole number of parameters of at least 1, e.g. 7e9"
+
+
+def _whole(text: str, value: float, what: str) -> float:
+    """A parameter count is whole (``7.5`` is a typo for ``7.5e9``, not a model)."""
+    if value != int(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text}")
+    return value
 
 
 def _share(text: str) -> float:

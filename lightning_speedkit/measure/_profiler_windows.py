@@ -271,7 +271,7 @@ class WindowRunner:
             return
         if not saved.kept:
             self.warn_once("cap", (
-                f"ProfilerSchedule: a trace of {saved.size_mb:.1f} MB is over max_trace_mb="
+                f"ProfilerSchedule: a trace of {saved.size_mb:.3g} MB is over max_trace_mb="
                 f"{self._store.max_trace_mb:g} and was neither kept nor analysed. Profile "
                 f"fewer steps (active={self.cycle.active}), or drop with_stack / "
                 f"record_shapes / profile_memory."))  # fmt: skip

@@ -33,7 +33,7 @@ How each figure is obtained, and what it costs:
   Trainer and no clock.
 - **Across ranks** one small ``all_gather`` per log interval sums samples/s over
   ranks and gives the straggler ratio (slowest rank's mean compute before the
-  gradients' sync over the median's: the sync makes every rank's step time the
+  gradients' sync over the (lower) median's: the sync makes every rank's step time the
   slowest's). Nothing else crosses ranks, and per-step hooks never synchronise the
   device.
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_speedkit import SpeedkitConfigError, _surgery
+from lightning_speedkit import SpeedkitConfigError, _surgery, count_flops
 from lightning_speedkit.measure._batch_info import BatchInfo
 from lightning_speedkit.measure._flop_book import (
     PROFILED_SKIPS,
@@ -136,6 +136,36 @@ def test_a_count_cut_off_is_dropped_and_leaves_no_counter_behind() -> None:
     assert book.counted == {}
     assert not torch._C._is_torch_function_mode_enabled()
     assert torch._C._len_torch_dispatch_stack() == 0
+
+
+def test_an_attention_models_counts_are_extrapolated_on_their_parabola() -> None:
+    """A transformer's FLOPs grow with the square of the sequence (attention): a line
+    fitted to the counts at 8..64 tokens a sample read the 256-token batch 60% low.
+    Counts that lie on a parabola are extrapolated on it, to the FLOP."""
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(16, 2, 32, dropout=0.0, batch_first=True)
+    samples = 2
+
+    def counted(length: int) -> float:
+        x = torch.randn(samples, length, 16, requires_grad=True)
+        return float(count_flops(lambda: layer(x).sum().backward()).total)
+
+    book = FlopBook()
+    for length in (8, 16, 32, 48, 64):
+        flops = counted(length)
+        book.add(f"t{length}", Counted(samples, samples * length, flops, flops))
+    model, _ = book.for_batch(_info(samples, tokens=samples * 256)) or (0.0, 0.0)
+    assert model == pytest.approx(counted(256), rel=1e-9)
+
+
+def test_counts_on_no_parabola_are_fitted_by_a_line() -> None:
+    """Padded batches: FLOPs follow the padded length, not the real tokens, so the counts
+    lie on no curve in tokens; the estimate is the least-squares line."""
+    book = FlopBook()
+    for tokens, flops in ((10, 100.0), (20, 260.0), (30, 270.0), (40, 410.0)):
+        book.add(f"t{tokens}", Counted(1, tokens, flops, flops))
+    # least squares: slope 4700 / 500 = 9.4 through the means (25, 260): 25 + 9.4 * 50
+    assert book.for_batch(_info(1, tokens=50)) == pytest.approx((495.0, 495.0))
 
 
 def test_estimates_fit_a_line_in_tokens_or_scale_the_closest_count() -> None:
