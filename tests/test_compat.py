@@ -462,6 +462,11 @@ PRIVATE_NAMES: list[tuple[str, str, Callable[[], Any]]] = [
     ("disable_torch_function_subclass", "DisableTorchFunctionSubclass",
      lambda: torch._C.DisableTorchFunctionSubclass),
     ("tensor_version", "_version", lambda: torch.ones(1)._version),
+    ("report_worker_seed", "torch.utils.data._utils",
+     lambda: importlib.import_module("torch.utils.data._utils.worker")),
+    ("report_worker_seed", "_worker_info",  # None outside a worker: the name is what counts
+     lambda: "_worker_info" in vars(importlib.import_module("torch.utils.data._utils.worker"))
+     or None),
 ]  # fmt: skip
 
 

@@ -62,6 +62,9 @@ from lightning_speedkit._compat._modules_and_loaders import (
 )
 from lightning_speedkit._compat._modules_and_loaders import mha_same_embed_dim as mha_same_embed_dim
 from lightning_speedkit._compat._modules_and_loaders import (
+    report_worker_seed as report_worker_seed,
+)
+from lightning_speedkit._compat._modules_and_loaders import (
     reuses_its_workers as reuses_its_workers,
 )
 from lightning_speedkit._compat._modules_and_loaders import (

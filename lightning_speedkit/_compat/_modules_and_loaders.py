@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -138,3 +139,16 @@ def reuses_its_workers(loader: Any) -> bool:
         and getattr(loader, "num_workers", 0) > 0
         and getattr(loader, "_iterator", None) is not None
     )
+
+
+def report_worker_seed(seed: int) -> None:
+    """Make ``get_worker_info().seed`` report ``seed`` in this worker process (nothing
+    outside one). torch offers no setter: its module global ``_worker_info`` holds the
+    worker's ``WorkerInfo``, a frozen dataclass in torch 2.13, replaced here by a copy.
+    Where that ever changes, the seed reported stays the worker's own (NumWorkersTuner's
+    split check then tells an unsplit stream shuffled by that seed only by its samples)."""
+    from torch.utils.data._utils import worker
+
+    info = getattr(worker, "_worker_info", None)
+    if isinstance(info, worker.WorkerInfo) and dataclasses.is_dataclass(worker.WorkerInfo):
+        worker._worker_info = dataclasses.replace(info, seed=seed)

@@ -31,7 +31,6 @@ dataset's attributes without reading anything, so that the loader is left untune
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import io
@@ -50,6 +49,7 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
+from lightning_speedkit import _compat
 from lightning_speedkit.data._candidate_timing import describe_failure
 
 __all__ = ["SAMPLES", "held_source", "why_not_split"]
@@ -133,15 +133,7 @@ def _seed_all(seed: int) -> None:
     numpy = sys.modules.get("numpy")
     if numpy is not None:
         numpy.random.seed(seed % 2**32)
-    # torch offers no way to set the seed get_worker_info() reports: its module global
-    # holds the worker's WorkerInfo (a frozen dataclass in torch 2.13). Where that ever
-    # changes, the seed it reports stays the worker's own: the check then tells a stream
-    # that shuffles by that seed without splitting apart only by its samples meeting.
-    from torch.utils.data._utils import worker
-
-    info = getattr(worker, "_worker_info", None)
-    if isinstance(info, worker.WorkerInfo) and dataclasses.is_dataclass(worker.WorkerInfo):
-        worker._worker_info = dataclasses.replace(info, seed=seed)
+    _compat.report_worker_seed(seed)
 
 
 def sample_key(sample: Any) -> bytes:
