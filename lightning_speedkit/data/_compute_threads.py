@@ -33,7 +33,8 @@ class ComputeThreads:
         torch.set_num_threads(min(threads, cores))
         return (
             f"NumWorkersTuner: torch now computes with {torch.get_num_threads()} of this "
-            f"rank's {cores} cores (was {self.before}), leaving the rest to loader workers."
+            f"rank's {cores} core{'s' if cores != 1 else ''} (was {self.before}), leaving the "
+            f"rest to loader workers."
         )
 
     def restore(self) -> None:
