@@ -146,9 +146,7 @@ class NumWorkersTuner(L.Callback):
         kwargs = dict(self.tune_kwargs)
         if kwargs["max_workers"] is None:
             kwargs["max_workers"] = self._worker_budget(trainer)
-        # The cache answers at once where this machine measured the loader before (same
-        # torch); elsewhere, or with force=True or cache=False, it measures again and may
-        # pick another worker count than a checkpoint's (see _CheckpointWorkers).
+        # Cached only where this machine measured it (a resume elsewhere: _CheckpointWorkers)
         self.result = tune_num_workers(loader, local_world_size=trainer.num_devices, **kwargs)
         self._loader, self._searched = loader, kwargs["max_workers"]
         best = trainer.strategy.broadcast(self.result.best, src=0)
