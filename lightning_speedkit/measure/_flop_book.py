@@ -51,6 +51,7 @@ class FlopBook:
     def __init__(self) -> None:
         self.counted: dict[str, Counted] = {}
         self._estimates: dict[str, tuple[float, float] | None] = {}
+        self._fits: dict[int, tuple[Callable[[float], float], Callable[[float], float]]] = {}
         self.unchecked: set[str] = set()
         """Counts from before this fit (a checkpoint's, an earlier fit's) that no count of
         this fit has confirmed: its callbacks or model may differ (activation
@@ -71,6 +72,7 @@ class FlopBook:
             self.unchecked = set()
         self.counted[key] = counted
         self._estimates.clear()  # a new point changes the fit
+        self._fits.clear()
 
     def state_dict(self) -> dict[str, dict[str, Any]]:
         """The counts by signature, as checkpoints keep them."""
@@ -80,6 +82,7 @@ class FlopBook:
         """Replace the counts with a checkpoint's (:meth:`state_dict`)."""
         self.counted.clear()
         self._estimates.clear()
+        self._fits.clear()
         for key, counted in state_dict.items():
             self.counted[key] = Counted(**counted)
         self.recheck()
@@ -107,10 +110,13 @@ class FlopBook:
             return None
         same = [c for c in self.counted.values() if c.samples == info.samples and c.tokens]
         if info.tokens is not None and len({c.tokens for c in same}) >= 2:
-            xs = [float(c.tokens or 0) for c in same]
-            model = _fitted(xs, [c.model for c in same], float(info.tokens))
-            hardware = _fitted(xs, [c.hardware for c in same], float(info.tokens))
-            return max(0.0, model), max(0.0, hardware)
+            fits = self._fits.get(info.samples)
+            if fits is None:  # once per count added: a shape a step would refit each step
+                xs = [float(c.tokens or 0) for c in same]
+                fits = _fit(xs, [c.model for c in same]), _fit(xs, [c.hardware for c in same])
+                self._fits[info.samples] = fits
+            x = float(info.tokens)
+            return max(0.0, fits[0](x)), max(0.0, fits[1](x))
         # Otherwise scale the closest counted batch by samples (and tokens when known).
         ref = min(
             self.counted.values(),
@@ -125,9 +131,9 @@ class FlopBook:
         return ref.model * scale, ref.hardware * scale
 
 
-def _fitted(xs: list[float], ys: list[float], x: float) -> float:
-    """``y`` at ``x`` by least squares over ``(xs, ys)``: the parabola where four or more
-    distinct points lie on one (to a relative 1e-9), else the line."""
+def _fit(xs: list[float], ys: list[float]) -> Callable[[float], float]:
+    """``y`` as a function of ``x`` by least squares over ``(xs, ys)``: the parabola where
+    four or more distinct points lie on one (to a relative 1e-9), else the line."""
     if len(set(xs)) >= 4:
         scale = max(xs)  # columns of order 1: a well-conditioned solve
         design = torch.tensor([[1.0, v / scale, (v / scale) ** 2] for v in xs], dtype=torch.float64)
@@ -135,12 +141,12 @@ def _fitted(xs: list[float], ys: list[float], x: float) -> float:
         coef = torch.linalg.lstsq(design, target).solution.squeeze(1)
         residual = float((design @ coef - target.squeeze(1)).abs().max())
         if residual <= 1e-9 * max(abs(y) for y in ys):
-            t = x / scale
-            return float(coef[0] + coef[1] * t + coef[2] * t * t)
+            a, b, c = (float(v) for v in coef)
+            return lambda x: a + b * (x / scale) + c * (x / scale) ** 2
     mean_x, mean_y = statistics.fmean(xs), statistics.fmean(ys)
     var = sum((v - mean_x) ** 2 for v in xs)
     slope = sum((v - mean_x) * (y - mean_y) for v, y in zip(xs, ys, strict=True)) / var
-    return mean_y + slope * (x - mean_x)
+    return lambda x: mean_y + slope * (x - mean_x)
 
 
 class FlopSession:

@@ -153,7 +153,10 @@ class AccumulationWindows:
         self.length = int(min(accumulation, max(left, 1)))
         window, self.resumed_window = self.resumed_window, None
         if window is not None and window["step"] == step:  # continue it, edges kept
-            self.lost, self.length = window["count"], window["length"]
+            # the saved window, but no longer than what is left of the epoch now (another
+            # `limit_train_batches`): it must close at the epoch's last micro-batch
+            self.lost = window["count"]
+            self.length = min(window["length"], self.lost + self.length)
             self.count += self.lost
         change = None if accumulation == self.accumulation else self._change(step, accumulation)
         policy = self.policy

@@ -107,3 +107,18 @@ def test_the_accumulation_goes_to_lightning_or_to_deepspeed(
     wiring.set_accumulation(trainer, fake if engine else None, 4)
     assert trainer.accumulate_grad_batches == lightning
     assert set_to == ([deepspeed] if deepspeed else [])
+
+
+def test_a_resumed_window_closes_at_the_epochs_end_when_less_is_left_now() -> None:
+    """A window saved after 1 of its 4 micro-batches, resumed where the epoch has only 2
+    left (another `limit_train_batches`): it closes at the epoch's last micro-batch, so
+    DeepSpeed's engine steps there, on the 2 it has."""
+    windows = AccumulationWindows({"target_global_batch": 32}, micro_batch=8)
+    windows.resume({"window": {"step": 1, "count": 1, "length": 4}}, adaptive=False)
+    assert windows.micro_batch(1)
+    windows.open(1, left=2)
+    assert (windows.count, windows.length, windows.had()) == (2, 3, 1)
+    assert not windows.done()
+    assert not windows.micro_batch(1)
+    assert windows.done()
+    assert windows.had() == 2
