@@ -18,7 +18,8 @@ from values of another name or kind (a processor or tokenizer called in it, a re
 field) is refused when the samples hold something in a varying number that could be its
 rows (a list of images of varying length), else served. A call on an input made in the
 model is refused when a batch field's samples hold varying numbers of rows shaped as its
-rows (images, not samples). Without the collate wrapper (no Trainer, ``key="<field>"``)
+rows (images, not samples); one of a number per row (labels cast in the model) never is,
+as an image is never a number. Without the collate wrapper (no Trainer, ``key="<field>"``)
 the keys say which sample each row is; what the batch's shapes show is still checked.
 """
 
@@ -222,7 +223,11 @@ def _rows_inside(
     the samples: a batch field whose samples hold varying numbers of rows shaped as its
     rows (seen in the samples), one shaped as it that the collate_fn built from samples
     holding something in a varying number, or a stacked field of several such rows per
-    sample that ``value`` is not a view of (seen in the batch alone)."""
+    sample that ``value`` is not a view of (seen in the batch alone). None for a ``value``
+    of fewer than two dimensions: an image's row is never a number, and any field of one
+    row per sample (token ids of varying lengths) would hold rows "shaped as" its ``()``."""
+    if value.ndim < 2:
+        return None
     rows = tuple(value.shape[1:])
     for name, tensor in fields.items():
         field = layouts.get(name) if layouts is not None else None

@@ -24,6 +24,7 @@ from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from lightning_speedkit.compute._frozen_core import cache_frozen_features
+from lightning_speedkit.compute._frozen_layout import layout, why_not_rows
 from lightning_speedkit.compute.frozen_feature_cache import FrozenFeatureCache
 from tests.helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse)
 
@@ -310,6 +311,75 @@ def test_text_tokenized_in_the_collate_fn_is_served(kind: str) -> None:
     assert same_losses(plain, cached, 12)
     assert cache.counts["stood_down"] == {}
     assert cache.counts["hits"] == 12  # a batch's padded length is part of the features' key
+
+
+class Sentences(Dataset[dict[str, Any]]):
+    """Token ids of lengths 12, 16, 9, 16 (as Hugging Face ``datasets`` give them), a label,
+    and the sample's id."""
+
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, index: int) -> dict[str, Any]:
+        ids = [(index + t) % 26 for t in range((12, 16, 9, 16)[index % 4])]
+        return {"input_ids": ids, "label": index % 3, "id": 100 + index}
+
+
+def tokenized_with_ids(items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    return {**tokenized(items), "id": torch.tensor([item["id"] for item in items])}
+
+
+class LabelCode(nn.Module):
+    """A frozen code of a number per sample: its input is 1-D, one number per row."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x[:, None] * self.weight)
+
+
+class LabelProbe(TextProbe):
+    def __init__(self) -> None:
+        super().__init__()
+        self.code = LabelCode()
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        text = self.text(batch["input_ids"]).mean(1)
+        coded = self.code(batch["label"].float())  # 1-D, made in the model
+        loss = F.cross_entropy(self.head(text + coded), batch["label"])
+        self.losses.append(loss.detach().clone())
+        return loss
+
+
+@pytest.mark.parametrize("key", ["index", "id"])
+def test_a_one_dimensional_input_made_in_the_model_beside_padded_text_is_served(
+    key: str,
+) -> None:
+    # token ids of varying lengths are one row per sample, not rows "shaped as" a number:
+    # the 1-D input's rows are the samples, with the collate's layouts or with keys from
+    # a batch field
+    def loader() -> DataLoader[Any]:
+        collate = tokenized_with_ids
+        return DataLoader(Sentences(), batch_size=4, shuffle=True, collate_fn=collate)
+
+    plain = fit(LabelProbe, loader, None)
+    cache = FrozenFeatureCache(modules=["code"], key=key)
+    cached = fit(LabelProbe, loader, cache)
+    assert same_losses(plain, cached, 6)
+    assert cache.counts["stood_down"] == {}
+    # epoch 1 stores 8; epoch 2 checks its first batch (4 run) and serves 4; epoch 3 all 8
+    assert (cache.counts["misses"], cache.counts["hits"]) == (12, 12)
+
+
+@pytest.mark.parametrize("collated", [True, False], ids=["layouts", "no layouts"])
+def test_a_number_per_row_is_never_taken_for_images(collated: bool) -> None:
+    items = [Sentences()[i] for i in range(4)]  # token ids of lengths 12, 16, 9, 16
+    batch = tokenized_with_ids(items)
+    layouts = layout(items, batch) if collated else None
+    assert layouts is None or layouts["input_ids"].counts == (1, 1, 1, 1)
+    assert why_not_rows(None, [batch["label"].float()], batch, layouts, 4) is None
 
 
 # -- without a Trainer ---------------------------------------------------------------------
