@@ -27,6 +27,7 @@ import array
 import enum
 import functools
 import hashlib
+import itertools
 import json
 import numbers
 import os
@@ -165,7 +166,9 @@ class _Describer:
             name = getattr(value, "__qualname__", None)
             return ["builtin", _name(type(value)), getattr(value, "__module__", None), name]
         if isinstance(value, Mapping):
-            items = [[self(k, depth), self(v, depth)] for k, v in list(value.items())[:_ITEMS]]
+            # Only the first items: an h5py or zarr group, a lazy dict opens each one listed.
+            first = itertools.islice(value.items(), _ITEMS)
+            items = [[self(k, depth), self(v, depth)] for k, v in first]
             return ["mapping", len(value), items]
         if isinstance(value, (set, frozenset)):
             if len(value) > _ITEMS:  # which ones would come first differs from run to run

@@ -14,27 +14,49 @@ in each worker (and ``get_worker_info().seed`` differs too). So the check gives 
 workers worker 0's seeds, after the loader's ``worker_init_fn`` as well as before it:
 then the only thing that tells the two copies apart is the worker's id (and number), and
 a stream that does not consult them, split by them or not, reads the same. The first
-:data:`SAMPLES` samples of each worker are compared as sets: any sample both read means
-the stream is not split (a split one gives each sample to one worker). A stream whose
-order comes from a source no seed reaches (the clock, ``os.urandom``) and that does not
-split is told apart only when the two workers' first samples meet, as they do over a short
-stream; that is the one case this check can miss. Where the check cannot run (the
-workers fail), more than one worker is not tried either.
+:data:`SAMPLES` samples of each worker are compared as sets: where at least half of the
+distinct samples of the worker that read more are samples the other read too, the stream
+is not split (a split one gives each sample to one worker; one or two equal values among
+its samples, a small label or a padding sample, meet by chance and do not count).
+
+The same seeds make one more kind of stream read the same in both workers: one that draws
+its samples at random (``torch.randn`` in ``__iter__``, sampling with replacement, an
+endless augmenting stream), which under each worker's own seeds never repeats, so more
+workers do help it. Nothing the check reads tells it from a shuffle of a finite stream
+that does not split: so both are kept to one worker, and the reason says it may be
+either. Two workers read again with their own seeds settle one case: where they read the
+same samples in the same order, the stream depends on neither seed nor worker, and is
+certainly not split (a shuffle or random draws would differ). A dataset that splits its
+stream itself or draws its samples at random says so with an attribute,
+``speedkit_split_by_worker = True``, and the check is not run.
+
+A stream whose order comes from a source no seed reaches (the clock, ``os.urandom``) and
+that does not split is told apart only when the two workers' first samples meet, as they
+do over a very short stream; that is the one case this check can miss. Where the check
+cannot run (the workers fail), more than one worker is not tried either.
 
 A stream must also start again with each iterator: the search reads the dataset itself
 (its in-process trials) and copies of it (its workers), before training reads it. One
-that reads from a source opened once, in ``__init__`` (an iterator, an open file, a
-socket, a queue), gives the trials samples that training then never sees: all of them,
+that reads from a source opened once, in ``__init__`` (an iterator, a generator, a pipe,
+a socket, a queue), gives the trials samples that training then never sees: all of them,
 where the trials reach its end. :func:`held_source` finds such a source among the
-dataset's attributes without reading anything, so that the loader is left untuned.
+dataset's attributes without reading anything, so that the loader is left untuned. Two
+kinds are let through: an in-memory file (``io.BytesIO``, ``io.StringIO``), which
+:func:`kept_positions` puts back where it was after each read (this check's, each trial's),
+whether ``__iter__`` rewinds it or not (each worker has its own copy); and an
+``itertools`` count, cycle or endless repeat, which never runs out. A file on disk held
+open stays a source used up even where ``__iter__`` rewinds it: forked workers share its
+offset, and read it in turns.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import io
 import itertools
+import logging
 import multiprocessing.connection
 import multiprocessing.queues
 import pickle
@@ -49,10 +71,12 @@ from typing import Any
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from lightning_speedkit import _compat
+from lightning_speedkit import _compat, _validation
 from lightning_speedkit.data._candidate_timing import describe_failure
 
-__all__ = ["SAMPLES", "held_source", "why_not_split"]
+__all__ = ["SAMPLES", "held_source", "kept_positions", "says_split", "why_not_split"]
+
+log = logging.getLogger(__name__)
 
 #: Samples read from each of the two workers.
 SAMPLES = 8
@@ -60,19 +84,18 @@ SAMPLES = 8
 
 def why_not_split(loader: DataLoader[Any], timeout: float = 30.0) -> str | None:
     """Why ``loader``'s ``IterableDataset`` must not be read by more than one worker: a
-    sentence, or None where its stream is split among workers (or it is not an
-    ``IterableDataset``). Starts two workers, each for :data:`SAMPLES` samples, under
-    worker 0's random seeds; a worker that gives no sample within ``timeout`` seconds
-    fails the check."""
-    if not isinstance(loader.dataset, IterableDataset):
+    sentence, or None where its stream is split among workers, its dataset says so
+    (``speedkit_split_by_worker = True``), or it is not an ``IterableDataset``. Starts two
+    workers, each for :data:`SAMPLES` samples, under worker 0's random seeds (and, where
+    they share samples, two more under their own seeds, to tell which case it is); a worker
+    that gives no sample within ``timeout`` seconds fails the check."""
+    dataset = loader.dataset
+    if not isinstance(dataset, IterableDataset) or says_split(dataset):
         return None
-    two = DataLoader(
-        loader.dataset, batch_size=None, num_workers=2, collate_fn=_tagged, timeout=timeout,
-        worker_init_fn=_SameSeeds(loader.worker_init_fn),
-        multiprocessing_context=loader.multiprocessing_context,
-    )  # fmt: skip
+    two = _two_workers(loader, timeout, same_seeds=True)
     try:
-        first, second = _first_samples(two, SAMPLES)
+        with kept_positions(dataset):
+            first, second = _first_samples(two, SAMPLES)
     except Exception as exc:  # a worker's error, whatever the dataset raises
         return (
             "could not tell whether the IterableDataset splits its stream among workers (two "
@@ -80,13 +103,53 @@ def why_not_split(loader: DataLoader[Any], timeout: float = 30.0) -> str | None:
             "repeat every sample"
         )
     shared = len(set(first) & set(second))
-    if not shared:
-        return None  # a sample for one worker only, or none for one: split by worker
+    # Split, a sample goes to one worker: one or two met by chance (a label, a padding
+    # sample) are equal values, not the same sample. Not split, the same seeds make most meet.
+    if 2 * shared < max(len(set(first)), len(set(second))) or not shared:
+        return None
+    if _same_with_own_seeds(loader, timeout):
+        return (
+            "the IterableDataset gives every worker the whole stream (two workers read the same "
+            "first samples in the same order, with their own random seeds as with the same "
+            "ones), so more than one worker would repeat every sample"
+        )
     return (
-        "the IterableDataset gives every worker the whole stream (two workers given the same "
-        f"random seeds read {shared} of the same samples among their first {SAMPLES}), so more "
-        "than one worker would repeat every sample"
+        f"two workers given the same random seeds read {shared} of the same samples among "
+        f"their first {SAMPLES}: either the IterableDataset gives every worker the whole "
+        "stream (in an order drawn from those seeds), and more than one worker would repeat "
+        "its samples, or it draws its samples at random (synthetic data, sampling with "
+        "replacement), and more would not"
     )
+
+
+def says_split(dataset: Any) -> bool:
+    """Whether ``dataset`` says that more workers read no sample twice (its attribute
+    ``speedkit_split_by_worker = True``: it splits its stream itself, or draws its samples at
+    random), so that the check is not run."""
+    said = getattr(dataset, "speedkit_split_by_worker", False)
+    return _validation.boolean("speedkit_split_by_worker", said)
+
+
+def _two_workers(loader: DataLoader[Any], timeout: float, same_seeds: bool) -> DataLoader[Any]:
+    """A loader of ``loader``'s dataset on two workers, one sample at a time, each tagged with
+    its worker's id; ``same_seeds``: both workers get worker 0's random seeds."""
+    init = _SameSeeds(loader.worker_init_fn) if same_seeds else loader.worker_init_fn
+    return DataLoader(
+        loader.dataset, batch_size=None, num_workers=2, collate_fn=_tagged, timeout=timeout,
+        worker_init_fn=init, multiprocessing_context=loader.multiprocessing_context,
+    )  # fmt: skip
+
+
+def _same_with_own_seeds(loader: DataLoader[Any], timeout: float) -> bool:
+    """Whether two workers with their own (different) seeds read the same samples in the same
+    order: then the stream depends on neither seed nor worker, and is certainly not split.
+    Different samples say nothing: a shuffle of the whole stream differs by seed too."""
+    try:
+        with kept_positions(loader.dataset):
+            first, second = _first_samples(_two_workers(loader, timeout, same_seeds=False), SAMPLES)
+    except Exception:  # the first read worked: this one failing tells nothing either way
+        return False
+    return bool(first) and first == second
 
 
 def _first_samples(two: DataLoader[Any], per_worker: int) -> list[list[bytes]]:
@@ -190,7 +253,8 @@ _SOURCES: tuple[tuple[tuple[type, ...], str], ...] = (
 def held_source(dataset: Any, depth: int = 3) -> str | None:
     """Where ``dataset``, an ``IterableDataset``, holds a source that reading uses up (an
     iterator, a generator, an open file, a socket, a queue, a pipe), said as an attribute
-    path and a kind; None when there is none (or it is no ``IterableDataset``). Looks
+    path and a kind; None when there is none (or it is no ``IterableDataset``); an in-memory
+    file (``io.BytesIO``) and an endless ``itertools`` iterator are none. Looks
     ``depth`` levels into the attributes, lists, tuples and dicts, of objects, and
     ``functools.partial`` arguments and closures; reads nothing.
 
@@ -216,13 +280,67 @@ def held_source(dataset: Any, depth: int = 3) -> str | None:
 
 
 def _source_kind(value: Any) -> str | None:
+    if isinstance(value, io.IOBase) and position(value) is not None:
+        return None  # in memory: put back where it was after each read (kept_positions)
     for types_, kind in _SOURCES:
         if isinstance(value, types_):
             closed = getattr(value, "closed", False)
             return None if closed is True else kind
+    if isinstance(value, _ENDLESS) and _endless(value):
+        return None  # never runs out: the trials leave training as much as ever
     if hasattr(type(value), "__next__") and not isinstance(value, type):
         return "an iterator"
     return None
+
+
+_ENDLESS = (itertools.count, itertools.cycle, itertools.repeat)
+
+
+def _endless(value: Any) -> bool:
+    """Whether an ``itertools`` count, cycle or repeat never ends (a repeat given a number of
+    times does: its length hint says how many are left)."""
+    try:
+        value.__length_hint__()
+    except (TypeError, AttributeError):  # count, cycle, repeat without `times`
+        return True
+    return False
+
+
+def position(file: Any) -> int | None:
+    """Where ``file``, an open in-memory file (``io.BytesIO``, ``io.StringIO``), is; None for
+    one that cannot be put back there: closed, not seekable, or on an OS file descriptor,
+    whose offset forked workers share, so that whether ``__iter__`` rewinds it or not they
+    read it in turns (open it in ``__iter__``: each worker then has its own)."""
+    try:
+        if file.closed or not file.seekable():
+            return None
+        file.fileno()
+    except (OSError, ValueError):  # io.UnsupportedOperation: no descriptor, in memory
+        try:
+            return int(file.tell())
+        except (OSError, ValueError):
+            return None
+    return None  # a file on disk, a pipe
+
+
+@contextlib.contextmanager
+def kept_positions(dataset: Any, depth: int = 3) -> Iterator[None]:
+    """Put every in-memory file ``dataset`` holds (:func:`position`) back where it was, on
+    leaving: one that its ``__iter__`` does not rewind is read by a trial, and the next read
+    (a trial, training) starts it where it was."""
+    seen: set[int] = {id(dataset)}
+    kept = [(part, position(part)) for _, part in _parts(dataset, "", depth, seen)
+            if isinstance(part, io.IOBase)]  # fmt: skip
+    try:
+        yield
+    finally:
+        for file, where in kept:
+            if where is None:
+                continue
+            try:
+                file.seek(where)
+            except (OSError, ValueError):  # closed since: nothing to put back
+                log.debug("could not put %r back at %d", file, where)
 
 
 _LEAVES = (str, bytes, bytearray, int, float, complex, bool, type(None), type, types.ModuleType,

@@ -25,12 +25,14 @@ loader as given is kept instead.
 Only a measured result is cached: when a candidate failed, the next run measures
 again (the dataset may have been fixed in between).
 
-An ``IterableDataset`` that reads from a source opened once (an iterator, an open file,
-a socket, a queue held by the dataset) is not measured at all: every trial would take
-samples from training. The loader is left as given, with a warning naming the attribute
-(``TuneResult.untuned`` says why). A source held where the attributes do not show it (a
-module's global) is found only when the trials use it up: a fresh iterator gives nothing
-after them, and a warning says so.
+An ``IterableDataset`` that reads from a source opened once (an iterator, a generator, an
+open file, a socket, a queue held by the dataset) is not measured at all: every trial
+would take samples from training. The loader is left as given, with a warning naming the
+attribute (``TuneResult.untuned`` says why). A source held where the attributes do not
+show it (a module's global) is found only when the trials use it up: a fresh iterator
+gives nothing after them, and a warning says so. An in-memory file the dataset holds
+(``io.BytesIO``) is put back where it was after each trial, whether ``__iter__`` rewinds
+it or not: each trial, and then training, reads it from there.
 
 A candidate whose workers crash, hang (past ``timeout``) or cannot receive the dataset,
 ``collate_fn`` or ``worker_init_fn`` (pickling, under spawn) is skipped with a warning
@@ -65,7 +67,7 @@ from lightning_speedkit.data import _candidates, _result_cache
 from lightning_speedkit.data._candidate_timing import describe_failure
 from lightning_speedkit.data._candidate_timing import measure_loader as _measure
 from lightning_speedkit.data._result_cache import default_cache_dir
-from lightning_speedkit.data._stream_split import held_source, why_not_split
+from lightning_speedkit.data._stream_split import held_source, kept_positions, why_not_split
 from lightning_speedkit.data.rebuild import _settings, rebuild_dataloader
 from lightning_speedkit.data.tune_result import TuneResult
 from lightning_speedkit.data.worker_cores import cpu_budget, spare_cores
@@ -119,7 +121,8 @@ def _attempt(
     row: dict[str, Any] = {**settings, "batches_per_sec": None, "skipped": None, "given": False}
     table.append(row)
     try:
-        rate = measure(rebuild_dataloader(loader, **settings))
+        with kept_positions(loader.dataset):  # each trial reads in-memory files from there
+            rate = measure(rebuild_dataloader(loader, **settings))
     except Exception as exc:
         row["skipped"] = describe_failure(exc, loader)
         rank_zero_warn(f"NumWorkersTuner: skipped {settings}: {row['skipped']}.")
@@ -155,7 +158,9 @@ def _search(
     if not_split is not None:
         rank_zero_warn(
             f"NumWorkersTuner: {not_split}; only 0 and 1 are tried. Split the stream by worker "
-            "(`torch.utils.data.get_worker_info()`) to let more workers help."
+            "(`torch.utils.data.get_worker_info()`) to let more workers help; a dataset that "
+            "splits it already or draws its samples at random can say so with "
+            "`speedkit_split_by_worker = True`, and all counts are tried."
         )
         budget = min(budget, 1)
     counts = _candidates.worker_counts(budget)
@@ -221,7 +226,13 @@ def _left_as_given(loader: DataLoader[Any], held: str) -> TuneResult:
 def _used_up(loader: DataLoader[Any], table: list[dict[str, Any]]) -> bool:
     """Whether trials in this process read batches from ``loader``'s ``IterableDataset``
     and a fresh iterator of it now gives none: a stream that goes on where the last
-    iterator stopped, used up by the trials (and said so)."""
+    iterator stopped, used up by the trials (and said so).
+
+    To find out, it takes one sample in this process (``next(iter(dataset))``). A stream
+    that starts again with each iterator loses nothing by it; one that goes on where the
+    last stopped from a source no attribute shows (a module's global iterator) and that the
+    trials did not use up loses that sample to training: one more than the trials' samples
+    it lost already, the price of telling whether it was used up."""
     if not isinstance(loader.dataset, IterableDataset):
         return False
     if not any(row["num_workers"] == 0 and row["batches_per_sec"] for row in table):
@@ -370,7 +381,8 @@ def tune_num_workers(
             dataloader, budget, measure or timed, min_gain=min_gain, time_budget=time_budget,
             timeout=timeout, start=start, progress=progress,
         )  # fmt: skip
-        used_up = _used_up(dataloader, table)
+        with kept_positions(dataloader.dataset):  # it reads a sample: in-memory files go back
+            used_up = _used_up(dataloader, table)
 
     if not best:
         best = dict(_candidates.IN_PROCESS)

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 import time
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,7 @@ import torch
 from torch.utils.data import ConcatDataset, DataLoader, Dataset, Subset
 
 from lightning_speedkit.data._result_cache import (
+    _ITEMS,
     CACHE_VERSION,
     default_cache_dir,
     fingerprint,
@@ -209,3 +211,39 @@ def test_the_key_is_the_same_from_one_run_to_the_next(hash_seed: str) -> None:
     run = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
                          text=True, timeout=300, check=True)  # fmt: skip
     assert run.stdout.strip() == stable_key()
+
+
+class _Group(Mapping[str, int]):
+    """A lazy on-disk group (h5py, zarr): each item ``items()`` gives is one opened."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.opened = size, 0
+
+    def __getitem__(self, key: str) -> int:
+        self.opened += 1
+        return int(key)
+
+    def __iter__(self) -> Iterator[str]:
+        return (str(i) for i in range(self.size))
+
+    def __len__(self) -> int:
+        return self.size
+
+
+class _Shards(Dataset[int]):
+    def __init__(self, group: _Group) -> None:
+        self.group = group
+
+    def __getitem__(self, index: int) -> int:
+        return self.group[str(index)]
+
+    def __len__(self) -> int:
+        return len(self.group)
+
+
+def test_a_mapping_is_read_for_its_first_items_only() -> None:
+    """The key listed every item of a mapping, then kept the first 64: a group of 10,000
+    members on disk was opened whole to name the cache entry."""
+    group = _Group(10_000)
+    fingerprint(DataLoader(_Shards(group)), 1, 2)
+    assert group.opened == _ITEMS == 64

@@ -10,6 +10,9 @@ is what is tested, not this machine's speed): two workers are the fastest.
 from __future__ import annotations
 
 import collections
+import io
+import itertools
+import os
 import queue
 import random
 import re
@@ -22,7 +25,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
-from lightning_speedkit import tune_num_workers
+from lightning_speedkit import SpeedkitConfigError, tune_num_workers
 from lightning_speedkit.data._stream_split import SAMPLES, held_source, why_not_split
 
 from .conftest import Figures, Rates
@@ -52,8 +55,30 @@ def _samples(loader: DataLoader[Any]) -> collections.Counter[int]:
     return collections.Counter(int(x) for batch in loader for x in batch.flatten())
 
 
+WHOLE = (
+    "the IterableDataset gives every worker the whole stream (two workers read the same first "
+    "samples in the same order, with their own random seeds as with the same ones), so more "
+    "than one worker would repeat every sample"
+)
+EITHER = (
+    "two workers given the same random seeds read {shared} of the same samples among their "
+    f"first {SAMPLES}: either the IterableDataset gives every worker the whole stream (in an "
+    "order drawn from those seeds), and more than one worker would repeat its samples, or it "
+    "draws its samples at random (synthetic data, sampling with replacement), and more would not"
+)
+CAPPED = (
+    "; only 0 and 1 are tried. Split the stream by worker (`torch.utils.data.get_worker_info()`) "
+    "to let more workers help; a dataset that splits it already or draws its samples at random "
+    "can say so with `speedkit_split_by_worker = True`, and all counts are tried."
+)
+
+
+def _warned(why: str) -> str:
+    return re.escape(f"NumWorkersTuner: {why}{CAPPED}")
+
+
 def test_a_stream_every_worker_yields_whole_gets_at_most_one_worker() -> None:
-    with pytest.warns(UserWarning, match=r"gives every worker the whole stream .* only 0 and 1"):
+    with pytest.warns(UserWarning, match=_warned(WHOLE)):
         result = _tune(split=False)
     assert result.best["num_workers"] == 1
     assert max(row["num_workers"] for row in result.table) == 1  # two never tried
@@ -116,8 +141,9 @@ def _measured(loader: DataLoader[Any]) -> Any:
 @pytest.mark.parametrize("draw", ["random", "torch", "numpy", "worker-seed"])
 def test_a_stream_each_worker_shuffles_its_own_way_gets_at_most_one_worker(draw: str) -> None:
     """Two workers' first batches differed (each shuffles with its own seed), so the check
-    took the stream for split and chose two workers: every sample twice an epoch."""
-    with pytest.warns(UserWarning, match=r"gives every worker the whole stream .* only 0 and 1"):
+    took the stream for split and chose two workers: every sample twice an epoch. With their
+    own seeds they read different samples, as random draws would: the reason says either."""
+    with pytest.warns(UserWarning, match=_warned(EITHER.format(shared=SAMPLES))):
         result = _measured(DataLoader(Shuffled(draw), batch_size=4))
     assert result.best["num_workers"] == 1
     assert max(row["num_workers"] for row in result.table) == 1  # two never tried
@@ -160,9 +186,8 @@ def test_a_stream_split_by_the_loaders_worker_init_fn_may_take_two() -> None:
 
 def test_the_check_reads_a_few_samples_from_each_worker() -> None:
     """Over a stream every worker reads whole, all the first samples of each are shared."""
-    why = why_not_split(DataLoader(Stream(split=False)))
-    assert why is not None
-    assert f"read {SAMPLES} of the same samples among their first {SAMPLES}" in why
+    assert why_not_split(DataLoader(Stream(split=False))) == WHOLE
+    assert why_not_split(DataLoader(Shuffled("random"))) == EITHER.format(shared=SAMPLES)
 
 
 class Failing(IterableDataset[torch.Tensor]):
@@ -200,7 +225,14 @@ class OneShot(IterableDataset[torch.Tensor]):
             self.src: Any = iter(range(64))
         elif source == "generator":
             self.src = (i for i in range(64))
-        elif source == "file":
+        elif source == "pipe":  # a file that cannot seek: read once
+            read, write = os.pipe()
+            os.write(write, "".join(f"{i}\n" for i in range(64)).encode())
+            os.close(write)
+            self.src = os.fdopen(read)
+        elif source == "bytes":  # in memory, read on where the last iterator stopped
+            self.src = io.StringIO("".join(f"{i}\n" for i in range(64)))
+        elif source == "file":  # on disk: forked workers would share its offset too
             (tmp_path / "lines.txt").write_text("".join(f"{i}\n" for i in range(64)))
             self.src = open(tmp_path / "lines.txt")  # noqa: SIM115 - held open, as such code does
         elif source == "queue":
@@ -228,9 +260,10 @@ class OneShotReader:
     [("iterator", "`src`, an iterator (range_iterator)"),
      ("generator", "`src`, a generator"),
      ("file", "`src`, an open file (TextIOWrapper)"),
+     ("pipe", "`src`, an open file (TextIOWrapper)"),
      ("queue", "`src`, a queue (Queue)"),
      ("nested", "`reader.rows`, an iterator (range_iterator)")],
-    ids=["iterator", "generator", "file", "queue", "nested"],
+    ids=["iterator", "generator", "file", "pipe", "queue", "nested"],
 )  # fmt: skip
 def test_a_stream_from_a_source_opened_once_is_left_untuned(
     source: str, where: str, tmp_path: Path, paced: Callable[[Rates], Figures]
@@ -281,3 +314,127 @@ def test_a_stream_the_trials_used_up_is_said_and_not_cached(
         tune_num_workers(loader, max_workers=2, cache_dir=tmp_path, progress=False)
     assert list(tmp_path.glob("*.json")) == []  # a measure of a stream used up is not kept
     assert _samples(loader) == collections.Counter()
+
+
+class Drawn(IterableDataset[torch.Tensor]):
+    """64 samples drawn at random each epoch: ``torch.randn`` (synthetic data) or picked with
+    replacement from a million. Under each worker's own seeds no two workers draw the same,
+    so more workers repeat nothing; under the same seeds they draw alike."""
+
+    def __init__(self, draw: str) -> None:
+        self.draw = draw
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        for _ in range(64):
+            if self.draw == "randn":
+                yield torch.randn(4)
+            else:
+                yield torch.tensor([random.randrange(10**6)])
+
+
+class SaidSplit(Drawn):
+    speedkit_split_by_worker = True
+
+
+@pytest.mark.parametrize("draw", ["randn", "with-replacement"])
+def test_a_stream_of_random_draws_is_capped_with_an_honest_reason(draw: str) -> None:
+    """The reason said the stream would repeat every sample: it repeats none. It may be
+    either, and it says so, and how to say which."""
+    with pytest.warns(UserWarning, match=_warned(EITHER.format(shared=SAMPLES))):
+        result = _measured(DataLoader(Drawn(draw), batch_size=4))
+    assert [row["num_workers"] for row in result.table] == [0, 1, 1]  # then 1, prefetch 4
+
+
+@pytest.mark.parametrize("draw", ["randn", "with-replacement"])
+def test_a_stream_that_says_it_may_use_more_workers_is_not_checked(
+    draw: str, recwarn: pytest.WarningsRecorder
+) -> None:
+    result = _measured(DataLoader(SaidSplit(draw), batch_size=4))
+    assert [row["num_workers"] for row in result.table] == [0, 1, 2, 2]  # then prefetch 4
+    assert result.best["num_workers"] == 2
+    assert [str(w.message) for w in recwarn if "only 0 and 1" in str(w.message)] == []
+    assert why_not_split(DataLoader(SaidSplit(draw))) is None
+
+
+def test_a_dataset_that_says_so_must_say_it_with_a_bool() -> None:
+    dataset = Drawn("randn")
+    dataset.speedkit_split_by_worker = "yes"  # type: ignore[attr-defined]
+    with pytest.raises(SpeedkitConfigError, match=r"`speedkit_split_by_worker` must be True"):
+        why_not_split(DataLoader(dataset))
+
+
+class Padded(IterableDataset[torch.Tensor]):
+    """64 samples split by worker (every other one each); the first two are the same padding
+    sample, so the two workers' first samples share one value, and only that one."""
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        info = get_worker_info()
+        start, step = (info.id, info.num_workers) if info else (0, 1)
+        return iter(torch.tensor([-1 if i < 2 else i]) for i in range(start, 64, step))
+
+
+def test_a_split_stream_whose_workers_share_one_value_may_take_two() -> None:
+    """One padding sample (or small label) in both workers' first eight was taken for a
+    stream every worker reads whole: the tuner kept one worker, and warned it would repeat."""
+    assert why_not_split(DataLoader(Padded())) is None
+    assert _measured(DataLoader(Padded(), batch_size=4)).best["num_workers"] == 2
+
+
+class Rewound(IterableDataset[torch.Tensor]):
+    """64 samples from a file object held from ``__init__``, which ``__iter__`` rewinds."""
+
+    def __init__(self, file: Any) -> None:
+        self.file = file
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        self.file.seek(0)
+        return (torch.tensor([int(line)]) for line in self.file.read().split())
+
+
+class Endless(IterableDataset[torch.Tensor]):
+    def __init__(self, ids: Iterator[int]) -> None:
+        self.ids = ids
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (torch.tensor([next(self.ids)]) for _ in range(64))
+
+
+def test_an_in_memory_file_or_an_endless_iterator_is_not_a_source_used_up(
+    tmp_path: Path,
+) -> None:
+    """An in-memory file that ``__iter__`` rewinds, and an ``itertools.count``, left the loader
+    untuned: neither runs out. A generator, a pipe and a file on disk (whose offset forked
+    workers share) still do."""
+    lines = "".join(f"{i}\n" for i in range(64)).encode()
+    assert held_source(Rewound(io.BytesIO(lines))) is None
+    for endless in (itertools.count(), itertools.cycle([1, 2]), itertools.repeat(1)):
+        assert held_source(Endless(endless)) is None
+    assert held_source(Endless(itertools.repeat(1, 64))) == "`ids`, an iterator (repeat)"
+    assert held_source(Endless(i for i in range(64))) == "`ids`, a generator"
+    (tmp_path / "lines.txt").write_bytes(lines)
+    with open(tmp_path / "lines.txt", "rb") as on_disk:
+        assert held_source(Rewound(on_disk)) == "`file`, an open file (BufferedReader)"
+    read, write = os.pipe()
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        assert held_source(Rewound(pipe)) == "`file`, an open file (BufferedReader)"
+
+
+def test_an_in_memory_file_read_on_where_it_stopped_is_put_back(
+    tmp_path: Path, paced: Callable[[Rates], Figures]
+) -> None:
+    """An in-memory file the dataset reads on where the last iterator stopped is tuned: each
+    read (the split check's, each trial's) is put back where it was, so every trial reads
+    all of it, and then so does training."""
+    paced({0: 10.0, 1: 12.0, 2: 30.0})
+    loader = DataLoader(OneShot("bytes", tmp_path), batch_size=8)
+    with pytest.warns(UserWarning, match=_warned(WHOLE)):
+        result = tune_num_workers(loader, max_workers=2, cache=False, progress=False, batches=2,
+                                  warmup_batches=0, min_seconds=0.0)  # fmt: skip
+    assert result.untuned is None
+    rates = [(row["num_workers"], row["prefetch_factor"], row["batches_per_sec"])
+             for row in result.table]  # fmt: skip
+    expected = [(0, None, 10.0), (1, 2, 12.0), (1, 4, 12.0)]  # each measured: none ran out
+    assert rates == [(n, p, pytest.approx(r)) for n, p, r in expected]
+    seen = _samples(loader)
+    assert sum(seen.values()) == len(seen) == 64  # training gets every sample
