@@ -23,6 +23,7 @@ from torch.utils.data import DataLoader
 
 from lightning_speedkit import AttentionSwap, swap_attention
 from lightning_speedkit.attention._input_copies import caller, copy_inputs
+from tests.helpers.hf_tiny import tiny_model
 from tests.helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse)
 
 transformers = pytest.importorskip("transformers")
@@ -31,18 +32,11 @@ _IMAGE = 63  # Idefics3's image token in a vocabulary of 64
 
 
 def _llama() -> nn.Module:
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-        attn_implementation="eager",
-    )
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config)
+    return tiny_model("LlamaConfig", "LlamaForCausalLM", vocab_size=64, hidden_size=32,
+                      intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=64,
+                      attn_implementation="eager")()  # fmt: skip
 
 
 def _ids(n: int, seed: int = 0) -> Tensor:
