@@ -207,7 +207,11 @@ def test_the_quick_stage_writes_every_parts_record(demo_corpus: Path, tmp_path: 
     assert [row["variant"] for row in swap["rows"]] == ["own", "math", "sdpa", "auto"]
     for row in swap["rows"][1:]:
         assert len(row["parity"]) == 4  # two vision blocks, two decoder blocks
-        assert row["reverted"] == 0
+        # a named backend is kept wherever it passes; "auto" also reverts where the own
+        # forward timed faster, which a loaded machine decides (the CI once saw 0.87x)
+        timed = [p for p in row["parity"] if p["reason"].startswith("own forward faster")]
+        assert row["reverted"] == (len(timed) if row["variant"] == "auto" else 0)
+        assert all(p["status"] == "active" for p in row["parity"] if p not in timed)
 
     attention = json.loads((results / "quick_attention_cpu.json").read_text())
     assert {row["seq_len"] for row in attention["attention"]} == {128}

@@ -202,15 +202,18 @@ def stable_key() -> str:
     return _key(Subset(Tagged(), [5, 3, 1]), shuffle=True, collate_fn=_stack)
 
 
-@pytest.mark.parametrize("hash_seed", ["0", "1"])
-def test_the_key_is_the_same_from_one_run_to_the_next(hash_seed: str) -> None:
-    """A cross-run cache: another interpreter (its strings hashed with another seed, its
-    objects at other addresses) computes the same key."""
+def test_the_key_is_the_same_from_one_run_to_the_next() -> None:
+    """A cross-run cache: interpreters that hash strings with other seeds and hold objects
+    at other addresses compute the same key. Fresh ones: a test process that ran other
+    tests first may differ in what the key rightly holds (its cores)."""
     code = "from tests.data.test_result_cache import stable_key; print(stable_key())"
-    env = {**clean_env(), "PYTHONHASHSEED": hash_seed}
-    run = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True,
-                         text=True, timeout=300, check=True)  # fmt: skip
-    assert run.stdout.strip() == stable_key()
+    keys = set()
+    for hash_seed in ("0", "1"):
+        env = {**clean_env(), "PYTHONHASHSEED": hash_seed}
+        run = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO,
+                             capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
+        keys.add(run.stdout.strip())
+    assert len(keys) == 1
 
 
 class _Group(Mapping[str, int]):
