@@ -137,7 +137,9 @@ class UntunedDraws:
         if _settings(loader) == _settings(self.given) and not self.switched:
             return  # it draws as the loader as given does
         self.switched = False
-        if not callable(getattr(loader, "state_dict", None)):  # a stateful sampler counts its turns
+        # torchdata's StatefulDataLoader swaps in a sampler that keeps its generator's state
+        # in the loader's state_dict and restores it itself: no replay there
+        if not callable(getattr(loader, "state_dict", None)):
             self._replay(loader, batches)
         user = _USERS.get(loader, loader.generator)
         if reloads:
