@@ -90,21 +90,35 @@ def replaying_checkpoints(model: nn.Module, own: _surgery.Setting) -> Iterator[N
     if torch.compiler.is_compiling():
         yield
         return
-    wrapped: list[tuple[Any, Any]] = []
+    layers: list[tuple[Any, Any]] = []
     for layer in _checkpointing_layers(model):
-        checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
+        checkpoint = getattr(layer, _FUNCTION, None)
         if checkpoint is None and model.training and torch.is_grad_enabled():
             _refuse(model, layer)
         if checkpoint is not None and not isinstance(checkpoint, _Replaying):
-            # A plain attribute: into the instance's dict, without nn.Module's __setattr__
-            # (the layers of a model, on every call).
-            layer.__dict__["_gradient_checkpointing_func"] = _Replaying(checkpoint, own)
-            wrapped.append((layer, checkpoint))
+            layers.append((layer, checkpoint))
+    with _checkpoint_functions(layers, lambda checkpoint: _Replaying(checkpoint, own)):
+        yield
+
+
+#: The attribute through which transformers' and diffusers' layers call their checkpoint.
+_FUNCTION = "_gradient_checkpointing_func"
+
+
+@contextmanager
+def _checkpoint_functions(
+    layers: list[tuple[Any, Any]], instead: Callable[[Any], Any]
+) -> Iterator[None]:
+    """Inside, each ``(layer, checkpoint)`` calls ``instead(checkpoint)`` as its checkpoint
+    function; its own again after. A plain attribute: into the instance's dict, without
+    nn.Module's ``__setattr__`` (the layers of a model, on every call)."""
+    for layer, checkpoint in layers:
+        layer.__dict__[_FUNCTION] = instead(checkpoint)
     try:
         yield
     finally:
-        for layer, checkpoint in reversed(wrapped):
-            layer.__dict__["_gradient_checkpointing_func"] = checkpoint
+        for layer, checkpoint in reversed(layers):
+            layer.__dict__[_FUNCTION] = checkpoint
 
 
 class _Unchecked:
@@ -121,10 +135,7 @@ class _Unchecked:
 def checkpoints_itself(model: nn.Module) -> bool:
     """Whether a layer of ``model`` has its own gradient checkpointing on (transformers'
     or diffusers' ``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``)."""
-    return any(
-        layer.__dict__.get("_gradient_checkpointing_func") is not None
-        for layer in _checkpointing_layers(model)
-    )
+    return any(layer.__dict__.get(_FUNCTION) is not None for layer in _checkpointing_layers(model))
 
 
 @contextmanager
@@ -132,17 +143,14 @@ def checkpoints_paused(model: nn.Module) -> Iterator[None]:
     """Inside, the layers of ``model`` that checkpoint by their own checkpoint function run
     their blocks unchecked: the call is traced, and the swaps installed at its end must not
     be what a checkpoint taken in it recomputes."""
-    wrapped: list[tuple[Any, Any]] = []
-    for layer in _checkpointing_layers(model):
-        checkpoint = layer.__dict__.get("_gradient_checkpointing_func")
-        if checkpoint is not None and not isinstance(checkpoint, _Unchecked):
-            layer.__dict__["_gradient_checkpointing_func"] = _Unchecked(checkpoint)
-            wrapped.append((layer, checkpoint))
-    try:
+    layers = [
+        (layer, checkpoint)
+        for layer in _checkpointing_layers(model)
+        if (checkpoint := layer.__dict__.get(_FUNCTION)) is not None
+        and not isinstance(checkpoint, _Unchecked)
+    ]
+    with _checkpoint_functions(layers, _Unchecked):
         yield
-    finally:
-        for layer, checkpoint in reversed(wrapped):
-            layer.__dict__["_gradient_checkpointing_func"] = checkpoint
 
 
 _Lists = nn.ModuleList | nn.Sequential  # their `insert` registers no module
