@@ -19,7 +19,6 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 import torch.utils.checkpoint
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -27,6 +26,7 @@ from torch.utils.data import DataLoader, TensorDataset
 from lightning_speedkit import ActivationCheckpointing, AttentionSwap, swap_attention
 from lightning_speedkit.attention import _discovery
 from tests.helpers.diffusers_like import ClassicProcessor, Transformer2D
+from tests.helpers.sdpa_count import CountSdpa, assert_equal_grads
 
 LAYERS = 2
 SWAPPED = [f"transformer_blocks.{i}.attn{j}" for i in range(LAYERS) for j in (1, 2)]
@@ -49,13 +49,6 @@ def _grads(model: nn.Module, seed: int) -> Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def _assert_equal_grads(grads: Tensor, reference: Tensor, what: str) -> None:
-    """Within fp32 noise: the largest error under 1e-5 of the reference's largest entry."""
-    assert grads.shape == reference.shape
-    error = ((grads - reference).abs().max() / reference.abs().max()).item()
-    assert error < 1e-5, f"{what}: largest relative gradient error {error:.2e}"
-
-
 class _Counted:
     """A checkpoint function (diffusers' signature) that counts its calls with gradients."""
 
@@ -66,22 +59,6 @@ class _Counted:
         self.calls += torch.is_grad_enabled()
         checkpoint = torch.utils.checkpoint.checkpoint
         return checkpoint(block.__call__, *args, use_reentrant=self.reentrant)
-
-
-class _CountSdpa:
-    """Counts SDPA calls in the forward and in backward (a checkpoint's recomputation)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.forward = self.recomputed = 0
-        self._fused = F.scaled_dot_product_attention
-        monkeypatch.setattr(F, "scaled_dot_product_attention", self)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
-        if torch._C._current_graph_task_id() == -1:
-            self.forward += 1
-        else:
-            self.recomputed += 1
-        return self._fused(*args, **kwargs)  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize("enabled", ["before_swap", "after_swap"])
@@ -100,14 +77,14 @@ def test_checkpointed_model_swaps_on_its_first_step_with_the_plain_gradients(
         model.enable_gradient_checkpointing(checkpoint)
     assert report.swapped == []  # found by the first call
     for step in range(2):
-        _assert_equal_grads(_grads(model, step), _grads(plain, step), f"step {step}")
+        assert_equal_grads(_grads(model, step), _grads(plain, step), f"step {step}")
         # The first step was checkpointed too: the trace ran ahead of it, without gradients.
         assert checkpoint.calls == LAYERS * (step + 1)
     assert report.swapped == SWAPPED
     assert {(m.family, m.status, m.checked) for m in report.modules} == {
         ("traced", "active", "forward+backward")
     }
-    sdpa = _CountSdpa(monkeypatch)
+    sdpa = CountSdpa(monkeypatch)
     _grads(model, 2)
     assert (sdpa.forward, sdpa.recomputed) == (2 * LAYERS, 2 * LAYERS)  # recomputed fused
     functions = {m.__dict__.get("_gradient_checkpointing_func") for m in model.modules()}
@@ -126,9 +103,9 @@ def test_a_call_traced_as_it_runs_runs_its_checkpointed_blocks_unchecked(
     checkpoint = _Counted(reentrant=False)
     model.enable_gradient_checkpointing(checkpoint)
     report = swap_attention(model, "sdpa", measure=False)
-    _assert_equal_grads(_grads(model, 0), _grads(plain, 0), "traced step")
+    assert_equal_grads(_grads(model, 0), _grads(plain, 0), "traced step")
     assert checkpoint.calls == 0
-    _assert_equal_grads(_grads(model, 1), _grads(plain, 1), "swapped step")
+    assert_equal_grads(_grads(model, 1), _grads(plain, 1), "swapped step")
     assert checkpoint.calls == LAYERS
     assert report.swapped == SWAPPED
     assert all(m.__dict__.get("_gradient_checkpointing_func") in (None, checkpoint)
@@ -204,6 +181,6 @@ def test_real_diffusers_unet_with_classic_processor() -> None:
         return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
     for step in range(2):
-        _assert_equal_grads(grads(unet), grads(plain), f"step {step}")
+        assert_equal_grads(grads(unet), grads(plain), f"step {step}")
     assert len(report.swapped) == 8
     assert all(m.status == "active" for m in report.modules)

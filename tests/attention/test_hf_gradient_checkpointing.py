@@ -18,7 +18,6 @@ from typing import Any
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -27,6 +26,7 @@ from lightning_speedkit.data import PackingCollate
 from lightning_speedkit.distributed import checkpoint_blocks
 from lightning_speedkit.errors import SpeedkitConfigError
 from tests.helpers.hf_tiny import tiny_model
+from tests.helpers.sdpa_count import CountSdpa, assert_equal_grads
 
 transformers = pytest.importorskip("transformers")
 # The name the user's report called (transformers 5 calls it a deprecated alias).
@@ -70,30 +70,6 @@ def _grads(model: nn.Module, ids: Tensor) -> Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
-def _assert_equal_grads(grads: Tensor, reference: Tensor, what: str) -> None:
-    """Within fp32 noise of the reference: the largest error under 1e-5 of its largest entry."""
-    assert grads.shape == reference.shape
-    error = ((grads - reference).abs().max() / reference.abs().max()).item()
-    assert error < 1e-5, f"{what}: largest relative gradient error {error:.2e}"
-
-
-class _CountSdpa:
-    """Counts ``F.scaled_dot_product_attention`` calls in the forward and in backward (a
-    checkpoint's recomputation)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.forward = self.recomputed = 0
-        self._fused = F.scaled_dot_product_attention
-        monkeypatch.setattr(F, "scaled_dot_product_attention", self)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
-        if torch._C._current_graph_task_id() == -1:
-            self.forward += 1
-        else:
-            self.recomputed += 1
-        return self._fused(*args, **kwargs)  # type: ignore[no-any-return]
-
-
 def _checkpoint_functions(model: nn.Module) -> list[Any]:
     return [m.__dict__.get("_gradient_checkpointing_func") for m in model.modules()]
 
@@ -119,9 +95,9 @@ def test_swapped_model_recomputes_fused_with_the_plain_gradients(
     assert sum(f is not None for f in functions) >= LAYERS
     for step in range(2):  # the first call checks the swap, the second only trains
         grads = _grads(model, _ids(step))
-        _assert_equal_grads(grads, _grads(plain, _ids(step)), f"step {step} vs checkpointed")
-        _assert_equal_grads(grads, _grads(unchecked, _ids(step)), f"step {step} vs unchecked")
-    sdpa = _CountSdpa(monkeypatch)
+        assert_equal_grads(grads, _grads(plain, _ids(step)), f"step {step} vs checkpointed")
+        assert_equal_grads(grads, _grads(unchecked, _ids(step)), f"step {step} vs unchecked")
+    sdpa = CountSdpa(monkeypatch)
     _grads(model, _ids(2))
     assert (sdpa.forward, sdpa.recomputed) == (LAYERS, LAYERS)  # the recomputation is fused
     # Nothing of the kit stays on the model: transformers' own functions, as it set them.
@@ -137,7 +113,7 @@ def test_kit_checkpointing_and_transformers_checkpointing_both_on(reentrant: boo
     swap_attention(model, "sdpa", measure=False)
     assert checkpoint_blocks(model) == ["model.layers.0", "model.layers.1"]
     for step in range(2):
-        _assert_equal_grads(_grads(model, _ids(step)), _grads(plain, _ids(step)), f"step {step}")
+        assert_equal_grads(_grads(model, _ids(step)), _grads(plain, _ids(step)), f"step {step}")
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non_reentrant", "reentrant"])
@@ -160,7 +136,7 @@ def test_a_packed_batch_recomputes_each_document_apart(reentrant: bool) -> None:
             loss = m(**fields).loss
         loss.backward()
         grads.append(torch.cat([p.grad.flatten() for p in m.parameters()]))
-    _assert_equal_grads(grads[0], grads[1], "packed")
+    assert_equal_grads(grads[0], grads[1], "packed")
 
 
 class _Task(L.LightningModule):
@@ -193,7 +169,7 @@ def test_attention_swap_trains_a_checkpointed_model_like_the_plain_run(
     reentrant: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     swap = AttentionSwap("sdpa", measure=False, verbose=False)
-    sdpa = _CountSdpa(monkeypatch)
+    sdpa = CountSdpa(monkeypatch)
     task = _fit(reentrant, [swap])
     assert sdpa.recomputed == 3 * LAYERS  # every step's recomputation ran the fused kernel
     monkeypatch.undo()
@@ -253,7 +229,7 @@ def test_the_model_is_not_walked_on_every_call(
         model(_ids(step), labels=_ids(step)).loss.backward()
         walks.append(count.walks)
     assert walks[1:] == [0, 0], walks  # was 1 a step, 3 with the kit's checkpointing
-    _assert_equal_grads(_grads(model, _ids(3)), _grads(plain, _ids(3)), "after the steps")
+    assert_equal_grads(_grads(model, _ids(3)), _grads(plain, _ids(3)), "after the steps")
 
 
 @pytest.mark.parametrize("change", ["enabled", "layer_replaced", "layer_inserted"])
@@ -283,8 +259,8 @@ def test_checkpointing_changed_after_swapped_calls_is_seen(
             m.config.num_hidden_layers += 1
             m.config.layer_types.append(m.config.layer_types[-1])
     layers += change == "layer_inserted"
-    sdpa = _CountSdpa(monkeypatch)
+    sdpa = CountSdpa(monkeypatch)
     grads = _grads(model, _ids(3))
     assert (sdpa.forward, sdpa.recomputed) == (layers, layers)  # every layer recomputed fused
     monkeypatch.undo()
-    _assert_equal_grads(grads, _grads(plain, _ids(3)), change)
+    assert_equal_grads(grads, _grads(plain, _ids(3)), change)

@@ -14,17 +14,16 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
 
 import lightning as L
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_speedkit import ActivationCheckpointing, AttentionSwap, swap_attention
 from lightning_speedkit.distributed import checkpoint_blocks
+from tests.helpers.sdpa_count import CountSdpa
 
 transformers = pytest.importorskip("transformers")
 
@@ -82,23 +81,6 @@ def _grads(model: nn.Module, ids: Tensor) -> tuple[Tensor, dict[str, Tensor]]:
     return loss.detach(), grads
 
 
-class _CountSdpa:
-    """Counts ``F.scaled_dot_product_attention`` calls: in the forward, and in backward
-    (the checkpoint's recomputation)."""
-
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
-        self.forward = self.recomputed = 0
-        self._fused = F.scaled_dot_product_attention
-        monkeypatch.setattr(F, "scaled_dot_product_attention", self)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Tensor:
-        if torch._C._current_graph_task_id() == -1:
-            self.forward += 1
-        else:
-            self.recomputed += 1
-        return self._fused(*args, **kwargs)  # type: ignore[no-any-return]
-
-
 @pytest.mark.parametrize("backend", ["sdpa", "math"])
 @pytest.mark.parametrize("order", ["swap_then_checkpoint", "checkpoint_then_swap"])
 @pytest.mark.parametrize("kind", sorted(MODELS))
@@ -125,7 +107,7 @@ def test_gradients_equal_the_plain_model_and_the_recomputation_runs_fused(
                                        msg=f"step {step}: {name}")  # fmt: skip
     assert (report.modules[0].status, report.modules[0].backend) == ("active", backend)
     assert model.config._attn_implementation == "eager"  # switched for the call only
-    sdpa = _CountSdpa(monkeypatch)
+    sdpa = CountSdpa(monkeypatch)
     _grads(model, _ids(5))
     assert (sdpa.forward, sdpa.recomputed) == (LAYERS, LAYERS)
 
@@ -159,7 +141,7 @@ def test_both_callbacks_train_a_hugging_face_model_like_the_plain_run(
 ) -> None:
     swap = AttentionSwap("sdpa", verbose=False)
     checkpointing = ActivationCheckpointing(verbose=False)
-    sdpa = _CountSdpa(monkeypatch)
+    sdpa = CountSdpa(monkeypatch)
     task = _fit("llama", [swap, checkpointing] if swap_first else [checkpointing, swap])
     assert sdpa.recomputed == 3 * LAYERS  # every step's recomputation ran the fused kernel
     monkeypatch.undo()
