@@ -92,17 +92,13 @@ def replaying_checkpoints(model: nn.Module, own: _surgery.Setting) -> Iterator[N
         return
     layers: list[tuple[Any, Any]] = []
     for layer in _checkpointing_layers(model):
-        checkpoint = getattr(layer, _FUNCTION, None)
+        checkpoint = getattr(layer, "_gradient_checkpointing_func", None)
         if checkpoint is None and model.training and torch.is_grad_enabled():
             _refuse(model, layer)
         if checkpoint is not None and not isinstance(checkpoint, _Replaying):
             layers.append((layer, checkpoint))
     with _checkpoint_functions(layers, lambda checkpoint: _Replaying(checkpoint, own)):
         yield
-
-
-#: The attribute through which transformers' and diffusers' layers call their checkpoint.
-_FUNCTION = "_gradient_checkpointing_func"
 
 
 @contextmanager
@@ -113,12 +109,12 @@ def _checkpoint_functions(
     function; its own again after. A plain attribute: into the instance's dict, without
     nn.Module's ``__setattr__`` (the layers of a model, on every call)."""
     for layer, checkpoint in layers:
-        layer.__dict__[_FUNCTION] = instead(checkpoint)
+        layer.__dict__["_gradient_checkpointing_func"] = instead(checkpoint)
     try:
         yield
     finally:
         for layer, checkpoint in reversed(layers):
-            layer.__dict__[_FUNCTION] = checkpoint
+            layer.__dict__["_gradient_checkpointing_func"] = checkpoint
 
 
 class _Unchecked:
@@ -135,7 +131,10 @@ class _Unchecked:
 def checkpoints_itself(model: nn.Module) -> bool:
     """Whether a layer of ``model`` has its own gradient checkpointing on (transformers'
     or diffusers' ``gradient_checkpointing`` flag and ``_gradient_checkpointing_func``)."""
-    return any(layer.__dict__.get(_FUNCTION) is not None for layer in _checkpointing_layers(model))
+    return any(
+        layer.__dict__.get("_gradient_checkpointing_func") is not None
+        for layer in _checkpointing_layers(model)
+    )
 
 
 @contextmanager
@@ -146,7 +145,7 @@ def checkpoints_paused(model: nn.Module) -> Iterator[None]:
     layers = [
         (layer, checkpoint)
         for layer in _checkpointing_layers(model)
-        if (checkpoint := layer.__dict__.get(_FUNCTION)) is not None
+        if (checkpoint := layer.__dict__.get("_gradient_checkpointing_func")) is not None
         and not isinstance(checkpoint, _Unchecked)
     ]
     with _checkpoint_functions(layers, _Unchecked):
