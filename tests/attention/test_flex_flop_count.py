@@ -19,6 +19,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch._C import DispatchKey
+from torch._ops import HigherOrderOperator
 from torch.utils.checkpoint import checkpoint
 from torch.utils.data import DataLoader
 
@@ -245,3 +247,60 @@ def test_compiled_flex_is_counted_once_forward_and_backward_on_cuda() -> None:
     assert count.by_operator == {"flex_attention": price.forward,
                                  "flex_attention_backward": price.backward}  # fmt: skip
     assert count.model == price.forward + price.backward - price.rescored
+
+
+class _BackwardOperator(HigherOrderOperator):
+    """A higher-order operator run in a backward, as eager FlexAttention's backward is (a
+    swap's parity check runs the kernel eagerly, under torch.compile's ``force_eager``)."""
+
+    def __init__(self) -> None:
+        super().__init__("stand_in_attention_backward")
+        self.fallthrough(DispatchKey.AutogradCPU)  # it runs inside a backward already
+
+    def __call__(self, x: Tensor, grad: Tensor) -> Tensor:
+        return super().__call__(x, grad)
+
+
+_BACKWARD = _BackwardOperator()
+
+
+@_BACKWARD.py_impl(DispatchKey.CompositeExplicitAutograd)
+def _backward_kernel(x: Tensor, grad: Tensor) -> Tensor:
+    return grad * (1 - x.tanh() ** 2)
+
+
+class _EagerKernel(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: Tensor) -> Tensor:
+        ctx.save_for_backward(x)
+        return x.tanh()
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> Tensor:
+        (x,) = ctx.saved_tensors
+        return _BACKWARD(x, grad)
+
+
+def test_a_higher_order_backward_runs_under_the_count_priced_once() -> None:
+    # Before: NotImplementedError ("no rule registered for HigherOrderOperator ... and
+    # mode _Counter"), which reverted every module AttentionSwap put on FlexAttention when
+    # its check ran inside SpeedMonitor's FLOP count (an H200, 2026-11-29).
+    price = KernelFlops("stand_in_attention", forward=100, backward=300, rescored=40)
+    x = torch.randn(4, 8, requires_grad=True)
+    count = count_flops(lambda: run_unseen(lambda: _EagerKernel.apply(x), lambda: price)
+                        .sum().backward())  # fmt: skip
+    assert count.by_operator == {"stand_in_attention": 100, "stand_in_attention_backward": 300}
+    assert count.unpriced == {}
+    assert torch.allclose(x.grad, 1 - x.detach().tanh() ** 2)
+
+
+def test_a_higher_order_operator_in_torchs_table_is_priced_by_it() -> None:
+    from torch.utils.flop_counter import flop_registry, register_flop_formula
+
+    register_flop_formula(_BACKWARD, get_raw=True)(lambda x, grad, out_val=None: 7 * x.numel())
+    try:
+        x = torch.randn(4, 8, requires_grad=True)
+        count = count_flops(lambda: _EagerKernel.apply(x).sum().backward())  # not prepaid
+    finally:
+        del flop_registry[_BACKWARD]
+    assert count.by_operator == {"stand_in_attention_backward": 7 * 32}
