@@ -238,6 +238,11 @@ class Attend:
         if self.backend == "flex":
             if not cuda and needs_grad:
                 return "FlexAttention has no backward on CPU"
+            if cuda and q.shape[-1] < _FLEX_SMALLEST_HEAD:  # compiled: Inductor refuses
+                return (
+                    f"compiled FlexAttention needs a head dimension of at least "
+                    f"{_FLEX_SMALLEST_HEAD}, this one has {q.shape[-1]}"
+                )
             if attn_mask is not None:
                 return "FlexAttention takes a block mask, not a dense attn_mask"
         return None
@@ -365,6 +370,9 @@ def _additive(mask: Tensor, dtype: torch.dtype) -> Tensor:
 
 
 _COMPILED_FLEX: Callable[..., Tensor] | None = None
+#: The smallest head dimension compiled FlexAttention takes (torch 2.11's Inductor: "NYI:
+#: embedding dimension of the query, key, and value must be at least 16").
+_FLEX_SMALLEST_HEAD = 16
 
 
 def _flex_function(device: torch.device) -> Callable[..., Tensor]:

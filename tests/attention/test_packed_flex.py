@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -121,10 +122,23 @@ def test_a_model_swapped_to_flex_keeps_packed_documents_apart(
     assert (packed.flatten(0, 1)[real] - alone).abs().max().item() <= 1e-5
 
 
+def test_flex_on_cuda_refuses_heads_under_16_wide_for_sdpa() -> None:
+    # Before: Inductor's LoweringException ("embedding dimension ... must be at least 16")
+    # crashed the step on an H200 (2026-11-29); the device is named, no CUDA needed here.
+    def on_cuda(head_dim: int) -> Any:
+        return SimpleNamespace(device=torch.device("cuda"), shape=(3, 4, 12, head_dim))
+
+    attend = Attend("flex")
+    assert attend._cannot_run(on_cuda(8), None, True) == (
+        "compiled FlexAttention needs a head dimension of at least 16, this one has 8"
+    )
+    assert attend._cannot_run(on_cuda(16), None, True) is None
+
+
 @pytest.mark.gpu
 def test_compiled_flex_trains_packed_as_one_by_one_on_cuda() -> None:
     torch.manual_seed(0)
-    model = NanoGPT().cuda()
+    model = NanoGPT(dim=64).cuda()  # 4 heads of 16: compiled FlexAttention's narrowest
     report = swap_attention(model, "flex")
     samples = _samples()
     packed_rows = PackingCollate(max_tokens=12)(samples)
@@ -151,3 +165,18 @@ def test_compiled_flex_trains_packed_as_one_by_one_on_cuda() -> None:
     assert (packed - alone).abs().max().item() <= 1e-4
     assert packed_grads.keys() == reference.keys()
     assert max((packed_grads[n] - g).abs().max().item() for n, g in reference.items()) <= 1e-4
+
+
+@pytest.mark.gpu
+def test_flex_on_cuda_with_heads_8_wide_trains_packed_on_sdpa() -> None:
+    torch.manual_seed(0)
+    model = NanoGPT().cuda()  # 4 heads of 8
+    batch = {k: v.cuda() if isinstance(v, Tensor) else v
+             for k, v in PackingCollate(max_tokens=12)(_samples()).items()}  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:  # said once: at the swap's check
+        warnings.simplefilter("always")
+        swap_attention(model, "flex")
+        with packed_documents(batch):
+            model(batch["input_ids"], batch["position_ids"]).sum().backward()
+    assert any("at least 16" in str(w.message) for w in caught)
+    assert all(p.grad is not None for p in model.parameters())
