@@ -27,6 +27,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor, nn
 
 from lightning_speedkit import _surgery
+from lightning_speedkit.attention._piece_kernels import without_cudnn
 from lightning_speedkit.data._packed_fields import (
     HF_NAMES,
     ROW_FIELDS,
@@ -308,7 +309,8 @@ def per_document(
     pieces: dict[tuple[int, int], Tensor] = {}
     _CUTTING[0] += 1  # the pieces' SDPA calls are not cut again by an enclosing mode
     try:
-        _cut(run, documents, q, k, v, mask, pieces, kwargs)
+        with without_cudnn(q.device):  # a piece's new shape: no cuDNN plan built for it
+            _cut(run, documents, q, k, v, mask, pieces, kwargs)
     finally:
         _CUTTING[0] -= 1
     return torch.stack(
@@ -451,7 +453,8 @@ def per_document_rows(
     pieces: dict[tuple[int, int], Tensor] = {}
     for members in groups(documents):
         stacked = torch.stack([cut[(r, s)] for r, s, _ in members])
-        out, _ = run(stacked if batch_first else stacked.transpose(0, 1), *masks(members))
+        with without_cudnn(x.device):
+            out, _ = run(stacked if batch_first else stacked.transpose(0, 1), *masks(members))
         out = out if batch_first else out.transpose(0, 1)
         for (r, s, _), piece in zip(members, out.unbind(0), strict=True):
             pieces[(r, s)] = piece
