@@ -727,11 +727,15 @@ def test_memory_limit_on_cuda_is_within_the_device() -> None:
     limit = memory_limit("cuda", memory_headroom=0.1, reserve_bytes=2**20)
     assert limit is not None
     assert 0 < limit < total
-    model = nn.Linear(256, 256).cuda()
-    data = TensorDataset(torch.randn(512, 256))
-    loader = DataLoader(data, batch_size=8)
+    # Activations of 12, 100 and 400 MB: a first CUDA step's own allocations (the math
+    # libraries' workspaces, about 20 MB on an H200) must not decide the order. With
+    # nn.Linear(256, 256) at 8, 64 and 512 rows (KBs of activations) they did: the
+    # smallest size read the largest peak there (2026-11-29).
+    model = nn.Sequential(nn.Linear(1024, 4096), nn.GELU(), nn.Linear(4096, 1024)).cuda()
+    data = TensorDataset(torch.randn(8192, 1024))
+    loader = DataLoader(data, batch_size=256)
     result = tune_micro_batch(model, loader, lambda b: model(b[0]).square().mean(),
-                              candidates=[8, 64, 512])  # fmt: skip
+                              candidates=[256, 2048, 8192])  # fmt: skip
     peaks = [row["peak_bytes"] for row in result.table]
     assert all(p is not None for p in peaks)
     assert peaks == sorted(peaks)
