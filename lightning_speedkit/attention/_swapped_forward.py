@@ -34,7 +34,7 @@ from lightning_speedkit._surgery import (
     restore_forward,
     side_run,
 )
-from lightning_speedkit.attention import _auto_timing, _documents
+from lightning_speedkit.attention import _auto_timing, _documents, backends
 from lightning_speedkit.attention._auto_timing import own_is_faster, pick_fastest
 from lightning_speedkit.attention._input_copies import caller, copy_inputs
 from lightning_speedkit.attention._own_calls import warn_own_attention
@@ -123,15 +123,20 @@ class _SwappedForward:
     # ------------------------------------------------------------------ checks
 
     def check_synthetic(self) -> None:
-        """Check on the adapter's own small input (no timing): catches look-alikes early;
-        a failure stays pending for the first real call where the example does not decide
-        (:attr:`AttentionAdapter.example_decides`: Hugging Face models)."""
+        """Check on the adapter's own small input, untimed: catches look-alikes early; a failure
+        waits for the first real call where the example does not decide (`example_decides`)."""
         if self.adapter.example_inputs is None:
             return
         example = self.adapter.example_inputs(self.module)
         if example is None:
             return
-        with eval_mode(self.module), torch.enable_grad(), _documents.suspended(), force_eager():
+        with (
+            eval_mode(self.module),
+            torch.enable_grad(),
+            _documents.suspended(),
+            force_eager(),
+            backends.provisional_fallbacks(),
+        ):  # where it is now, not where it trains
             self._check(example[0], example[1], grad=True, time_it=False, label="synthetic")
 
     def _check_call(self, args: tuple[Any, ...], kwargs: dict[str, Any], grad: bool) -> Any:

@@ -59,6 +59,21 @@ _NO_KERNEL = ("No viable backend", "No available kernel")
 
 #: (backend, device type, dtype, reason) already reported, so each is said once.
 _WARNED: set[tuple[str, str, str]] = set()
+#: Above 0 while a fallback is provisional: neither said nor remembered (see below).
+_PROVISIONAL = [0]
+
+
+@contextlib.contextmanager
+def provisional_fallbacks() -> Iterator[None]:
+    """A backend that cannot run inside falls back to ``sdpa`` without a word and without
+    remembering it: for the swap's check on its own small input, which runs where the
+    module is at swap time (a Lightning fit swaps before it moves the model to the GPU),
+    not where it will train. The first real call says it, where it applies."""
+    _PROVISIONAL[0] += 1
+    try:
+        yield
+    finally:
+        _PROVISIONAL[0] -= 1
 
 
 def check_backend(backend: str, *, allow_auto: bool = True) -> None:
@@ -169,9 +184,10 @@ class Attend:
                     if not any(m in str(error) for m in _NO_KERNEL):
                         raise
                     reason = "PyTorch has no such kernel for these inputs"
-            if attn_mask is None:  # a mask-specific refusal is not remembered
-                self._unavailable[key] = reason
-            _warn_fallback(self.backend, q.device.type, reason)
+            if not _PROVISIONAL[0]:
+                if attn_mask is None:  # a mask-specific refusal is not remembered
+                    self._unavailable[key] = reason
+                _warn_fallback(self.backend, q.device.type, reason)
         return _sdpa(q, k, v, attn_mask, is_causal, scale, dropout_p)
 
     def describe(self, device: torch.device) -> str:

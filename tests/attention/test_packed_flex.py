@@ -180,3 +180,24 @@ def test_flex_on_cuda_with_heads_8_wide_trains_packed_on_sdpa() -> None:
             model(batch["input_ids"], batch["position_ids"]).sum().backward()
     assert any("at least 16" in str(w.message) for w in caught)
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_the_swaps_own_check_says_no_fallback_the_first_real_call_does() -> None:
+    # On an H200 a fit swapped to flex said "'flex' cannot run here (cpu: FlexAttention has
+    # no backward on CPU)": the swap's check on its own input ran before Lightning moved
+    # the model to the GPU, and remembered the CPU's refusal for the module.
+    backends._WARNED.clear()
+    model = NanoGPT()
+    with warnings.catch_warnings(record=True) as at_swap:
+        warnings.simplefilter("always")
+        swap_attention(model, "flex")
+    assert not [w for w in at_swap if "cannot run here" in str(w.message)]
+    ids = torch.zeros(1, 12, dtype=torch.long)
+    with warnings.catch_warnings(record=True) as in_training:
+        warnings.simplefilter("always")
+        model(ids, torch.arange(12)[None]).sum().backward()
+    said = [str(w.message) for w in in_training if "cannot run here" in str(w.message)]
+    assert said == [
+        "Attention backend 'flex' cannot run here (cpu: FlexAttention has no backward on "
+        "CPU); running 'sdpa' instead."
+    ]
