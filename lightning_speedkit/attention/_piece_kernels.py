@@ -5,9 +5,10 @@ then cached by shape). Whole rows repeat their shape from step to step; the piec
 per-document attention do not: documents of a long-tailed corpus are each of a new
 length. On an H200 (2026-11-29, torch 2.11, bf16) training a nanoGPT-style decoder
 packed, per document on SDPA as PyTorch picks it, ran 5,268 tokens/s where the same
-model padded ran 207,928: about a plan built per document. The pieces therefore run on
-the kernels PyTorch allows now, less cuDNN's (flash and memory-efficient attention have
-no per-shape plan). Where cuDNN is the only kernel allowed, it is left as it is.
+model padded ran 207,928: most likely a plan built per document (not profiled). The
+pieces therefore run on the kernels PyTorch allows now, less cuDNN's (flash and
+memory-efficient attention have no per-shape plan). Where cuDNN is the only kernel
+allowed, it is left as it is.
 """
 
 from __future__ import annotations
