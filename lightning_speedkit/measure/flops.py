@@ -262,10 +262,9 @@ class _CountBackward(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None, None]:
         cost = ctx.cost
-        for counter in ctx.counters:
-            if counter in _ACTIVE:  # the kernel's own backward, if it reaches the count next
-                counter.prepaid[f"{cost.operator}_backward"] += 1
-            if counter in _ACTIVE and not _PAUSED:
+        for counter in (c for c in ctx.counters if c in _ACTIVE):
+            counter.prepaid[f"{cost.operator}_backward"] += 1  # its kernel, if it comes next
+            if not _PAUSED:
                 counter.add(f"{cost.operator}_backward", cost.backward, cost.rescored)
         return grad, None, None
 

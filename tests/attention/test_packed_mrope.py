@@ -16,13 +16,13 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from lightning_speedkit import packed_documents, swap_attention
 from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._multimodal_positions import multimodal_rope
 from lightning_speedkit.data import PackingCollate
+from tests.attention.test_packed_llava import _token_losses
 from tests.helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse)
 
 transformers = pytest.importorskip("transformers")
@@ -59,12 +59,6 @@ def _samples() -> list[dict[str, Tensor]]:
                         "image_grid_thw": torch.tensor([1, 4, 4]),
                         "mm_token_type_ids": (ids == IMAGE).long()})  # fmt: skip
     return samples
-
-
-def _token_losses(logits: Tensor, labels: Tensor) -> Tensor:
-    shifted = labels[..., 1:].flatten()
-    losses = F.cross_entropy(logits[..., :-1, :].flatten(0, -2), shifted, reduction="none")
-    return losses[shifted != -100]
 
 
 def _alone(model: Any, samples: list[dict[str, Tensor]]) -> Tensor:

@@ -40,21 +40,28 @@ def test_cudnn_alone_or_another_device_is_left_as_it_is() -> None:
 
 
 def test_each_piece_runs_with_cudnn_left_out_on_cuda(monkeypatch: Any) -> None:
-    seen: list[torch.device] = []
+    # The tensors are on the CPU: the context is given CUDA's device, so that what the
+    # pieces run under is what a CUDA device gets.
     real = _documents.without_cudnn
-
-    def recording(device: torch.device) -> Any:
-        seen.append(device)
-        return real(device)
-
-    monkeypatch.setattr(_documents, "without_cudnn", recording)
+    monkeypatch.setattr(_documents, "without_cudnn", lambda d: real(torch.device("cuda")))
     batch = PackingCollate(max_tokens=8)(
         [{"input_ids": torch.zeros(n, dtype=torch.long)} for n in (5, 3, 6)]
     )
     q = torch.randn(2, 2, 8, 4)
+    cudnn_in_pieces: list[bool] = []
+
+    def run(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        cudnn_in_pieces.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return x
+
     with packed_documents(batch) as documents:
-        out = _documents.per_document(
-            lambda q, k, v, attn_mask=None, **kw: q, documents, q, q, q, is_causal=True
-        )
-    assert seen == [q.device]
+        out = _documents.per_document(run, documents, q, q, q, is_causal=True)
+        rows = torch.randn(2, 8, 4)
+        mha, _ = _documents.per_document_rows(
+            lambda x, *masks: (run(x), None), documents, rows, lambda group: (None, None),
+            batch_first=True,
+        )  # fmt: skip
+    assert cudnn_in_pieces == [False] * 8  # spans of 5, 3, 6 and 2 (padding), in each call
+    assert torch.backends.cuda.cudnn_sdp_enabled()  # as it was after
     assert torch.equal(out, q)
+    assert torch.equal(mha, rows)
