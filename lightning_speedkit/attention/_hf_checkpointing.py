@@ -117,15 +117,10 @@ def _checkpoint_functions(
             layer.__dict__["_gradient_checkpointing_func"] = checkpoint
 
 
-class _Unchecked:
+def _unchecked(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """A layer's checkpoint function while a call is traced as it runs: the block runs as
     it is, nothing recomputed (see the module docstring)."""
-
-    def __init__(self, checkpoint: Callable[..., Any]) -> None:
-        self.checkpoint = checkpoint
-
-    def __call__(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-        return function(*args, **kwargs)
+    return function(*args, **kwargs)
 
 
 def checkpoints_itself(model: nn.Module) -> bool:
@@ -146,9 +141,9 @@ def checkpoints_paused(model: nn.Module) -> Iterator[None]:
         (layer, checkpoint)
         for layer in _checkpointing_layers(model)
         if (checkpoint := layer.__dict__.get("_gradient_checkpointing_func")) is not None
-        and not isinstance(checkpoint, _Unchecked)
+        and checkpoint is not _unchecked
     ]
-    with _checkpoint_functions(layers, _Unchecked):
+    with _checkpoint_functions(layers, lambda _: _unchecked):
         yield
 
 

@@ -28,6 +28,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, default_collate
 
 from lightning_speedkit import _compat, _validation
+from lightning_speedkit._digest import feed
 from lightning_speedkit._random import random_state_kept
 from lightning_speedkit._surgery import in_side_run
 from lightning_speedkit.compute._frozen_layout import FieldLayout, layout
@@ -411,7 +412,7 @@ def dataset_fingerprint(dataset: Any, probes: int = 3, drawn: set[Hashable] | No
                 digest.update(f"unreadable {index}: {type(error).__name__}".encode())
                 continue
             agreed = _agreed(first, second)
-            _feed(digest, agreed)
+            feed(digest, agreed)
             if drawn is not None:
                 drawn.update(_drawn_fields(agreed))
     return digest.hexdigest()
@@ -471,26 +472,3 @@ def _agreed(first: Any, second: Any) -> Any:
         return first if bool(first == second) else _Drawn()
     except Exception:  # no equality that says yes or no: known by its type
         return first
-
-
-def _feed(digest: Any, value: Any) -> None:
-    """Feed ``value``'s content to ``digest``: tensors and arrays by bytes, containers by
-    their items, anything else by its type and (for plain values) its repr."""
-    if isinstance(value, torch.Tensor):
-        digest.update(f"T{value.dtype}{tuple(value.shape)}".encode())
-        digest.update(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
-    elif isinstance(value, Mapping):
-        for key in sorted(value, key=repr):
-            digest.update(repr(key).encode())
-            _feed(digest, value[key])
-    elif isinstance(value, (list, tuple)):
-        digest.update(f"L{len(value)}".encode())
-        for item in value:
-            _feed(digest, item)
-    elif isinstance(value, (str, bytes, int, float, bool, type(None))):
-        digest.update(repr(value).encode())
-    elif callable(getattr(value, "tobytes", None)):  # numpy arrays, PIL images
-        digest.update(f"{type(value).__name__}{getattr(value, 'shape', '')}".encode())
-        digest.update(value.tobytes())
-    else:
-        digest.update(type(value).__qualname__.encode())

@@ -153,7 +153,7 @@ class _Describer:
 
     def _parts(self, value: Any, depth: int) -> Any:
         if isinstance(value, types.FunctionType):
-            cells = [_cell(cell) for cell in value.__closure__ or ()]
+            cells = [cell_value(cell) for cell in value.__closure__ or ()]
             return ["function", value.__module__, value.__qualname__, _code(value.__code__),
                     self(value.__defaults__, depth), self(value.__kwdefaults__, depth),
                     self(cells, depth)]  # fmt: skip
@@ -231,7 +231,8 @@ def _code(code: types.CodeType) -> str:
     return _digest(code.co_code + repr((code.co_names, consts)).encode())
 
 
-def _cell(cell: Any) -> Any:
+def cell_value(cell: Any) -> Any:
+    """A closure cell's value (None for an empty cell)."""
     try:
         return cell.cell_contents
     except ValueError:  # an empty cell

@@ -72,7 +72,9 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from lightning_speedkit import _compat, _validation
+from lightning_speedkit._digest import feed
 from lightning_speedkit.data._candidate_timing import describe_failure
+from lightning_speedkit.data._result_cache import cell_value
 
 __all__ = ["SAMPLES", "held_source", "kept_positions", "says_split", "why_not_split"]
 
@@ -211,31 +213,8 @@ def sample_key(sample: Any) -> bytes:
         False
     """
     digest = hashlib.blake2b(digest_size=16)
-    _feed(digest, sample)
+    feed(digest, sample, other=pickle.dumps)  # a PIL image, the user's object: by content
     return digest.digest()
-
-
-def _feed(digest: Any, value: Any) -> None:
-    if isinstance(value, torch.Tensor):
-        flat = value.detach().cpu().contiguous().reshape(-1)
-        digest.update(f"tensor {value.dtype} {tuple(value.shape)}".encode())
-        digest.update(flat.view(torch.uint8).numpy().tobytes())
-    elif type(value).__module__ == "numpy" and hasattr(value, "tobytes"):
-        digest.update(f"array {value.dtype} {getattr(value, 'shape', ())}".encode())
-        digest.update(value.tobytes())
-    elif isinstance(value, Mapping):
-        digest.update(f"mapping {len(value)}".encode())
-        for key, item in value.items():
-            _feed(digest, key)
-            _feed(digest, item)
-    elif isinstance(value, (list, tuple)):
-        digest.update(f"{type(value).__name__} {len(value)}".encode())
-        for item in value:
-            _feed(digest, item)
-    elif isinstance(value, (str, bytes, int, float, bool, type(None))):
-        digest.update(f"{type(value).__name__} {value!r}".encode())
-    else:  # a PIL image, an object of the user's: as it came from the worker
-        digest.update(pickle.dumps(value))
 
 
 _QUEUES = (queue.Queue, queue.SimpleQueue, multiprocessing.queues.Queue,
@@ -363,7 +342,7 @@ def _parts(value: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[
         cells = value.__closure__ or ()
         names = value.__code__.co_freevars
         children = [
-            (f"{path}.<{name}>", _cell(cell)) for name, cell in zip(names, cells, strict=True)
+            (f"{path}.<{name}>", cell_value(cell)) for name, cell in zip(names, cells, strict=True)
         ]
     elif isinstance(getattr(value, "__dict__", None), dict) and not isinstance(value, _LEAVES):
         prefix = f"{path}." if path else ""
@@ -375,10 +354,3 @@ def _parts(value: Any, path: str, depth: int, seen: set[int]) -> Iterator[tuple[
         yield child_path, child
         if _source_kind(child) is None:
             yield from _parts(child, child_path, depth - 1, seen)
-
-
-def _cell(cell: Any) -> Any:
-    try:
-        return cell.cell_contents
-    except ValueError:  # an empty cell
-        return None
