@@ -61,6 +61,11 @@ def _packed_losses(model: Any, batch: dict[str, Any]) -> Tensor:
     """The packed rows' per-token losses, in document order (each document's own shift)."""
     logits = model(input_ids=batch["input_ids"], pixel_values=batch["pixel_values"],
                    position_ids=batch["position_ids"]).logits  # fmt: skip
+    return document_losses(logits, batch)
+
+
+def document_losses(logits: Tensor, batch: dict[str, Any]) -> Tensor:
+    """Packed rows' logits as per-token losses, in document order (each document's shift)."""
     ids, losses = batch["document_ids"], {}
     for row in range(ids.shape[0]):
         for document in ids[row].unique().tolist():

@@ -22,7 +22,7 @@ from lightning_speedkit import packed_documents, swap_attention
 from lightning_speedkit.attention import _documents
 from lightning_speedkit.attention._multimodal_positions import multimodal_rope
 from lightning_speedkit.data import PackingCollate
-from tests.attention.test_packed_llava import _token_losses
+from tests.attention.test_packed_llava import _token_losses, document_losses
 from tests.helpers.one_thread import one_intra_op_thread  # noqa: F401 (autouse)
 
 transformers = pytest.importorskip("transformers")
@@ -80,13 +80,7 @@ def _packed(model: Any, batch: dict[str, Any], positions: bool) -> Tensor:
         call["position_ids"] = batch["position_ids"]
     with packed_documents(batch):
         logits = model(**call).logits
-    ids, losses = batch["document_ids"], {}
-    for row in range(ids.shape[0]):
-        for document in ids[row].unique().tolist():
-            if document >= 0:
-                where = ids[row] == document
-                losses[document] = _token_losses(logits[row, where], batch["labels"][row, where])
-    return torch.cat([losses[d] for d in sorted(losses)])
+    return document_losses(logits, batch)
 
 
 def _said(caught: list[warnings.WarningMessage]) -> list[str]:
